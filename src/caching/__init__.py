@@ -1,0 +1,18 @@
+"""One cache API for every rolldiff model: layer kinds plus the `RollingKVCache` container."""
+
+from .base import CacheLayer
+from .container import RollingKVCache
+from .cross_attention import CrossAttentionLayer
+from .linear_attention import LinearAttentionLayer, chunk_state
+from .sliding_window import SlidingWindowLayer
+from .static import StaticLayer
+
+__all__ = [
+    "CacheLayer",
+    "CrossAttentionLayer",
+    "LinearAttentionLayer",
+    "RollingKVCache",
+    "SlidingWindowLayer",
+    "StaticLayer",
+    "chunk_state",
+]

@@ -1,0 +1,278 @@
+"""Convert original-format Wan 2.1 causal checkpoints to diffusers' `WanTransformer3DModel` layout.
+
+Self-Forcing, CausVid, LongLive and Krea Realtime all train the original Wan 2.1 `WanModel` code (keys such as
+`blocks.0.self_attn.q.weight`, `head.modulation`) inside a `WanDiffusionWrapper` that holds it as `self.model`, so
+their weights arrive with wrappers around them:
+
+- Self-Forcing / LongLive `.pt`: `{"generator": {...}, "generator_ema": {...}, ...}` (some forks use `{"model": ...}`);
+  each inner key starts with `model.` and EMA copies saved under FSDP carry `_fsdp_wrapped_module.` segments.
+- Krea Realtime `.safetensors`: a flat dict whose keys start with `model.`.
+- `torch.compile` adds `_orig_mod.`, activation checkpointing `_checkpoint_wrapped_module.`, DDP `module.`,
+  ComfyUI-style single files `model.diffusion_model.`.
+
+`convert_original_wan_state_dict` strips all of these, renames every key through one explicit table and refuses
+anything it cannot map. The renames match diffusers' `convert_wan_transformer_to_diffusers` (the test oracle) for
+text-to-video checkpoints; image-to-video keys (`img_emb`, `k_img`) are rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import pickle
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["convert_original_wan_state_dict", "infer_wan_config", "load_original_wan_checkpoint"]
+
+# Module paths outside the blocks: original name -> diffusers name. Each has `.weight` and `.bias`.
+_TOP_LEVEL_MODULES = {
+    "patch_embedding": "patch_embedding",
+    "text_embedding.0": "condition_embedder.text_embedder.linear_1",
+    "text_embedding.2": "condition_embedder.text_embedder.linear_2",
+    "time_embedding.0": "condition_embedder.time_embedder.linear_1",
+    "time_embedding.2": "condition_embedder.time_embedder.linear_2",
+    "time_projection.1": "condition_embedder.time_proj",
+    "head.head": "proj_out",
+}
+# Bare parameters outside the blocks (no `.weight` suffix).
+_TOP_LEVEL_PARAMETERS = {"head.modulation": "scale_shift_table"}
+
+# Module paths inside `blocks.{i}.`: original name -> diffusers name.
+_BLOCK_MODULES = {
+    "self_attn.q": "attn1.to_q",
+    "self_attn.k": "attn1.to_k",
+    "self_attn.v": "attn1.to_v",
+    "self_attn.o": "attn1.to_out.0",
+    "self_attn.norm_q": "attn1.norm_q",
+    "self_attn.norm_k": "attn1.norm_k",
+    "cross_attn.q": "attn2.to_q",
+    "cross_attn.k": "attn2.to_k",
+    "cross_attn.v": "attn2.to_v",
+    "cross_attn.o": "attn2.to_out.0",
+    "cross_attn.norm_q": "attn2.norm_q",
+    "cross_attn.norm_k": "attn2.norm_k",
+    # The original calls the affine pre-cross-attention norm `norm3` and the (affine-free) pre-FFN norm `norm2`;
+    # diffusers numbers them in block order, so the only norm with weights is `norm2` there.
+    "norm3": "norm2",
+    "ffn.0": "ffn.net.0.proj",
+    "ffn.2": "ffn.net.2",
+}
+_BLOCK_PARAMETERS = {"modulation": "scale_shift_table"}
+
+_TENSOR_SUFFIXES = ("weight", "bias")
+_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.(.+)$")
+
+# First path component of every original Wan key; anything in front of it is a wrapper prefix.
+_WAN_ROOTS = ("blocks", "patch_embedding", "text_embedding", "time_embedding", "time_projection", "head")
+# Leading prefixes added by training wrappers, stripped repeatedly (`module.model.blocks...` under DDP).
+_LEADING_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.", "module.")
+# Path segments inserted anywhere in a key by FSDP, activation checkpointing and torch.compile.
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+# Top-level dictionaries a training checkpoint may hold the generator's weights under. `model` and `state_dict`
+# are what some forks and generic trainers use when there is no EMA copy.
+_GENERATOR_WRAPPERS = ("generator_ema", "generator", "model", "state_dict")
+# Keys that prove a dict is a Wan transformer (the same pair diffusers uses to detect the format).
+_REQUIRED_ORIGINAL_KEYS = ("patch_embedding.weight", "head.modulation")
+
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+_SAFETENSORS_SUFFIXES = (".safetensors",)
+_NUM_KEYS_IN_ERRORS = 5
+
+
+def _rename_key(key: str) -> str | None:
+    """Return the diffusers name of one original Wan key (wrappers already stripped), or None if it has none."""
+    match = _BLOCK_KEY.match(key)
+    if match is not None:
+        block_index, rest = match.groups()
+        prefix, modules, parameters = f"blocks.{block_index}.", _BLOCK_MODULES, _BLOCK_PARAMETERS
+    else:
+        rest, prefix, modules, parameters = key, "", _TOP_LEVEL_MODULES, _TOP_LEVEL_PARAMETERS
+
+    if rest in parameters:
+        return prefix + parameters[rest]
+    module, _, suffix = rest.rpartition(".")
+    if suffix in _TENSOR_SUFFIXES and module in modules:
+        return f"{prefix}{modules[module]}.{suffix}"
+    return None
+
+
+def _strip_wrappers(key: str) -> str:
+    """Remove FSDP / compile / checkpointing segments and leading wrapper prefixes from one key."""
+    for segment in _WRAPPER_SEGMENTS:
+        key = key.replace(segment, "")
+    while not key.startswith(_WAN_ROOTS):
+        for prefix in _LEADING_PREFIXES:
+            if key.startswith(prefix):
+                key = key[len(prefix) :]
+                break
+        else:
+            break
+    return key
+
+
+def _preview(keys) -> str:
+    keys = list(keys)
+    shown = ", ".join(repr(key) for key in keys[:_NUM_KEYS_IN_ERRORS])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > _NUM_KEYS_IN_ERRORS else "")
+
+
+def _select_generator(checkpoint: Mapping, use_ema: bool) -> Mapping:
+    """Pick the generator's weights out of a training checkpoint; a flat state dict is returned as is."""
+    wrappers = [name for name in _GENERATOR_WRAPPERS if isinstance(checkpoint.get(name), Mapping)]
+    if not wrappers:
+        if isinstance(checkpoint.get("generator_lora"), Mapping):
+            raise ValueError(
+                "This checkpoint holds only LoRA adapter weights ('generator_lora', e.g. LongLive's lora.pt), not a "
+                "Wan transformer. Convert the base checkpoint (e.g. longlive_base.pt) and merge the adapter into it."
+            )
+        return checkpoint
+    if not use_ema:
+        if "generator_ema" in wrappers and "generator" not in wrappers:
+            raise ValueError(
+                "use_ema=False asks for the 'generator' weights, but this checkpoint only holds 'generator_ema'; "
+                "pass use_ema=True to convert the EMA weights."
+            )
+        wrappers = [name for name in wrappers if name != "generator_ema"]
+    elif wrappers[0] == "generator":
+        logger.info("Checkpoint has no 'generator_ema' weights; converting 'generator' instead.")
+    return checkpoint[wrappers[0]]
+
+
+def convert_original_wan_state_dict(state_dict: Mapping[str, Tensor], use_ema: bool = True) -> dict[str, Tensor]:
+    """Convert an original-format Wan 2.1 transformer state dict to diffusers' `WanTransformer3DModel` layout.
+
+    Args:
+        state_dict: Either a flat state dict (`blocks.0.self_attn.q.weight`, optionally behind `model.`,
+            `_fsdp_wrapped_module.`, `_orig_mod.`, `module.` or `model.diffusion_model.`), or a training checkpoint
+            holding one under `generator_ema` / `generator` (Self-Forcing, LongLive), `model` or `state_dict`
+            (other top-level entries, such as a critic or optimizer state, are ignored).
+        use_ema: Take `generator_ema` when the checkpoint has both; falls back to `generator` when it has no EMA
+            copy. With False, `generator` is required.
+
+    Returns:
+        A new dict with diffusers key names and the same tensor objects (nothing is copied); the input is left
+        untouched. Load it with `WanTransformer3DModel(**infer_wan_config(converted)).load_state_dict(converted)`.
+
+    Raises:
+        ValueError: if the input is not a Wan text-to-video transformer state dict, holds LoRA adapter weights, or
+            has keys that do not map onto the diffusers layout (the message names a few of them).
+    """
+    if not isinstance(state_dict, Mapping):
+        raise ValueError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}.")
+    weights = _select_generator(state_dict, use_ema)
+
+    non_tensors = [key for key, value in weights.items() if not isinstance(value, Tensor)]
+    if non_tensors:
+        raise ValueError(f"Not a Wan state dict: these entries are not tensors: {_preview(non_tensors)}.")
+    lora_keys = [key for key in weights if "lora_A" in key or "lora_B" in key or ".base_layer." in key]
+    if lora_keys:
+        raise ValueError(
+            f"The state dict holds LoRA adapter weights ({_preview(lora_keys)}); merge the adapter into the base "
+            "weights before converting."
+        )
+
+    stripped: dict[str, Tensor] = {}
+    for key, tensor in weights.items():
+        name = _strip_wrappers(key)
+        if name in stripped:
+            raise ValueError(f"Two keys map to {name!r} after removing wrapper prefixes (one of them is {key!r}).")
+        stripped[name] = tensor
+
+    missing = [key for key in _REQUIRED_ORIGINAL_KEYS if key not in stripped]
+    if missing:
+        raise ValueError(
+            f"Not an original-format Wan 2.1 transformer state dict: missing {missing}; its keys start with "
+            f"{_preview(weights)}."
+        )
+
+    converted: dict[str, Tensor] = {}
+    unexpected: list[str] = []
+    for name, tensor in stripped.items():
+        new_name = _rename_key(name)
+        if new_name is None:
+            unexpected.append(name)
+        else:
+            converted[new_name] = tensor
+    if unexpected:
+        raise ValueError(
+            f"Cannot map {len(unexpected)} key(s) of the Wan state dict onto WanTransformer3DModel: "
+            f"{_preview(unexpected)}. Only text-to-video Wan 2.1 transformer weights are supported."
+        )
+    return converted
+
+
+def load_original_wan_checkpoint(path: str | os.PathLike, use_ema: bool = True) -> dict[str, Tensor]:
+    """Load an original-format Wan 2.1 checkpoint from disk and convert it to the diffusers layout.
+
+    `.safetensors` files are read with safetensors; `.pt` / `.pth` / `.bin` files with
+    `torch.load(weights_only=True, mmap=True)`, which only rebuilds tensors and plain containers and never runs
+    code stored in the pickle. See `convert_original_wan_state_dict` for `use_ema` and the accepted layouts.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix in _SAFETENSORS_SUFFIXES:
+        from safetensors.torch import load_file
+
+        checkpoint = load_file(str(path), device="cpu")
+    elif suffix in _TORCH_SUFFIXES:
+        try:
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except pickle.UnpicklingError as error:
+            raise ValueError(
+                f"Refusing to load {str(path)!r}: it pickles Python objects other than tensors and plain containers "
+                "(for example an optimizer, an OmegaConf config or a custom class), and unpickling those can run "
+                "arbitrary code, so only weights_only loading is allowed. If you trust the file, re-save just the "
+                "generator's state dict (torch.save or safetensors) and convert that."
+            ) from error
+    else:
+        raise ValueError(
+            f"Unsupported checkpoint suffix {path.suffix!r} for {str(path)!r}; "
+            f"expected one of {list(_SAFETENSORS_SUFFIXES + _TORCH_SUFFIXES)}."
+        )
+    if not isinstance(checkpoint, Mapping):
+        raise ValueError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a state dict.")
+    return convert_original_wan_state_dict(checkpoint, use_ema=use_ema)
+
+
+def infer_wan_config(state_dict: Mapping[str, Tensor], attention_head_dim: int = 128) -> dict:
+    """Derive `WanTransformer3DModel` init arguments from the tensor shapes of a Wan 2.1 state dict.
+
+    Accepts the diffusers layout (or an original-format dict, which is converted first). The head count cannot be
+    read from the weights (q/k/v are `(dim, dim)`), so it is `dim // attention_head_dim`; every released Wan 2.1
+    model uses 128. Settings that leave no trace in the weights (`eps`, `rope_max_seq_len`) keep diffusers' defaults.
+    """
+    if "scale_shift_table" not in state_dict:
+        state_dict = convert_original_wan_state_dict(state_dict)
+
+    patch_weight = state_dict["patch_embedding.weight"]  # (dim, in_channels, p_t, p_h, p_w)
+    dim, in_channels = patch_weight.shape[:2]
+    patch_size = tuple(patch_weight.shape[2:])
+    if dim % attention_head_dim != 0:
+        raise ValueError(f"attention_head_dim={attention_head_dim} does not divide the model width {dim}.")
+
+    block_indices = {int(match.group(1)) for key in state_dict if (match := _BLOCK_KEY.match(key)) is not None}
+    if not block_indices or block_indices != set(range(len(block_indices))):
+        raise ValueError(f"Transformer blocks are not numbered 0..n-1: found {sorted(block_indices)}.")
+
+    return {
+        "patch_size": patch_size,
+        "num_attention_heads": dim // attention_head_dim,
+        "attention_head_dim": attention_head_dim,
+        "in_channels": in_channels,
+        # proj_out maps dim -> out_channels * p_t * p_h * p_w.
+        "out_channels": state_dict["proj_out.weight"].shape[0] // math.prod(patch_size),
+        "text_dim": state_dict["condition_embedder.text_embedder.linear_1.weight"].shape[1],
+        "freq_dim": state_dict["condition_embedder.time_embedder.linear_1.weight"].shape[1],
+        "ffn_dim": state_dict["blocks.0.ffn.net.0.proj.weight"].shape[0],
+        "num_layers": len(block_indices),
+        "cross_attn_norm": "blocks.0.norm2.weight" in state_dict,
+        "qk_norm": "rms_norm_across_heads" if "blocks.0.attn1.norm_q.weight" in state_dict else None,
+    }

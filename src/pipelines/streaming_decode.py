@@ -1,0 +1,131 @@
+"""Causal, chunk-by-chunk decoding of Wan VAE latents.
+
+`AutoencoderKLWan.decode` already decodes one latent frame at a time through causal 3D convolutions that carry
+a feature cache (the last two frames each conv saw), but it clears that cache at every call, so decoding a long
+video chunk by chunk with it leaves seams. `StreamingWanDecoder` runs the same per-frame loop as
+`AutoencoderKLWan._decode` with a feature cache of its own that lives across calls: the concatenated chunks
+equal one `vae.decode` of the whole latent sequence, while memory stays that of one chunk.
+"""
+
+import torch
+from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
+
+
+def denormalize_wan_latents(latents: torch.Tensor, vae: AutoencoderKLWan) -> torch.Tensor:
+    """Map latents from the diffusion model's normalised space to the space `vae.decode` expects.
+
+    Applies `latents * latents_std + latents_mean` with the per-channel statistics in `vae.config`, exactly as
+    diffusers' `WanPipeline` does before it calls `vae.decode`.
+
+    Args:
+        latents: `(batch, z_dim, latent_frames, height, width)`, as the transformer produces them.
+        vae: the `AutoencoderKLWan` whose `config.latents_mean` / `config.latents_std` apply.
+
+    Returns:
+        `(batch, z_dim, latent_frames, height, width)` in `latents`' dtype and device.
+    """
+    z_dim = vae.config.z_dim
+    if latents.ndim != 5 or latents.shape[1] != z_dim:
+        raise ValueError(
+            f"`latents` must have shape (batch, {z_dim}, latent_frames, height, width), got {tuple(latents.shape)}."
+        )
+    mean = torch.tensor(vae.config.latents_mean, dtype=latents.dtype, device=latents.device).view(1, z_dim, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, dtype=latents.dtype, device=latents.device).view(1, z_dim, 1, 1, 1)
+    return latents * std + mean
+
+
+class StreamingWanDecoder:
+    """Decode a Wan video's latents a chunk at a time, with the VAE's causal feature cache kept between chunks.
+
+    The decoder holds its own feature cache, so the VAE's cache (`vae._feat_map`) and other users of `vae.decode`
+    are left alone. One instance streams one video at a time; call `reset()` before the next video.
+
+    Spatial tiling (`vae.use_tiling`) is not applied: each chunk is decoded whole in space, like `vae.decode`
+    without tiling. Runs under `torch.no_grad()`.
+
+    Args:
+        vae: the `AutoencoderKLWan` to decode with (any dtype, any device, offload hooks honoured).
+    """
+
+    def __init__(self, vae: AutoencoderKLWan) -> None:
+        self.vae = vae
+        # Every causal conv of the decoder owns one cache slot, in call order.
+        self._num_cached_convs = sum(isinstance(module, WanCausalConv3d) for module in vae.decoder.modules())
+        # The first latent frame decodes to 1 pixel frame; every later one to `temporal_upsample` frames.
+        self.temporal_upsample = 2 ** sum(vae.config.temperal_downsample)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new video: drop the cached features and forget the previous video's shape."""
+        self._feat_map: list[torch.Tensor | str | None] = [None] * self._num_cached_convs
+        self._latent_frames_decoded = 0
+        self._video_shape: tuple[int, int, int] | None = None  # (batch, height, width) of the current video
+
+    @property
+    def latent_frames_decoded(self) -> int:
+        """Latent frames of the current video decoded so far."""
+        return self._latent_frames_decoded
+
+    def num_pixel_frames(self, latent_frames: int) -> int:
+        """Pixel frames the next `decode` of `latent_frames` latent frames will return."""
+        first = 1 if self._latent_frames_decoded == 0 and latent_frames > 0 else 0
+        return first + (latent_frames - first) * self.temporal_upsample
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Decode the next chunk of the current video.
+
+        Args:
+            latents: `(batch, z_dim, latent_frames, height, width)` in the space `vae.decode` takes (use
+                `denormalize_wan_latents` on the diffusion model's output first). Cast to the VAE's dtype and
+                device. Batch and spatial size must stay the same for every chunk of one video.
+
+        Returns:
+            `(batch, 3, pixel_frames, height * s, width * s)` in [-1, 1], in the VAE's dtype, with
+            `pixel_frames = num_pixel_frames(latent_frames)` and `s` the VAE's spatial compression ratio.
+        """
+        z_dim = self.vae.config.z_dim
+        if latents.ndim != 5:
+            raise ValueError(
+                f"`latents` must be 5-D (batch, {z_dim}, latent_frames, height, width), got shape {tuple(latents.shape)}."
+            )
+        if latents.shape[1] != z_dim:
+            raise ValueError(f"`latents` must have {z_dim} channels (vae.config.z_dim), got {latents.shape[1]}.")
+        if latents.shape[2] == 0:
+            raise ValueError("`latents` must hold at least one latent frame, got 0.")
+        video_shape = (latents.shape[0], latents.shape[3], latents.shape[4])
+        if self._video_shape is not None and video_shape != self._video_shape:
+            raise ValueError(
+                f"`latents` (batch, height, width) must stay {self._video_shape} within one video, got {video_shape}; "
+                "call reset() to start a new video."
+            )
+
+        # Same as `apply_forward_hook` on `vae.decode`: lets model offloading move the VAE onto its device.
+        hook = getattr(self.vae, "_hf_hook", None)
+        if hook is not None and hasattr(hook, "pre_forward"):
+            hook.pre_forward(self.vae)
+        weight = self.vae.post_quant_conv.weight
+        latents = latents.to(device=weight.device, dtype=weight.dtype)
+
+        # Mirrors AutoencoderKLWan._decode, one latent frame per decoder call. post_quant_conv is 1x1x1 (no
+        # temporal context), so applying it per chunk is exact.
+        x = self.vae.post_quant_conv(latents)
+        frames = []
+        for i in range(x.shape[2]):
+            conv_idx = [0]  # the decoder walks its convs in order, advancing this index into our cache
+            frames.append(
+                self.vae.decoder(
+                    x[:, :, i : i + 1],
+                    feat_cache=self._feat_map,
+                    feat_idx=conv_idx,
+                    first_chunk=self._latent_frames_decoded == 0,
+                )
+            )
+            self._latent_frames_decoded += 1
+        self._video_shape = video_shape
+        out = torch.cat(frames, dim=2)  # (batch, 3 * patch**2, pixel_frames, H / patch, W / patch)
+
+        if self.vae.config.patch_size is not None:
+            out = unpatchify(out, patch_size=self.vae.config.patch_size)  # (batch, 3, pixel_frames, H, W)
+        return torch.clamp(out, min=-1.0, max=1.0)
