@@ -83,15 +83,34 @@ class ChunkLayout:
         return frame if frame < self.sink_frames else shifted
 
 
-def block_causal_mask(num_frames: int, layout: ChunkLayout, device: torch.device | str | None = None) -> torch.Tensor:
-    """`(tokens, tokens)` bool mask, True = attend: each chunk sees its sink, its recent window and itself."""
+def block_causal_frame_mask(num_frames: int, layout: ChunkLayout) -> torch.Tensor:
+    """`(frames, frames)` bool mask, True = attend: each chunk sees its sink, its recent window and itself."""
     frame_visible = torch.zeros(num_frames, num_frames, dtype=torch.bool)
     for chunk_start in range(0, num_frames, layout.chunk_frames):
         chunk_end = min(chunk_start + layout.chunk_frames, num_frames)
         visible = [f for f in layout.visible_frames(chunk_start) if f < num_frames]
         frame_visible[chunk_start:chunk_end, visible] = True
-    tokens = layout.tokens_per_frame
-    return frame_visible.repeat_interleave(tokens, 0).repeat_interleave(tokens, 1).to(device)
+    return frame_visible
+
+
+def teacher_forcing_frame_mask(num_frames: int, layout: ChunkLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """Frame indices `(2F,)` and mask `(2F, 2F)` for a `[clean frames; noisy frames]` training sequence.
+
+    Clean frames attend block-causally among themselves (they play the cached context). Each noisy
+    chunk attends to the clean frames its clean twin would see before it (sink + window) and to itself,
+    exactly what a chunk sees at generation time with a clean cache.
+    """
+    if num_frames % layout.chunk_frames:
+        raise ValueError(f"`num_frames`={num_frames} must be a multiple of `chunk_frames`={layout.chunk_frames}.")
+    clean = block_causal_frame_mask(num_frames, layout)
+    mask = torch.zeros(2 * num_frames, 2 * num_frames, dtype=torch.bool)
+    mask[:num_frames, :num_frames] = clean
+    for chunk_start in range(0, num_frames, layout.chunk_frames):
+        rows = slice(num_frames + chunk_start, num_frames + chunk_start + layout.chunk_frames)
+        context = [f for f in layout.visible_frames(chunk_start) if f < chunk_start]
+        mask[rows, context] = True
+        mask[rows, rows] = True
+    return torch.arange(num_frames).repeat(2), mask
 
 
 # ----------------------------------------------------------------------------------------- rotary embedding
@@ -302,6 +321,8 @@ class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
         attention_kwargs: dict[str, Any] | None = None,
         kv_cache: RollingKVCache | None = None,
         layout: ChunkLayout | None = None,
+        frame_indices: torch.Tensor | None = None,
+        frame_mask: torch.Tensor | None = None,
         attention_bias: float = 1.0,
     ) -> torch.Tensor | Transformer2DModelOutput:
         """Denoise `hidden_states` `(batch, channels, frames, height, width)`.
@@ -310,6 +331,8 @@ class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
         - `layout` without `kv_cache`: the dense reference, the whole sequence under the block-causal,
           sink + window mask, starting at frame 0; `timestep` may be
           `(batch, frames)` so context chunks run at t = 0 and the current chunk noised;
+          `frame_indices` `(frames,)` and `frame_mask` `(frames, frames)` replace the default
+          positions and mask (teacher forcing: see `teacher_forcing_frame_mask`);
         - `kv_cache` and `layout`: one chunk; its K/V are written as pending into the cache (call
           `kv_cache.commit()` after the clean context pass).
         """
@@ -342,9 +365,19 @@ class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
         state.layout, state.kv_cache, state.attention_bias = layout, kv_cache, attention_bias
         state.conditioning = encoder_hidden_states
         if layout is not None and kv_cache is None:
-            state.dense_mask = block_causal_mask(grid_frames, layout, hidden_states.device)
-            frames = torch.arange(grid_frames, device=hidden_states.device)
-            state.frame_ids = frames.repeat_interleave(grid_h * grid_w)
+            if frame_mask is None:
+                frame_mask = block_causal_frame_mask(grid_frames, layout)
+            if frame_indices is None:
+                frame_indices = torch.arange(grid_frames)
+            if frame_mask.shape != (grid_frames, grid_frames) or frame_indices.shape != (grid_frames,):
+                raise ValueError(
+                    f"`frame_mask` must be ({grid_frames}, {grid_frames}) and `frame_indices` ({grid_frames},), "
+                    f"got {tuple(frame_mask.shape)} and {tuple(frame_indices.shape)}."
+                )
+            tokens = grid_h * grid_w
+            device = hidden_states.device
+            state.dense_mask = frame_mask.to(device).repeat_interleave(tokens, 0).repeat_interleave(tokens, 1)
+            state.frame_ids = frame_indices.to(device).repeat_interleave(tokens)
 
         # 2. Time and text embeddings; `(batch, frames)` timesteps become per-token
         if timestep.ndim == 2:
