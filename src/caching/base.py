@@ -24,15 +24,15 @@ def check_positive(name: str, value: int, allow_zero: bool = False) -> int:
 
 
 def check_key_value(key: torch.Tensor, value: torch.Tensor) -> None:
-    """Key and value must be 4-D `(batch, tokens, heads, head_dim)` tensors that agree with each other."""
+    """Key and value must be 4-D `(batch, tokens, heads, head_dim)` tensors of one shape, dtype and device."""
     for name, tensor in (("key", key), ("value", value)):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"`{name}` must be a torch.Tensor, got {type(tensor).__name__}.")
         if tensor.ndim != 4:
             raise ValueError(f"`{name}` must have shape (batch, tokens, heads, head_dim), got {tuple(tensor.shape)}.")
-    if key.shape[:3] != value.shape[:3]:
+    if key.shape != value.shape:  # the value buffer is allocated like the key buffer
         raise ValueError(
-            f"`key` and `value` must agree in (batch, tokens, heads), got {tuple(key.shape)} and {tuple(value.shape)}."
+            f"`key` and `value` must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}."
         )
     if key.dtype != value.dtype:
         raise TypeError(f"`key` and `value` must share a dtype, got {key.dtype} and {value.dtype}.")

@@ -62,6 +62,14 @@ class RollingKVCache:
         for layer in self.layers:
             layer.commit()
 
+    def rewind(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` committed tokens of every self-attention layer (re-cache)."""
+        for layer in self.layers:
+            if not hasattr(layer, "rewind"):
+                raise TypeError(f"{type(layer).__name__} cannot rewind.")
+        for layer in self.layers:
+            layer.rewind(num_tokens)
+
     def reset(self) -> None:
         """Empty every layer, keeping the buffers (a new video with the same settings)."""
         for layer in self._all_layers():

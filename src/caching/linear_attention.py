@@ -140,9 +140,9 @@ class LinearAttentionLayer(CacheLayer):
         return self.committed_vk, self.committed_k_sum
 
     def reset(self) -> None:
+        self.tail = self._pending_tail = None  # the caller's tensors (detached views): drop, never zero them
         for tensor in self._tensors():
             tensor.zero_()
-        self.tail = self._pending_tail = None
         self.committed_chunks = 0
         self.pending_tokens = 0
 

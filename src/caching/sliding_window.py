@@ -112,6 +112,8 @@ class SlidingWindowLayer(CacheLayer):
         """
         check_key_value(key, value)
         num_pending = key.shape[1]
+        if num_pending < 1:
+            raise ValueError("`key` must hold at least one token.")
         if self.keys is None:
             if self.chunk_tokens is None:
                 self._set_chunk_tokens(num_pending)
@@ -133,8 +135,6 @@ class SlidingWindowLayer(CacheLayer):
         return self.keys, self.values
 
     def _check_chunk(self, num_pending: int) -> None:
-        if num_pending < 1:
-            raise ValueError("`key` must hold at least one token.")
         if num_pending > self.chunk_tokens:
             raise ValueError(
                 f"`key` holds {num_pending} tokens but this layer takes chunks of at most "
@@ -210,3 +210,24 @@ class SlidingWindowLayer(CacheLayer):
             self.committed_tokens - (self.window_tokens - self.chunk_tokens), min=self.sink_tokens
         )
         return torch.where(positions < self.sink_tokens, positions, positions - window_start + self.sink_tokens)
+
+    # ----------------------------------------------------------------------------------------- re-cache
+    def rewind(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` committed tokens so they can be written again (a re-cache).
+
+        Used after a prompt switch: the recent window is re-run under the new prompt and committed
+        chunk by chunk into the same slots. Only the visible window can be rewound; the sink never is.
+        """
+        check_positive("num_tokens", num_tokens)
+        if self.pending_tokens:
+            raise RuntimeError("rewind() with a chunk pending; commit it first.")
+        rewindable = self._committed_count - max(
+            self.sink_tokens, self._committed_count - (self.window_tokens - self.chunk_tokens)
+        )
+        if num_tokens > rewindable:
+            raise ValueError(
+                f"`num_tokens`={num_tokens} exceeds the {max(rewindable, 0)} committed window tokens that can "
+                "be rewound (the sink and evicted tokens cannot)."
+            )
+        self.committed_tokens.sub_(num_tokens)
+        self._committed_count -= num_tokens

@@ -1,0 +1,19 @@
+"""Model families, each owning its cache."""
+
+from .krea_realtime import (
+    ChunkLayout,
+    KreaRealtimeTransformer3DModel,
+    block_causal_frame_mask,
+    teacher_forcing_frame_mask,
+)
+from .wan_conversion import convert_original_wan_state_dict, infer_wan_config, load_original_wan_checkpoint
+
+__all__ = [
+    "ChunkLayout",
+    "KreaRealtimeTransformer3DModel",
+    "block_causal_frame_mask",
+    "convert_original_wan_state_dict",
+    "infer_wan_config",
+    "load_original_wan_checkpoint",
+    "teacher_forcing_frame_mask",
+]

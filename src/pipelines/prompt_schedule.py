@@ -1,0 +1,79 @@
+"""Prompt schedules: which prompt is active at which frame of a long video.
+
+A schedule is `[(frame, prompt), ...]` (or `{frame: prompt}`) in pixel frames, strictly increasing,
+starting at 0 unless a base `prompt` covers the frames before the first entry. A prompt may be one
+string or one per batch element. The chunk loop switches at the first chunk starting at or after an
+entry's frame, so frames before the switch frame are never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def _as_prompt_list(name: str, prompt) -> list[str]:
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
+        raise ValueError(
+            f"`{name}` must be a non-empty string or a non-empty list of non-empty strings, got {prompt!r}."
+        )
+    return prompts
+
+
+@dataclass(frozen=True)
+class PromptSchedule:
+    """`entries`: `(start_frame, prompts per batch element)`, sorted, the first at frame 0."""
+
+    entries: tuple[tuple[int, tuple[str, ...]], ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.entries[0][1])
+
+    @classmethod
+    def build(
+        cls, prompt: str | list[str] | None, schedule: Sequence[tuple[int, str]] | dict | None, num_frames: int
+    ) -> PromptSchedule:
+        """Validate `prompt` and `prompt_schedule` together; raises ValueError naming the bad argument."""
+        entries: list[tuple[int, list[str]]] = []
+        if prompt is not None:
+            entries.append((0, _as_prompt_list("prompt", prompt)))
+        if schedule is not None:
+            pairs = list(schedule.items()) if isinstance(schedule, dict) else list(schedule)
+            if not pairs:
+                raise ValueError("`prompt_schedule` is empty; give at least one (frame, prompt) pair or omit it.")
+            previous = -1
+            for pair in pairs:
+                if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                    raise ValueError(f"`prompt_schedule` entries must be (frame, prompt) pairs, got {pair!r}.")
+                frame, text = pair
+                if isinstance(frame, bool) or not isinstance(frame, int) or not 0 <= frame < num_frames:
+                    raise ValueError(
+                        f"`prompt_schedule` frame {frame!r} is out of range: frames must be ints in [0, {num_frames})."
+                    )
+                if frame <= previous:
+                    raise ValueError(
+                        f"`prompt_schedule` frames must be strictly increasing; {frame} follows {previous}."
+                    )
+                if frame == 0 and prompt is not None:
+                    raise ValueError("Give either `prompt` or a `prompt_schedule` entry at frame 0, not both.")
+                entries.append((frame, _as_prompt_list("prompt_schedule", text)))
+                previous = frame
+        if not entries:
+            raise ValueError("Either `prompt` or `prompt_schedule` is required.")
+        if entries[0][0] != 0:
+            raise ValueError(
+                f"`prompt_schedule` starts at frame {entries[0][0]}; without `prompt` it must start at frame 0."
+            )
+        sizes = {len(p) for _, p in entries}
+        if len(sizes) > 1:
+            raise ValueError(f"Every prompt in `prompt`/`prompt_schedule` must have the same batch size, got {sizes}.")
+        return cls(tuple((frame, tuple(p)) for frame, p in entries))
+
+    def active_index(self, frame: int) -> int:
+        """Index of the entry active at pixel frame `frame`."""
+        return max(i for i, (start, _) in enumerate(self.entries) if start <= frame)
+
+    def prompts(self, index: int) -> list[str]:
+        return list(self.entries[index][1])

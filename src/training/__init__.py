@@ -1,0 +1,1 @@
+"""Training of the tiny embedded toy-world model (`python examples/train_tiny.py`)."""
