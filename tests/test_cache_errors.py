@@ -122,7 +122,11 @@ BAD_INPUTS = {
     "value_head_dim": (lambda: (torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 8)), ValueError, "`value`"),
     "key_value_dtype": (lambda: (torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4).double()), TypeError, "`value`"),
     "buffer_dtype": (lambda: kv(dtype=torch.float64), TypeError, "`key`"),
-    "key_value_device": (lambda: (torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4, device="meta")), ValueError, "`value`"),
+    "key_value_device": (
+        lambda: (torch.randn(1, 2, 2, 4), torch.randn(1, 2, 2, 4, device="meta")),
+        ValueError,
+        "`value`",
+    ),
     "buffer_device": (lambda: kv(device="meta"), ValueError, "`key`"),
     "batch_size": (lambda: kv(batch=2), ValueError, "batch"),
     "num_heads": (lambda: kv(heads=3), ValueError, "heads"),

@@ -339,9 +339,9 @@ def test_container_memory_bytes_is_the_sum_of_buffers():
     run_chunk(cache)
     for cross in cache.cross:
         cross.update(*kv(tokens=7))
-    expected = sum(
-        layer.keys.nbytes + layer.values.nbytes + layer.slot_positions.nbytes for layer in cache
-    ) + sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.cross)
+    expected = sum(layer.keys.nbytes + layer.values.nbytes + layer.slot_positions.nbytes for layer in cache) + sum(
+        layer.keys.nbytes + layer.values.nbytes for layer in cache.cross
+    )
     assert cache.memory_bytes() == expected
     assert cache[0].keys.nbytes == 1 * 6 * 2 * 4 * 4  # (batch, sink + window, heads, head_dim) fp32
 

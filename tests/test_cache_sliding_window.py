@@ -280,9 +280,14 @@ def test_attention_matches_naive_cat_and_slice(seed):
         for _step in range(3):  # denoising steps of one chunk
             query, key, value = torch.randn(3, 1, frames * tokens_per_frame, 2, 8, generator=generator).unbind(0)
             keys, values = layer.update(key, value)
-            expected = sdpa(query, *naive.visible(key, value))
+            visible_keys, visible_values = naive.visible(key, value)
+            expected = sdpa(query, visible_keys, visible_values)
             torch.testing.assert_close(sdpa(query, keys, values, layer.attention_mask), expected, atol=1e-6, rtol=0)
-            assert int(layer.attention_mask.sum()) == naive.visible(key, value)[0].shape[1]
+            # the very same tokens: masked slots sorted by absolute position == the naive stream
+            mask = layer.attention_mask
+            stream_order = torch.argsort(layer.key_positions()[mask])
+            assert torch.equal(keys[:, mask][:, stream_order], visible_keys)
+            assert torch.equal(values[:, mask][:, stream_order], visible_values)
         layer.commit()
         naive.commit(key, value)
         committed = naive.visible(key[:, :0], value[:, :0])

@@ -16,6 +16,7 @@ diffusers-format Wan 2.1 checkpoint loads unchanged. It adds:
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  diffusers' pipeline loader looks it up here
 from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
 
 from ..caching import CrossAttentionLayer, RollingKVCache, SlidingWindowLayer
@@ -271,6 +273,9 @@ class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
         for index, block in enumerate(self.blocks):
             block.attn1.set_processor(KreaRealtimeSelfAttnProcessor(index, self._call_state))
             block.attn2.set_processor(KreaRealtimeCrossAttnProcessor(index, self._call_state))
+
+    # The config is exactly Wan's: ConfigMixin reads the accepted keys from this signature.
+    __init__.__signature__ = inspect.signature(WanTransformer3DModel.__init__)
 
     # ---------------------------------------------------------------------------------------- cache
     def tokens_per_frame(self, latent_height: int, latent_width: int) -> int:

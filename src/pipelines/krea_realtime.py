@@ -80,7 +80,7 @@ class KreaRealtimeVideoPipeline(DiffusionPipeline):
         sink_frames: int = 3,
         window_frames: int = 9,
         position_mode: str = "absolute",
-        denoising_steps: Sequence[int] = (1000, 750, 500, 250),
+        denoising_steps: list[int] | tuple[int, ...] = (1000, 750, 500, 250),
         max_sequence_length: int = 512,
         attention_bias: float = 1.0,
     ) -> None:

@@ -33,7 +33,7 @@ class TinyConfig:
     height: int = 32
     width: int = 32
     # VAE: 32x32 pixels -> 8x8 latents of `z_dim` channels
-    vae_base_dim: int = 24
+    vae_base_dim: int = 16
     z_dim: int = 8
     vae_dim_mult: tuple[int, ...] = (1, 2, 2)  # two downsamples: spatial factor 4
     # Transformer: 4x4 = 16 tokens per latent frame, each a 2x2 patch of z_dim * 4 = 32 values < 144

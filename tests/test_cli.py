@@ -1,0 +1,126 @@
+"""The `rolldiff` command, run in-process with `main([...])` against a tiny random pipeline saved to a folder.
+
+The tiny pipeline makes 2 frames per chunk (no temporal VAE compression) and runs at 16x16.
+"""
+
+import importlib.util
+from pathlib import Path
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+import torch
+from tiny_components import tiny_pipeline
+
+import rolldiff.defaults
+from rolldiff import KreaRealtimeVideoPipeline
+from rolldiff.cli import main
+
+RED, BLUE = "a red circle moving left", "a blue square moving up"
+SIZE = ["--height", "16", "--width", "16"]
+
+
+def _read(path) -> np.ndarray:
+    return iio.imread(path, plugin="FFMPEG", index=None)  # (frames, height, width, 3) uint8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-pipeline")
+    tiny_pipeline().save_pretrained(folder)
+    return folder
+
+
+def _generate(model_dir, out, *extra) -> int:
+    return main(["generate", "--model", str(model_dir), "--out", str(out), "--fps", "8", *SIZE, *extra])
+
+
+def test_saved_tiny_pipeline_loads_back(model_dir):
+    pipe = KreaRealtimeVideoPipeline.from_pretrained(model_dir)
+    assert pipe.config.chunk_frames == 2 and pipe.transformer.config.num_layers == 2
+
+
+def test_generate_streams_the_rounded_up_video_and_reports_path_and_speed(model_dir, tmp_path, capsys):
+    out = tmp_path / "video.mp4"
+    assert _generate(model_dir, out, "--prompt", RED, "--seconds", "0.6") == 0  # 4.8 frames -> 6 (3 chunks)
+    stdout = capsys.readouterr().out
+    assert _read(out).shape == (6, 16, 16, 3)
+    assert "Generating 6 frames" in stdout
+    assert f"Wrote 6 frames to {out.resolve()}" in stdout
+    assert "frames per second" in stdout
+
+
+def test_prompt_at_gives_the_pipelines_prompt_schedule(model_dir, tmp_path):
+    out = tmp_path / "switch.mp4"
+    assert _generate(model_dir, out, "--prompt-at", f"0:{RED}", "--prompt-at", f"2:{BLUE}", "--seconds", "0.5") == 0
+
+    expected = tmp_path / "expected.mp4"
+    pipe = KreaRealtimeVideoPipeline.from_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(0)
+    pipe.generate_to_file(expected, None, fps=8, num_frames=4, height=16, width=16, generator=generator,
+                          prompt_schedule=[(0, RED), (2, BLUE)])  # fmt: skip
+    np.testing.assert_array_equal(_read(out), _read(expected))
+
+
+def test_default_model_is_used_without_model_argument(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(rolldiff.defaults, "default_model_path", lambda: model_dir)
+    out = tmp_path / "default.mp4"
+    assert main(["generate", "--prompt", RED, "--seconds", "0.25", "--out", str(out)]) == 0  # 16 fps: 4 frames
+    assert _read(out).shape == (4, 32, 32, 3)  # the embedded default's native size
+    assert "32x32" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--prompt", RED, "--dtype", "float8"], "invalid choice: 'float8'"),
+        (["--prompt", RED, "--prompt-at", "four:a cat"], "expected FRAME:TEXT"),
+        (["--prompt", RED, "--prompt-at", "8"], "expected FRAME:TEXT"),
+        (["--prompt", RED, "--prompt-at", "100:a cat"], "frame 100 is out of range"),
+        (["--prompt", RED, "--height", "20"], "`height` must be a positive multiple of 8"),
+        (["--prompt", RED, "--seconds", "-1"], "--seconds: expected a float > 0"),
+        (["--prompt", RED, "--steps", "1000,fast"], "expected comma-separated integers"),
+        (["--prompt", RED, "--steps", "250,500"], "strictly decreasing"),
+        (["--prompt", RED, "--position-mode", "sideways"], "`position_mode` must be one of"),
+        (["--seconds", "1"], "give --prompt"),
+        (["--prompt", RED, "--out", "video.gif"], "--out must be an .mp4 file"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line_on_stderr(model_dir, tmp_path, capsys, args, message):
+    argv = ["generate", "--model", str(model_dir), "--out", str(tmp_path / "v.mp4"), "--seconds", "0.25", *SIZE, *args]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err, captured.err
+    assert captured.err.startswith("rolldiff: error:") and captured.err.count("\n") == 1
+    assert "Traceback" not in captured.err + captured.out
+    assert not (tmp_path / "v.mp4").exists()
+
+
+@pytest.mark.parametrize("model", ["/no/such/pipeline", "not a hub id!", "."])
+def test_missing_model_exits_2(tmp_path, capsys, model):
+    assert main(["generate", "--model", model, "--prompt", RED, "--out", str(tmp_path / "v.mp4")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rolldiff: error: --model") and err.count("\n") == 1
+
+
+def test_missing_embedded_default_exits_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(rolldiff.defaults, "default_model_path", lambda: tmp_path / "absent")
+    assert main(["generate", "--prompt", RED, "--out", str(tmp_path / "v.mp4")]) == 2
+    assert "embedded default model is missing" in capsys.readouterr().err
+
+
+def test_help_exits_0(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--help"])
+    assert exit_info.value.code == 0 and "--prompt-at FRAME:TEXT" in capsys.readouterr().out
+
+
+def test_long_video_example_parses_help(capsys):
+    path = Path(__file__).parents[1] / "examples" / "long_video.py"
+    spec = importlib.util.spec_from_file_location("long_video", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    for argv in ([], ["--help"]):
+        with pytest.raises(SystemExit) as exit_info:
+            example.main(argv)
+        assert exit_info.value.code == 0 and "--minutes" in capsys.readouterr().out

@@ -1,0 +1,141 @@
+"""KreaRealtimeTransformer3DModel: equals Wan on one chunk; cached chunks equal the dense block-causal reference."""
+
+import pytest
+import torch
+from diffusers import WanTransformer3DModel
+from tiny_components import TRANSFORMER_CONFIG, tiny_transformer
+
+from rolldiff.models import ChunkLayout, KreaRealtimeTransformer3DModel, teacher_forcing_frame_mask
+
+TEXT = torch.randn(1, 7, 16, generator=torch.Generator().manual_seed(1))
+TOKENS_PER_FRAME = 4  # 4x4 latent, patch 2x2
+
+
+@pytest.fixture(scope="module")
+def model() -> KreaRealtimeTransformer3DModel:
+    return tiny_transformer()
+
+
+def _chunk(model, latents, sigma, cache, layout, bias=1.0):
+    timestep = torch.tensor([sigma * 1000.0])
+    return model(latents, timestep, TEXT, kv_cache=cache, layout=layout, attention_bias=bias).sample
+
+
+@torch.no_grad()
+def test_one_chunk_without_cache_equals_diffusers_wan():
+    reference = WanTransformer3DModel(**TRANSFORMER_CONFIG).eval()
+    ours = KreaRealtimeTransformer3DModel(**TRANSFORMER_CONFIG).eval()
+    ours.load_state_dict(reference.state_dict())
+    latents = torch.randn(2, 4, 3, 4, 4)
+    timestep = torch.tensor([500.0, 250.0])
+    text = torch.randn(2, 7, 16)
+    expected = reference(latents, timestep, text).sample
+    assert torch.allclose(ours(latents, timestep, text).sample, expected, atol=1e-6)
+
+
+@torch.no_grad()
+def test_first_chunk_through_the_cache_equals_diffusers_wan(model):
+    reference = WanTransformer3DModel(**TRANSFORMER_CONFIG).eval()
+    reference.load_state_dict(model.state_dict())
+    layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=4)
+    latents = torch.randn(1, 4, 2, 4, 4)
+    cached = _chunk(model, latents, 0.5, model.make_cache(layout), layout)
+    assert torch.allclose(cached, reference(latents, torch.tensor([500.0]), TEXT).sample, atol=1e-6)
+
+
+@pytest.mark.parametrize("position_mode", ["absolute", "relative"])
+@pytest.mark.parametrize("bias", [1.0, 0.3])
+@torch.no_grad()
+def test_cached_chunks_equal_the_dense_block_causal_reference(model, position_mode, bias):
+    """Each chunk, at every denoising step, equals the whole sequence under the sink + window mask."""
+    layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=6, position_mode=position_mode)
+    num_frames = 16  # 8 chunks: the window wraps several times
+    clean = torch.randn(1, 4, num_frames, 4, 4)
+    cache = model.make_cache(layout)
+    for start in range(0, num_frames, 2):
+        for sigma in (1.0, 0.6, 0.2):  # repeated denoising steps overwrite the same pending slots
+            noisy = torch.randn(1, 4, 2, 4, 4)
+            cached = _chunk(model, noisy, sigma, cache, layout, bias)
+            sequence = torch.cat([clean[:, :, :start], noisy], dim=2)
+            timesteps = torch.cat([torch.zeros(1, start), torch.full((1, 2), sigma * 1000.0)], dim=1)
+            dense = model(sequence, timesteps, TEXT, layout=layout, attention_bias=bias).sample[:, :, start:]
+            assert torch.allclose(cached, dense, atol=1e-5), (start, sigma)
+        _chunk(model, clean[:, :, start : start + 2], 0.0, cache, layout, bias)  # context pass
+        cache.commit()
+    assert cache.cross[0].num_computations == 1  # text K/V computed once for the whole video
+
+
+@pytest.mark.parametrize("position_mode", ["absolute", "relative"])
+@torch.no_grad()
+def test_teacher_forcing_sequence_equals_generation_from_a_clean_cache(model, position_mode):
+    layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=4, position_mode=position_mode)
+    num_frames, sigma = 10, 0.6
+    clean, noisy = torch.randn(1, 4, num_frames, 4, 4), torch.randn(1, 4, num_frames, 4, 4)
+    indices, mask = teacher_forcing_frame_mask(num_frames, layout)
+    timesteps = torch.cat([torch.zeros(1, num_frames), torch.full((1, num_frames), sigma * 1000.0)], dim=1)
+    sequence = torch.cat([clean, noisy], dim=2)
+    forced = model(sequence, timesteps, TEXT, layout=layout, frame_indices=indices, frame_mask=mask).sample
+    cache, chunks = model.make_cache(layout), []
+    for start in range(0, num_frames, 2):
+        chunks.append(_chunk(model, noisy[:, :, start : start + 2], sigma, cache, layout))
+        _chunk(model, clean[:, :, start : start + 2], 0.0, cache, layout)
+        cache.commit()
+    assert torch.allclose(torch.cat(chunks, dim=2), forced[:, :, num_frames:], atol=1e-5)
+
+
+@torch.no_grad()
+def test_relative_positions_stay_inside_the_window_past_the_rope_table():
+    model = tiny_transformer(rope_max_seq_len=8)
+    layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=4, position_mode="relative")
+    cache = model.make_cache(layout)
+    for _ in range(10):  # 20 latent frames, far past the 8-entry table
+        out = _chunk(model, torch.randn(1, 4, 2, 4, 4), 0.5, cache, layout)
+        _chunk(model, out, 0.0, cache, layout)
+        cache.commit()
+    assert torch.isfinite(out).all()
+    assert int(cache[0].key_positions(reindexed=True).max()) // TOKENS_PER_FRAME < layout.context_frames
+
+
+@torch.no_grad()
+def test_absolute_positions_past_the_rope_table_are_refused():
+    model = tiny_transformer(rope_max_seq_len=4)
+    layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=4)
+    cache = model.make_cache(layout)
+    for _ in range(2):
+        _chunk(model, torch.randn(1, 4, 2, 4, 4), 0.0, cache, layout)
+        cache.commit()
+    with pytest.raises(ValueError, match="RoPE table"):
+        _chunk(model, torch.randn(1, 4, 2, 4, 4), 0.5, cache, layout)
+
+
+def test_make_cache_converts_frames_to_tokens(model):
+    layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=1, window_frames=6)
+    cache = model.make_cache(layout, batch_size=1)
+    assert len(cache) == TRANSFORMER_CONFIG["num_layers"]
+    layer = cache[0]
+    assert (layer.sink_tokens, layer.window_tokens, layer.chunk_tokens) == (4, 24, 8)
+    assert layer.keys.shape == (1, 28, 2, 12)
+    assert cache.memory_bytes() > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(chunk_frames=3, window_frames=3), "window_frames"),
+        (dict(chunk_frames=0), "chunk_frames"),
+        (dict(sink_frames=-1), "sink_frames"),
+        (dict(position_mode="rope"), "position_mode"),
+    ],
+)
+def test_bad_layouts_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ChunkLayout(TOKENS_PER_FRAME, **kwargs)
+
+
+def test_forward_checks_the_layout_against_the_input(model):
+    layout = ChunkLayout(9, chunk_frames=2, sink_frames=2, window_frames=4)
+    with pytest.raises(ValueError, match="tokens_per_frame"):
+        model(torch.randn(1, 4, 2, 4, 4), torch.tensor([0.0]), TEXT, kv_cache=model.make_cache(layout), layout=layout)
+    good = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=4)
+    with pytest.raises(ValueError, match="chunk_frames"):
+        model(torch.randn(1, 4, 3, 4, 4), torch.tensor([0.0]), TEXT, kv_cache=model.make_cache(good), layout=good)
