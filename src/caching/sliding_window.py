@@ -158,19 +158,32 @@ class SlidingWindowLayer(CacheLayer):
         self.pending_tokens = 0
 
     def _visible_committed_positions(self) -> list[int]:
-        """Absolute indices of the committed tokens the next chunk will see, oldest first."""
+        """Absolute indices of the committed tokens the next chunk will see, oldest first.
+
+        Reads the slot map (a host sync; never called from the attention step) so that tokens
+        overwritten in the ring, e.g. before a `rewind`, are never reported as held.
+        """
         total = self._committed_count
+        if self.slot_positions is None or total == 0:
+            return []
         sink = range(min(total, self.sink_tokens))
-        start = max(self.sink_tokens, total - (self.window_tokens - (self.chunk_tokens or 0)))
-        return [*sink, *range(start, total)]
+        start = max(self.sink_tokens, total - (self.window_tokens - self.chunk_tokens))
+        candidates = [*sink, *range(start, total)]
+        held = self.slot_positions.tolist()
+        return [p for p in candidates if held[self._slot_of(p)] == p]
+
+    def _slot_of(self, position: int) -> int:
+        """Host twin of `_slots_for` for one position."""
+        if position < self.sink_tokens:
+            return position
+        return self.sink_tokens + (position - self.sink_tokens) % self.window_tokens
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Committed sink and window tokens in stream order, `(batch, tokens, heads, head_dim)` (a copy)."""
         positions = self._visible_committed_positions()
-        if self.keys is None or not positions:
+        if not positions:
             return None
-        positions = torch.tensor(positions, dtype=torch.long, device=self.keys.device)
-        slots = self._slots_for(positions, torch.empty_like(positions), torch.empty_like(positions))
+        slots = torch.tensor([self._slot_of(p) for p in positions], dtype=torch.long, device=self.keys.device)
         return self.keys.index_select(1, slots), self.values.index_select(1, slots)
 
     def get_seq_length(self) -> int:
