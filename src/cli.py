@@ -135,7 +135,7 @@ def run_generate(args: argparse.Namespace) -> int:
     device = args.device or default_device()
     pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
     pipe.set_progress_bar_config(disable=True)  # ours counts chunks of the whole video instead
-    native_height, native_width = native_size(pipe, args.model)
+    native_height, native_width = native_size(pipe)
     height, width = args.height or native_height, args.width or native_width
     chunk_frames = args.chunk_frames or pipe.config.chunk_frames
     num_frames = frames_for_seconds(pipe, args.seconds, args.fps, chunk_frames)

@@ -89,21 +89,22 @@ def load_pipeline(
     return pipe.to(device)
 
 
-def native_size(pipe: KreaRealtimeVideoPipeline, model: str | Path | None = None) -> tuple[int, int]:
+def native_size(pipe: KreaRealtimeVideoPipeline) -> tuple[int, int]:
     """The `(height, width)` in pixels a checkpoint was trained at.
 
-    Read from `height`/`width` in the pipeline's config or in the folder's `model_index.json`; the embedded
-    default is 32x32; anything else falls back to Wan 2.1's 480x832.
+    Read from `height`/`width` in the pipeline's config or in its folder's `model_index.json`; the embedded
+    default is 32x32; anything else (or a pipeline built in memory) falls back to Wan 2.1's 480x832.
     """
     sources = [dict(pipe.config)]
-    folder = Path(model) if model is not None else default_model_path()
-    if (folder / "model_index.json").is_file():
+    source = pipe.config.get("_name_or_path")  # set by `from_pretrained`
+    folder = Path(source) if source else None
+    if folder is not None and (folder / "model_index.json").is_file():
         sources.append(json.loads((folder / "model_index.json").read_text()))
-    for source in sources:
-        height, width = source.get("height"), source.get("width")
+    for config in sources:
+        height, width = config.get("height"), config.get("width")
         if isinstance(height, int) and isinstance(width, int):
             return height, width
-    if model is None or folder.resolve() == default_model_path().resolve():
+    if folder is not None and folder.exists() and folder.resolve() == default_model_path().resolve():
         return DEFAULT_MODEL_SIZE
     return FALLBACK_SIZE
 

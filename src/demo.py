@@ -84,9 +84,10 @@ def generate_frames(
     seed: int,
     model_lock: threading.Lock,
 ) -> Iterator[np.ndarray]:
-    """Yield each chunk's frames `(frames, height, width, 3)` uint8 while following `live`'s prompt.
+    """Each chunk's frames `(frames, height, width, 3)` uint8, following `live`'s prompt as it changes.
 
-    Arguments are checked (by the pipeline) before the first chunk; `model_lock` is held while a chunk is made.
+    Checks every argument now (raising the pipeline's ValueError) and returns the generator of chunks;
+    `model_lock` is held while a chunk is made, so sessions sharing `pipe` take turns chunk by chunk.
     """
     run = pipe._prepare_run(
         prompt=live.prompts(0), prompt_schedule=None, negative_prompt=None, num_frames=num_frames, height=height,
@@ -95,11 +96,15 @@ def generate_frames(
     )  # fmt: skip
     run = dataclasses.replace(run, schedule=live)
     generator = torch.Generator("cpu").manual_seed(seed)
+    return _chunks(pipe, run, generator, model_lock)
+
+
+def _chunks(pipe: KreaRealtimeVideoPipeline, run, generator: torch.Generator, model_lock: threading.Lock):
     decoder = StreamingWanDecoder(pipe.vae)  # this video's own causal feature cache
-    chunks = pipe._generate_latents(run, generator, None, None, [])  # this video's own KV cache
+    latents = pipe._generate_latents(run, generator, None, None, [])  # this video's own KV cache
     while True:
         with model_lock, torch.no_grad():
-            clean = next(chunks, None)  # (1, channels, chunk_frames, h, w)
+            clean = next(latents, None)  # (1, channels, chunk_frames, h, w)
             if clean is None:
                 return
             video = decoder.decode(denormalize_wan_latents(clean.to(pipe.vae.dtype), pipe.vae))
@@ -147,7 +152,7 @@ def build_demo(
 
     pipe = pipeline if pipeline is not None else load_pipeline(model_path, device=device, dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
-    native_height, native_width = native_size(pipe, None if pipeline is not None else model_path)
+    native_height, native_width = native_size(pipe)
     height, width = height or native_height, width or native_width
     streaming = streaming_available() if streaming is None else streaming
     model_lock = threading.Lock()
@@ -156,11 +161,10 @@ def build_demo(
         prompt = (prompt or "").strip()
         if not prompt:
             raise gr.Error("Type a prompt first.")
+        live = LivePrompt(prompt)
         try:
             num_frames = frames_for_seconds(pipe, float(seconds), fps)
-            live = LivePrompt(prompt)
-            frames_iter = generate_frames(pipe, live, num_frames, height, width, int(seed or 0), model_lock)
-            first = next(frames_iter)  # the pipeline validates everything before the first chunk
+            chunks = generate_frames(pipe, live, num_frames, height, width, int(seed or 0), model_lock)
         except ValueError as exc:
             raise gr.Error(str(exc)) from exc
         session.live = live
@@ -168,7 +172,7 @@ def build_demo(
         segments: list[Path] = []
         written, start = 0, time.perf_counter()
         try:
-            for index, frames in enumerate(_chain(first, frames_iter)):
+            for index, frames in enumerate(chunks):
                 segment = workdir / f"segment-{index:05d}.mp4"
                 with StreamingVideoWriter(segment, fps=fps) as writer:
                     writer.write(frames)
@@ -225,8 +229,3 @@ def build_demo(
         new_prompt.submit(**switch, api_visibility="private")
         demo.queue(default_concurrency_limit=max_concurrency)
     return demo
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest

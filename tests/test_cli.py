@@ -4,6 +4,8 @@ The tiny pipeline makes 2 frames per chunk (no temporal VAE compression) and run
 """
 
 import importlib.util
+import json
+import shutil
 from pathlib import Path
 
 import imageio.v3 as iio
@@ -15,6 +17,7 @@ from tiny_components import tiny_pipeline
 import rolldiff.defaults
 from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.cli import main
+from rolldiff.defaults import native_size
 
 RED, BLUE = "a red circle moving left", "a blue square moving up"
 SIZE = ["--height", "16", "--width", "16"]
@@ -68,6 +71,14 @@ def test_default_model_is_used_without_model_argument(model_dir, tmp_path, monke
     assert main(["generate", "--prompt", RED, "--seconds", "0.25", "--out", str(out)]) == 0  # 16 fps: 4 frames
     assert _read(out).shape == (4, 32, 32, 3)  # the embedded default's native size
     assert "32x32" in capsys.readouterr().out
+
+
+def test_native_size_comes_from_model_index_else_480x832(model_dir, tmp_path):
+    assert native_size(KreaRealtimeVideoPipeline.from_pretrained(model_dir)) == (480, 832)  # nothing stored
+    sized = shutil.copytree(model_dir, tmp_path / "sized")
+    index = json.loads((sized / "model_index.json").read_text())
+    (sized / "model_index.json").write_text(json.dumps({**index, "height": 16, "width": 32}))
+    assert native_size(KreaRealtimeVideoPipeline.from_pretrained(sized)) == (16, 32)
 
 
 @pytest.mark.parametrize(

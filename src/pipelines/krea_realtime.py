@@ -413,13 +413,17 @@ class KreaRealtimeVideoPipeline(DiffusionPipeline):
             chunk_frames, sink_frames, window_frames, position_mode: cache geometry in latent frames
                 (defaults from the pipeline config); the window counts the chunk and excludes the sink.
         """
-        run = self._prepare_run(
-            prompt, prompt_schedule, negative_prompt, num_frames, height, width, denoising_steps, guidance_scale,
-            output_type, latents, chunk_frames, sink_frames, window_frames, position_mode, attention_bias,
-            max_sequence_length,
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
+        chunks = self.stream(  # the same run, kept as latents, then decoded in one pass
+            prompt, num_frames, height, width, prompt_schedule=prompt_schedule, negative_prompt=negative_prompt,
+            denoising_steps=denoising_steps, guidance_scale=guidance_scale, generator=generator, latents=latents,
+            output_type="latent", chunk_frames=chunk_frames, sink_frames=sink_frames, window_frames=window_frames,
+            position_mode=position_mode, attention_bias=attention_bias, max_sequence_length=max_sequence_length,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )  # fmt: skip
-        tensor_inputs = self._check_callback_inputs(callback_on_step_end_tensor_inputs)
-        chunks = list(self._generate_latents(run, generator, latents, callback_on_step_end, tensor_inputs))
+        chunks = list(chunks)
         latents_out = torch.cat(chunks, dim=2)
         if output_type == "latent":
             frames = latents_out

@@ -13,6 +13,7 @@ chunk after a gap has no recent context (it could not know where the shape is), 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -122,11 +123,17 @@ def clean_prediction(
     chunk_sigmas: torch.Tensor,
     noise: torch.Tensor,
     layout: ChunkLayout,
+    context: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x0_hat` of the noisy half `(batch, z_dim, F, h, w)` and the per-frame sigmas used."""
+    """`x0_hat` of the noisy half `(batch, z_dim, F, h, w)` and the per-frame sigmas used.
+
+    The noisy half is made from `clean`; the clean half (the cache) is `context` when given.
+    """
     hidden_states, timestep, sigma_5d, frame_indices, frame_mask = teacher_forcing_inputs(
         clean, noise, chunk_sigmas, layout
     )
+    if context is not None:
+        hidden_states = torch.cat([context, hidden_states[:, :, clean.shape[2] :]], dim=2)
     velocity = model(
         hidden_states, timestep, text, layout=layout, frame_indices=frame_indices, frame_mask=frame_mask
     ).sample
@@ -135,10 +142,10 @@ def clean_prediction(
 
 
 def teacher_forcing_loss(
-    model, clean, text, chunk_sigmas, noise, layout: ChunkLayout, loss_mask: torch.Tensor | None = None
+    model, clean, text, chunk_sigmas, noise, layout: ChunkLayout, loss_mask: torch.Tensor | None = None, context=None
 ) -> torch.Tensor:
-    """Masked mean over noisy chunks of the per-chunk MSE of `x0_hat`."""
-    x0_hat, _ = clean_prediction(model, clean, text, chunk_sigmas, noise, layout)
+    """Masked mean over noisy chunks of the per-chunk MSE of `x0_hat` (`context` replaces the clean half)."""
+    x0_hat, _ = clean_prediction(model, clean, text, chunk_sigmas, noise, layout, context)
     per_frame = (x0_hat - clean).pow(2).mean(dim=(1, 3, 4))  # (B, F)
     per_chunk = per_frame.unflatten(1, (-1, layout.chunk_frames)).mean(-1)  # (B, chunks)
     if loss_mask is None:
@@ -153,7 +160,7 @@ def context_check(
     """x0 error of the last chunk at full noise, with the real context vs another video's context vs zeros.
 
     A model that uses its cache must predict the last chunk (where the shape is) far better with the real
-    context. Errors are MSE in normalised latent units, on contiguous held-out clips.
+    context. Errors are MSE in normalised latent units, on held-out clips (half of them with a gap after the sink).
     """
     layout = config.layout()
     rng = np.random.default_rng(seed)
@@ -167,10 +174,9 @@ def context_check(
     for sigma in (sigma_for_step(config.denoising_steps[0], config.shift), sigma_for_step(500, config.shift)):
         sigmas = torch.full((num_clips, num_chunks), sigma)
         for name, context in (("real", clean), ("other video", swapped), ("zeros", torch.zeros_like(clean))):
-            inputs = torch.cat([context[:, :, : last.start], clean[:, :, last]], dim=2)
             was_training = model.training
             model.eval()
-            x0_hat, _ = clean_prediction(model, inputs, text, sigmas, noise, layout)
+            x0_hat, _ = clean_prediction(model, clean, text, sigmas, noise, layout, context)
             model.train(was_training)
             error = (x0_hat[:, :, last] - clean[:, :, last]).pow(2).mean().item()
             results[f"sigma {sigma:.3f} context {name}"] = error
@@ -190,35 +196,49 @@ def train_transformer(
     seed: int = 0,
     log=print,
     log_every: int = 50,
+    on_step=None,
     on_interval=None,
     interval_seconds: float = 600.0,
+    context_noise: float = 0.05,
 ) -> list[float]:
-    """AdamW with warmup then constant lr, for `seconds` of wall time or `max_steps`; returns every loss.
+    """AdamW, warmup then cosine decay to 10% over the run, for `seconds` of wall time or `max_steps`.
 
-    `on_interval(step)` is called every `interval_seconds` (checkpointing, context checks).
+    Half the clips get Gaussian noise of std up to `context_noise` on their clean (context) frames, still
+    at timestep 0: at generation time the cache holds the model's own, slightly imperfect, predictions.
+    `on_step(model)` runs after every optimizer step (EMA); `on_interval(step)` every `interval_seconds`
+    (checkpointing, context checks). Returns the loss of every step.
     """
     layout = config.layout()
     rng = np.random.default_rng(seed)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup_steps))
     model.train()
     losses: list[float] = []
     began = last_interval = time.perf_counter()
     step = 0
+
+    def progress() -> float:
+        by_time = (time.perf_counter() - began) / seconds
+        return min(1.0, max(by_time, step / max_steps if max_steps else 0.0))
+
     num_chunks = clip_frames // layout.chunk_frames
     while time.perf_counter() - began < seconds and (max_steps is None or step < max_steps):
         clean, text, loss_mask = sample_clips(data, batch_size, clip_frames, layout, rng)
         sigmas = sample_chunk_sigmas(batch_size, num_chunks, config, generator)
         noise = torch.randn(clean.shape, generator=generator)
-        loss = teacher_forcing_loss(model, clean, text, sigmas, noise, layout, loss_mask)
+        context_std = context_noise * torch.rand(batch_size, generator=generator) * (torch.rand(batch_size, generator=generator) < 0.5)
+        context = clean + context_std.view(-1, 1, 1, 1, 1) * torch.randn(clean.shape, generator=generator)
+        loss = teacher_forcing_loss(model, clean, text, sigmas, noise, layout, loss_mask, context=context)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / warmup_steps) * (0.55 + 0.45 * math.cos(math.pi * progress()))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        schedule.step()
         losses.append(loss.item())
         step += 1
+        if on_step is not None:
+            on_step(model)
         if step % log_every == 0:
             elapsed = time.perf_counter() - began
             log(f"step {step:6d}  loss {np.mean(losses[-log_every:]):.5f}  {step / elapsed:.2f} steps/s")

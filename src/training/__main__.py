@@ -1,0 +1,160 @@
+"""Train the tiny toy-world pipeline and save it as a diffusers pipeline folder.
+
+    python examples/train_tiny.py --out src/assets/tiny-bouncing-shapes --minutes 60
+
+Stages: (1) tokenizer and frozen random text encoder, (2) VAE (or `--vae-from` a trained one), (3) encode
+toy-world videos to normalised latents, (4) teacher-forcing training of the transformer, checkpointing the
+whole pipeline folder and printing a context check every `--checkpoint-minutes`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLWan
+
+from .tiny_components import (
+    TinyConfig,
+    build_scheduler,
+    build_text_encoder,
+    build_tokenizer,
+    build_transformer,
+    build_vae,
+)
+from .train_transformer import build_latent_videos, context_check, train_transformer
+from .train_vae import evaluate_reconstructions, set_latent_statistics, train_vae
+
+HELD_OUT_SEEDS = range(100, 101)  # training videos use seeds 0 .. --videos-per-prompt - 1
+
+
+class EMA:
+    """Exponential moving average of a model's weights, with the usual warm-up of the decay."""
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.shadow = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.updates = 0
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        self.updates += 1
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        for key, value in model.state_dict().items():
+            if value.dtype.is_floating_point:
+                self.shadow[key].lerp_(value, 1 - decay)
+
+    def copy_to(self, model: torch.nn.Module) -> None:
+        model.load_state_dict(self.shadow)
+
+
+def save_pipeline(out: Path, tokenizer, text_encoder, transformer, vae, scheduler, config: TinyConfig) -> None:
+    """Save all components as a diffusers pipeline folder (the lead's pipeline writes `model_index.json`)."""
+    try:
+        from ..pipelines.krea_realtime import KreaRealtimeVideoPipeline
+    except ImportError:
+        KreaRealtimeVideoPipeline = None
+    out.mkdir(parents=True, exist_ok=True)
+    if KreaRealtimeVideoPipeline is not None:
+        pipeline = KreaRealtimeVideoPipeline(
+            tokenizer=tokenizer,
+            text_encoder=text_encoder,
+            transformer=transformer,
+            vae=vae,
+            scheduler=scheduler,
+            chunk_frames=config.chunk_frames,
+            sink_frames=config.sink_frames,
+            window_frames=config.window_frames,
+            position_mode=config.position_mode,
+            denoising_steps=list(config.denoising_steps),
+            max_sequence_length=config.max_sequence_length,
+        )
+        pipeline.save_pretrained(out, safe_serialization=True)
+        return
+    for name, component in (("transformer", transformer), ("vae", vae), ("text_encoder", text_encoder)):
+        component.save_pretrained(out / name, safe_serialization=True)
+    tokenizer.save_pretrained(out / "tokenizer")
+    scheduler.save_pretrained(out / "scheduler")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
+    parser.add_argument("--minutes", type=float, default=60.0, help="wall time of transformer training")
+    parser.add_argument("--steps", type=int, default=None, help="stop after this many transformer steps")
+    parser.add_argument("--vae-steps", type=int, default=500)
+    parser.add_argument("--vae-from", type=Path, default=None, help="load a trained VAE instead of training one")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--clip-frames", type=int, default=12, help="latent frames per teacher-forcing clip")
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids thrashing on shared CPUs)")
+    parser.add_argument("--videos-per-prompt", type=int, default=12, help="training videos of 97 frames per prompt")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = TinyConfig()
+    began = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - began:7.0f} s] {message}", flush=True)
+
+    log(f"config {config}")
+    # 1. Text
+    tokenizer = build_tokenizer()
+    text_encoder = build_text_encoder(config, len(tokenizer), seed=args.seed)
+    # 2. VAE
+    if args.vae_from is not None:
+        vae = AutoencoderKLWan.from_pretrained(args.vae_from).eval()
+        log(f"loaded VAE from {args.vae_from}")
+    else:
+        vae = build_vae(config, seed=args.seed)
+        train_vae(vae, config, seconds=float("inf"), max_steps=args.vae_steps, batch_size=6, lr=1.5e-3, log=log)
+        set_latent_statistics(vae, config)
+    vae.requires_grad_(False)
+    log(f"VAE latents_mean {vae.config.latents_mean} latents_std {vae.config.latents_std}")
+    log(f"VAE reconstructions {json.dumps(evaluate_reconstructions(vae, config))}")
+    # 3. Latent videos
+    train_data = build_latent_videos(vae, tokenizer, text_encoder, config, range(args.videos_per_prompt))
+    held_out = build_latent_videos(vae, tokenizer, text_encoder, config, HELD_OUT_SEEDS)
+    log(f"latent videos: train {tuple(train_data.latents.shape)}, held out {tuple(held_out.latents.shape)}")
+    # 4. Transformer
+    transformer = build_transformer(config, seed=args.seed)
+    log(f"transformer parameters {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f} M")
+    ema = EMA(transformer, decay=0.999)
+    scheduler = build_scheduler(config)
+    ema_model = build_transformer(config, seed=args.seed)
+
+    def checkpoint(step: int) -> None:
+        ema.copy_to(ema_model)
+        for name, model in (("raw", transformer), ("ema", ema_model)):
+            checks = context_check(model, held_out, config, args.clip_frames)
+            log(f"context check ({name}) at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in checks.items()))
+        save_pipeline(args.out, tokenizer, text_encoder, ema_model.eval(), vae, scheduler, config)
+        log(f"saved pipeline (EMA weights) to {args.out} at step {step}")
+
+    losses = train_transformer(
+        transformer,
+        train_data,
+        config,
+        seconds=args.minutes * 60,
+        max_steps=args.steps,
+        batch_size=args.batch_size,
+        clip_frames=args.clip_frames,
+        lr=args.lr,
+        seed=args.seed,
+        log=log,
+        on_step=ema.update,
+        on_interval=checkpoint,
+        interval_seconds=args.checkpoint_minutes * 60,
+    )
+    log(f"trained {len(losses)} steps, final loss (mean of last 100) {sum(losses[-100:]) / len(losses[-100:]):.5f}")
+    checkpoint(len(losses))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Training of the tiny toy-world pipeline: components, teacher-forcing batches, a few optimizer steps."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from rolldiff.models.krea_realtime import teacher_forcing_frame_mask
+from rolldiff.pipelines.text_encoding import encode_prompts
+from rolldiff.toyworld import all_prompts
+from rolldiff.training.tiny_components import TinyConfig, build_text_encoder, build_tokenizer, build_transformer
+from rolldiff.training.train_transformer import (
+    LatentVideos,
+    sample_chunk_sigmas,
+    sample_clips,
+    teacher_forcing_inputs,
+    teacher_forcing_loss,
+)
+
+# Smaller than the shipped model so a few optimizer steps take well under a second each.
+CONFIG = dataclasses.replace(TinyConfig(), num_heads=2, head_dim=12, ffn_dim=48, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def text():
+    tokenizer = build_tokenizer()
+    return tokenizer, build_text_encoder(CONFIG, len(tokenizer))
+
+
+def random_videos(prompt_embeds: torch.Tensor, num_videos: int = 4, frames: int = 30) -> LatentVideos:
+    latents = torch.randn(num_videos, CONFIG.z_dim, frames, *CONFIG.latent_size, generator=torch.Generator().manual_seed(0))
+    return LatentVideos(latents, torch.arange(num_videos) % len(prompt_embeds), prompt_embeds)
+
+
+def test_tokenizer_round_trips_through_save_pretrained(tmp_path):
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert isinstance(loaded, PreTrainedTokenizerFast)
+    for prompt in all_prompts():
+        assert loaded(prompt).input_ids == tokenizer(prompt).input_ids
+    ids = loaded("a red circle moving left", padding="max_length", max_length=8).input_ids
+    assert ids[-3:] == [loaded.eos_token_id, loaded.pad_token_id, loaded.pad_token_id]
+    assert loaded.unk_token_id not in ids
+
+
+def test_every_prompt_gets_a_distinct_embedding(text):
+    tokenizer, text_encoder = text
+    embeds = encode_prompts(tokenizer, text_encoder, all_prompts(), CONFIG.max_sequence_length)
+    flat = embeds.flatten(1)
+    distances = torch.cdist(flat, flat) + torch.eye(len(flat)) * 1e9
+    assert embeds.shape == (48, CONFIG.max_sequence_length, CONFIG.text_dim)
+    assert distances.min() > 1.0
+
+
+def test_clips_start_with_the_sink_and_mask_the_chunk_after_a_gap(text):
+    layout = CONFIG.layout()
+    data = random_videos(torch.zeros(4, CONFIG.max_sequence_length, CONFIG.text_dim))
+    clips, embeds, loss_mask = sample_clips(data, 6, 12, layout, np.random.default_rng(0), gap_prob=1.0)
+    assert clips.shape == (6, CONFIG.z_dim, 12, *CONFIG.latent_size)
+    assert embeds.shape == (6, CONFIG.max_sequence_length, CONFIG.text_dim)
+    assert loss_mask.tolist() == [[1.0, 0.0, 1.0, 1.0]] * 6
+    sinks = clips[:, :, : layout.sink_frames]
+    assert any(torch.equal(sinks[0], data.latents[v, :, : layout.sink_frames]) for v in range(4))
+
+
+def test_teacher_forcing_inputs_shapes_and_timesteps():
+    layout = CONFIG.layout()
+    clean = torch.randn(2, CONFIG.z_dim, 12, *CONFIG.latent_size)
+    sigmas = torch.tensor([[1.0, 0.5, 0.25, 0.75], [0.1, 0.2, 0.3, 0.4]])
+    hidden, timestep, sigma_5d, frame_indices, frame_mask = teacher_forcing_inputs(
+        clean, torch.zeros_like(clean), sigmas, layout
+    )
+    assert hidden.shape == (2, CONFIG.z_dim, 24, *CONFIG.latent_size)
+    assert timestep.shape == (2, 24)
+    assert timestep[:, :12].eq(0).all()
+    assert timestep[0, 12:].tolist() == [1000.0] * 3 + [500.0] * 3 + [250.0] * 3 + [750.0] * 3
+    assert sigma_5d.shape == (2, 1, 12, 1, 1)
+    torch.testing.assert_close(hidden[:, :, :12], clean)
+    torch.testing.assert_close(hidden[0, :, 15:18], 0.5 * clean[0, :, 3:6])  # zero noise at sigma 0.5
+    expected_indices, expected_mask = teacher_forcing_frame_mask(12, layout)
+    assert torch.equal(frame_indices, expected_indices) and torch.equal(frame_mask, expected_mask)
+
+
+def test_chunk_sigmas_lie_in_the_trained_range():
+    sigmas = sample_chunk_sigmas(64, 4, CONFIG, torch.Generator().manual_seed(0))
+    assert sigmas.shape == (64, 4)
+    assert sigmas.min() >= 0.02 and sigmas.max() <= 1.0
+    assert (sigmas == 1.0).any() and (sigmas == 0.625).any()
+
+
+def test_loss_is_finite_and_decreases_on_a_fixed_batch(text):
+    tokenizer, text_encoder = text
+    layout = CONFIG.layout()
+    torch.manual_seed(0)
+    model = build_transformer(CONFIG).train()
+    embeds = encode_prompts(tokenizer, text_encoder, all_prompts()[:2], CONFIG.max_sequence_length)
+    clean = torch.randn(2, CONFIG.z_dim, 6, *CONFIG.latent_size)
+    noise = torch.randn_like(clean)
+    sigmas = torch.tensor([[1.0, 0.625], [0.833, 0.9375]])
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        loss = teacher_forcing_loss(model, clean, embeds, sigmas, noise, layout)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert all(np.isfinite(losses))
+    assert losses[-1] < 0.7 * losses[0]
