@@ -9,9 +9,23 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from .defaults import DTYPES, ModelNotFoundError, default_device, default_dtype
+import torch
+from tqdm.auto import tqdm
+
+from .defaults import (
+    DTYPES,
+    ModelNotFoundError,
+    default_device,
+    default_dtype,
+    frames_for_seconds,
+    load_pipeline,
+    native_size,
+)
+from .pipelines import StreamingVideoWriter
 
 EXIT_USAGE = 2
 
@@ -57,8 +71,6 @@ def _positive(kind):
 
 
 def _device(text: str) -> str:
-    import torch
-
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -119,12 +131,6 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------------------------- commands
 def run_generate(args: argparse.Namespace) -> int:
-    import torch
-    from tqdm.auto import tqdm
-
-    from .defaults import frames_for_seconds, load_pipeline, native_size
-    from .pipelines import StreamingVideoWriter
-
     if args.out.suffix.lower() != ".mp4":
         raise UsageError(f"--out must be an .mp4 file, got {str(args.out)!r}")
     if not args.out.parent.is_dir():
@@ -156,23 +162,23 @@ def run_generate(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
     num_chunks = pipe._frames_to_latent(num_frames) // chunk_frames
-    print(
-        f"Generating {num_frames} frames ({num_frames / args.fps:.2f} s at {args.fps} fps), {height}x{width}, on {device}"
-    )
+    rounded = " (rounded up to whole chunks)" if num_frames != round(args.seconds * args.fps) else ""
+    duration = num_frames / args.fps
+    print(f"Generating {num_frames} frames{rounded}: {duration:.2f} s at {args.fps} fps, {height}x{width}, {device}")
 
     start = time.perf_counter()
     with StreamingVideoWriter(args.out, fps=args.fps) as writer, tqdm(total=num_chunks, unit="chunk") as progress:
         for frames in chunks:  # (1, frames, height, width, 3) in [0, 1]
             writer.write((frames[0] * 255.0).round().clip(0, 255).astype("uint8"))
             progress.update()
-    seconds = time.perf_counter() - start
+    elapsed = time.perf_counter() - start
     print(f"Wrote {writer.frames_written} frames to {args.out.resolve()}")
-    print(f"{writer.frames_written / seconds:.1f} frames per second ({seconds:.1f} s for the whole video)")
+    print(f"{writer.frames_written / elapsed:.1f} frames per second ({elapsed:.1f} s for the whole video)")
     return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .demo import build_demo
+    from .demo import build_demo  # imports gradio: only for this command
 
     device = args.device or default_device()
     demo = build_demo(
@@ -182,23 +188,33 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _quiet_libraries() -> None:
-    """Keep stderr for our progress bar and errors: no per-component loading bars or deprecation chatter."""
-    import diffusers
-    import transformers
+@contextmanager
+def _quiet_libraries() -> Iterator[None]:
+    """Keep stderr for our progress bar and errors: no per-component loading bars or library chatter."""
+    import diffusers.utils.logging as diffusers_logging
+    import transformers.utils.logging as transformers_logging
 
-    diffusers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
+    saved = [
+        (lib, lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in (diffusers_logging, transformers_logging)
+    ]
+    for lib, _, _ in saved:
+        lib.set_verbosity_error()
+        lib.disable_progress_bar()
+    try:
+        yield
+    finally:  # `main` may run inside a bigger program (or a test session): leave it as it was
+        for lib, verbosity, bars in saved:
+            lib.set_verbosity(verbosity)
+            if bars:
+                lib.enable_progress_bar()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `rolldiff` command; returns the exit code."""
     try:
         args = build_parser().parse_args(argv)
-        _quiet_libraries()
-        return args.run(args)
+        with _quiet_libraries():
+            return args.run(args)
     except (UsageError, ModelNotFoundError) as exc:
         print(f"rolldiff: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever the message
         return EXIT_USAGE

@@ -6,7 +6,6 @@ the package so `rolldiff generate --prompt ...` runs on a laptop CPU with no dow
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -18,8 +17,6 @@ import rolldiff
 from .pipelines import KreaRealtimeVideoPipeline
 
 DEFAULT_MODEL_NAME = "tiny-bouncing-shapes"
-DEFAULT_MODEL_SIZE = (32, 32)  # (height, width) it was trained at: `training.tiny_components.TinyConfig`
-FALLBACK_SIZE = (480, 832)  # Wan 2.1's 480p, for checkpoints that record no size
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # "name" or "org/name": what the Hugging Face Hub accepts as a repository id.
@@ -90,23 +87,11 @@ def load_pipeline(
 
 
 def native_size(pipe: KreaRealtimeVideoPipeline) -> tuple[int, int]:
-    """The `(height, width)` in pixels a checkpoint was trained at.
+    """The `(height, width)` in pixels a checkpoint was trained at: the pipeline's registered `height`/`width`.
 
-    Read from `height`/`width` in the pipeline's config or in its folder's `model_index.json`; the embedded
-    default is 32x32; anything else (or a pipeline built in memory) falls back to Wan 2.1's 480x832.
+    Pipelines saved before those were registered load with Wan 2.1's 480x832.
     """
-    sources = [dict(pipe.config)]
-    source = pipe.config.get("_name_or_path")  # set by `from_pretrained`
-    folder = Path(source) if source else None
-    if folder is not None and (folder / "model_index.json").is_file():
-        sources.append(json.loads((folder / "model_index.json").read_text()))
-    for config in sources:
-        height, width = config.get("height"), config.get("width")
-        if isinstance(height, int) and isinstance(width, int):
-            return height, width
-    if folder is not None and folder.exists() and folder.resolve() == default_model_path().resolve():
-        return DEFAULT_MODEL_SIZE
-    return FALLBACK_SIZE
+    return int(pipe.config.height), int(pipe.config.width)
 
 
 def frames_for_seconds(

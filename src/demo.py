@@ -185,8 +185,9 @@ def build_demo(
                     "frames_per_second": round(written / (time.perf_counter() - start), 2),
                     "prompt_schedule": [[frame, text] for frame, text in live.applied],
                 }
-                # Gradio copies the file into its cache before asking for the next chunk.
                 yield video, details
+                if not streaming:  # Gradio copied it into its cache before asking for the next chunk
+                    video.unlink()
         finally:
             if session.live is live:
                 session.live = None
@@ -214,7 +215,7 @@ def build_demo(
                 seed = gr.Number(value=0, precision=0, label="Seed")
                 with gr.Row():
                     generate_button = gr.Button("Generate", variant="primary", elem_id="generate")
-                    stop_button = gr.Button("Stop")
+                    stop_button = gr.Button("Stop", elem_id="stop")
                 new_prompt = gr.Textbox(label="Switch prompt to", value=EXAMPLE_PROMPTS[1], elem_id="new-prompt")
                 switch_button = gr.Button("Switch prompt", elem_id="switch")
                 switch_status = gr.Markdown()

@@ -66,14 +66,17 @@ def test_prompt_at_gives_the_pipelines_prompt_schedule(model_dir, tmp_path):
 
 
 def test_default_model_is_used_without_model_argument(model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(rolldiff.defaults, "default_model_path", lambda: model_dir)
+    default = shutil.copytree(model_dir, tmp_path / "default")
+    index = json.loads((default / "model_index.json").read_text())
+    (default / "model_index.json").write_text(json.dumps({**index, "height": 16, "width": 16}))
+    monkeypatch.setattr(rolldiff.defaults, "default_model_path", lambda: default)
     out = tmp_path / "default.mp4"
     assert main(["generate", "--prompt", RED, "--seconds", "0.25", "--out", str(out)]) == 0  # 16 fps: 4 frames
-    assert _read(out).shape == (4, 32, 32, 3)  # the embedded default's native size
-    assert "32x32" in capsys.readouterr().out
+    assert _read(out).shape == (4, 16, 16, 3)  # the default's native size, from its model_index.json
+    assert "16x16" in capsys.readouterr().out
 
 
-def test_native_size_comes_from_model_index_else_480x832(model_dir, tmp_path):
+def test_native_size_comes_from_the_pipeline_config_else_480x832(model_dir, tmp_path):
     assert native_size(KreaRealtimeVideoPipeline.from_pretrained(model_dir)) == (480, 832)  # nothing stored
     sized = shutil.copytree(model_dir, tmp_path / "sized")
     index = json.loads((sized / "model_index.json").read_text())
@@ -107,7 +110,7 @@ def test_bad_arguments_exit_2_with_one_line_on_stderr(model_dir, tmp_path, capsy
     assert not (tmp_path / "v.mp4").exists()
 
 
-@pytest.mark.parametrize("model", ["/no/such/pipeline", "not a hub id!", "."])
+@pytest.mark.parametrize("model", ["/no/such/pipeline", "not a hub id!", ".", "rolldiff-test/no-such-pipeline"])
 def test_missing_model_exits_2(tmp_path, capsys, model):
     assert main(["generate", "--model", model, "--prompt", RED, "--out", str(tmp_path / "v.mp4")]) == 2
     err = capsys.readouterr().err
@@ -118,6 +121,21 @@ def test_missing_embedded_default_exits_2(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(rolldiff.defaults, "default_model_path", lambda: tmp_path / "absent")
     assert main(["generate", "--prompt", RED, "--out", str(tmp_path / "v.mp4")]) == 2
     assert "embedded default model is missing" in capsys.readouterr().err
+
+
+def test_demo_command_serves_on_localhost_by_default(model_dir, monkeypatch):
+    import gradio as gr
+
+    launched = {}
+    monkeypatch.setattr(rolldiff.defaults, "default_model_path", lambda: model_dir)
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: launched.update(kwargs))
+    assert main(["demo", "--port", "7861"]) == 0
+    assert launched == {"server_name": "127.0.0.1", "server_port": 7861}
+
+
+def test_demo_command_with_a_missing_model_exits_2(capsys):
+    assert main(["demo", "--model", "/no/such/pipeline"]) == 2
+    assert capsys.readouterr().err.startswith("rolldiff: error: --model")
 
 
 def test_help_exits_0(capsys):

@@ -8,6 +8,7 @@ two runs can be compared exactly.
 import socket
 import threading
 import time
+from pathlib import Path
 
 import imageio.v3 as iio
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from gradio_client import Client
 from tiny_components import tiny_pipeline
 
-from rolldiff.demo import LivePrompt, build_demo, generate_frames
+from rolldiff.demo import LivePrompt, build_demo, generate_frames, streaming_available
 
 FPS = 4
 RED, BLUE, GREEN = "a red circle moving left", "a blue square moving up", "a green triangle moving right"
@@ -39,10 +40,15 @@ def pipe():
     return pipe
 
 
+def _serve(pipe, streaming: bool):
+    demo = build_demo(pipeline=pipe, max_concurrency=2, height=16, width=16, fps=FPS, streaming=streaming)
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=_free_port(), quiet=True)
+    return demo
+
+
 @pytest.fixture(scope="module")
 def server(pipe):
-    demo = build_demo(pipeline=pipe, max_concurrency=2, height=16, width=16, fps=FPS, streaming=False)
-    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=_free_port(), quiet=True)
+    demo = _serve(pipe, streaming=False)  # the whole mp4 so far after each chunk: comparable frame by frame
     yield demo
     demo.close()
 
@@ -59,6 +65,13 @@ def slow_chunks(pipe):
     handle.remove()
 
 
+def _wait_for_first_chunk(job, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not job.outputs():
+        assert not job.done() and time.monotonic() < deadline, "the generation sent no chunk"
+        time.sleep(0.02)
+
+
 def test_generate_yields_the_video_so_far_after_every_chunk(server):
     job = _client(server).submit(RED, 2, 0, api_name="/generate")  # 2 s at 4 fps: 8 frames, 4 chunks
     video, details = job.result()
@@ -71,8 +84,7 @@ def test_switching_the_prompt_mid_run_changes_the_frames_after_the_switch(server
     client = _client(server)
     plain = _read(client.predict(RED, 3, 0, api_name="/generate")[0])
     job = client.submit(RED, 3, 0, api_name="/generate")  # 12 frames, 6 chunks
-    while not job.outputs():
-        time.sleep(0.02)
+    _wait_for_first_chunk(job)
     assert client.predict(BLUE, api_name="/switch_prompt").startswith("Switching")
     video, details = job.result()
 
@@ -83,8 +95,11 @@ def test_switching_the_prompt_mid_run_changes_the_frames_after_the_switch(server
     assert not np.array_equal(switched[switch_frame:], plain[switch_frame:])
 
 
-def test_switch_without_a_running_generation_says_so(server):
+def test_a_switch_only_steers_its_own_session(server, slow_chunks):
+    job = _client(server).submit(RED, 2, 0, api_name="/generate")
+    _wait_for_first_chunk(job)
     assert _client(server).predict(BLUE, api_name="/switch_prompt").startswith("Nothing is generating")
+    assert job.result()[1]["prompt_schedule"] == [[0, RED]]
 
 
 def test_concurrent_sessions_each_get_the_video_they_get_alone(server):
@@ -109,3 +124,15 @@ def test_live_switch_equals_the_pipelines_prompt_schedule_at_the_recorded_frame(
     expected = pipe.stream(None, 8, 16, 16, prompt_schedule=live.applied, generator=torch.Generator().manual_seed(0))
     expected = (np.concatenate([c[0] for c in expected]) * 255.0).round().clip(0, 255).astype(np.uint8)
     np.testing.assert_array_equal(np.concatenate(chunks), expected)
+
+
+@pytest.mark.skipif(not streaming_available(), reason="Gradio's streaming video output needs ffmpeg and ffprobe")
+def test_streaming_output_sends_one_hls_segment_per_chunk(pipe):
+    demo = _serve(pipe, streaming=True)
+    try:
+        job = _client(demo).submit(RED, 2, 0, api_name="/generate")  # 4 chunks of 2 frames at 4 fps
+        playlist = Path(job.result()[0]).read_text()
+    finally:
+        demo.close()
+    assert len(job.outputs()) == 4
+    assert playlist.count("#EXTINF:0.5") == 4 and playlist.rstrip().endswith("#EXT-X-ENDLIST")

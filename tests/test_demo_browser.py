@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from tiny_components import tiny_pipeline
 
-from rolldiff.demo import build_demo
+from rolldiff.demo import build_demo, streaming_available
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra) to run it")
 
@@ -54,19 +54,23 @@ def chromium() -> str:
     return path
 
 
-@pytest.fixture(scope="module")
-def demo_url():
+@pytest.fixture(
+    params=[
+        pytest.param(False, id="mp4-so-far"),
+        pytest.param(True, id="hls-stream", marks=pytest.mark.skipif(not streaming_available(), reason="no ffmpeg")),
+    ]
+)
+def demo_url(request):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    pipe = tiny_pipeline()
-    demo = build_demo(pipeline=pipe, height=16, width=16, fps=4, streaming=False)
+    demo = build_demo(pipeline=tiny_pipeline(), height=16, width=16, fps=4, streaming=request.param)
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=port, quiet=True)
     yield demo.local_url
     demo.close()
 
 
-def test_clicking_generate_shows_the_video(chromium, demo_url, tmp_path):
+def test_clicking_generate_shows_the_video(chromium, demo_url, tmp_path, request):
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch_persistent_context(
             str(tmp_path / "profile"),  # a fresh --user-data-dir
@@ -81,8 +85,11 @@ def test_clicking_generate_shows_the_video(chromium, demo_url, tmp_path):
             page.click("#generate")
             video = page.wait_for_selector("#video video[src]", timeout=60_000)
             assert video.get_attribute("src")
-            page.wait_for_function("() => document.querySelector('#video video').readyState >= 1", timeout=30_000)
+            page.wait_for_function("() => document.querySelector('#video video').readyState >= 2", timeout=30_000)
             ARTIFACTS.mkdir(exist_ok=True)
-            page.screenshot(path=str(ARTIFACTS / "demo.png"))
+            name = "demo.png" if "mp4-so-far" in request.node.name else "demo-streaming.png"
+            page.screenshot(path=str(ARTIFACTS / name))
+            page.click("#stop")  # end the generation before the server goes
+            page.wait_for_selector("#generate:not([disabled])", timeout=30_000)
         finally:
             browser.close()

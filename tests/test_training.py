@@ -10,7 +10,13 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from rolldiff.models.krea_realtime import teacher_forcing_frame_mask
 from rolldiff.pipelines.text_encoding import encode_prompts
 from rolldiff.toyworld import all_prompts
-from rolldiff.training.tiny_components import TinyConfig, build_text_encoder, build_tokenizer, build_transformer
+from rolldiff.training.tiny_components import (
+    TinyConfig,
+    build_text_encoder,
+    build_tokenizer,
+    build_transformer,
+    build_vae,
+)
 from rolldiff.training.train_transformer import (
     LatentVideos,
     sample_chunk_sigmas,
@@ -18,6 +24,7 @@ from rolldiff.training.train_transformer import (
     teacher_forcing_inputs,
     teacher_forcing_loss,
 )
+from rolldiff.training.train_vae import train_vae
 
 # Smaller than the shipped model so a few optimizer steps take well under a second each.
 CONFIG = dataclasses.replace(TinyConfig(), num_heads=2, head_dim=12, ffn_dim=48, num_layers=1)
@@ -30,7 +37,9 @@ def text():
 
 
 def random_videos(prompt_embeds: torch.Tensor, num_videos: int = 4, frames: int = 30) -> LatentVideos:
-    latents = torch.randn(num_videos, CONFIG.z_dim, frames, *CONFIG.latent_size, generator=torch.Generator().manual_seed(0))
+    latents = torch.randn(
+        num_videos, CONFIG.z_dim, frames, *CONFIG.latent_size, generator=torch.Generator().manual_seed(0)
+    )
     return LatentVideos(latents, torch.arange(num_videos) % len(prompt_embeds), prompt_embeds)
 
 
@@ -110,3 +119,13 @@ def test_loss_is_finite_and_decreases_on_a_fixed_batch(text):
         losses.append(loss.item())
     assert all(np.isfinite(losses))
     assert losses[-1] < 0.7 * losses[0]
+
+
+def test_decoder_only_vae_steps_keep_the_latent_space():
+    vae = build_vae(dataclasses.replace(CONFIG, vae_base_dim=8), seed=0)
+    encoder = {k: v.clone() for k, v in vae.encoder.state_dict().items()}
+    decoder = {k: v.clone() for k, v in vae.decoder.state_dict().items()}
+    losses = train_vae(vae, CONFIG, seconds=60, max_steps=2, batch_size=1, decoder_only=True, log=lambda _: None)
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    assert all(torch.equal(encoder[k], v) for k, v in vae.encoder.state_dict().items())
+    assert any(not torch.equal(decoder[k], v) for k, v in vae.decoder.state_dict().items())

@@ -63,7 +63,8 @@ class KreaRealtimeVideoPipeline(DiffusionPipeline):
     Components: `tokenizer` + `text_encoder` (UMT5), `transformer` (`KreaRealtimeTransformer3DModel`),
     `vae` (`AutoencoderKLWan`), `scheduler` (flow matching; its `shift` warps the denoising steps).
     Registered defaults (saved in `model_index.json`): the cache geometry in latent frames, the position
-    mode, the denoising steps, the text length and Krea's KV-cache attention bias.
+    mode, the denoising steps, the text length, Krea's KV-cache attention bias, and the native frame size
+    (`height`/`width`, used when a call gives none).
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
@@ -83,6 +84,8 @@ class KreaRealtimeVideoPipeline(DiffusionPipeline):
         denoising_steps: list[int] | tuple[int, ...] = (1000, 750, 500, 250),
         max_sequence_length: int = 512,
         attention_bias: float = 1.0,
+        height: int = 480,
+        width: int = 832,
     ) -> None:
         super().__init__()
         self.register_modules(
@@ -96,6 +99,8 @@ class KreaRealtimeVideoPipeline(DiffusionPipeline):
             denoising_steps=list(denoising_steps),
             max_sequence_length=max_sequence_length,
             attention_bias=attention_bias,
+            height=height,
+            width=width,
         )
         downsample = getattr(vae.config, "temperal_downsample", [False, True, True]) if vae is not None else None
         self.vae_scale_factor_temporal = 2 ** sum(downsample) if downsample is not None else 4
@@ -136,6 +141,8 @@ class KreaRealtimeVideoPipeline(DiffusionPipeline):
     ) -> _Run:
         """Check every argument and derive the run's geometry; raises before any model work."""
         config = self.config
+        height = config.height if height is None else height
+        width = config.width if width is None else width
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
         layout_args = dict(
@@ -316,8 +323,8 @@ class KreaRealtimeVideoPipeline(DiffusionPipeline):
         self,
         prompt: str | list[str] | None = None,
         num_frames: int = 81,
-        height: int = 480,
-        width: int = 832,
+        height: int | None = None,
+        width: int | None = None,
         *,
         prompt_schedule: Sequence[tuple[int, str]] | dict[int, str] | None = None,
         negative_prompt: str | list[str] | None = None,
@@ -381,8 +388,8 @@ class KreaRealtimeVideoPipeline(DiffusionPipeline):
         self,
         prompt: str | list[str] | None = None,
         num_frames: int = 81,
-        height: int = 480,
-        width: int = 832,
+        height: int | None = None,
+        width: int | None = None,
         *,
         prompt_schedule: Sequence[tuple[int, str]] | dict[int, str] | None = None,
         negative_prompt: str | list[str] | None = None,
@@ -406,7 +413,7 @@ class KreaRealtimeVideoPipeline(DiffusionPipeline):
         Args:
             prompt: the text, or one per batch element; may be omitted when `prompt_schedule` starts at 0.
             num_frames: pixel frames; must be whole chunks (`valid_num_frames` tells the nearest).
-            height, width: pixels, multiples of the VAE factor times the patch size.
+            height, width: pixels, multiples of the VAE factor times the patch size (default: the config's).
             prompt_schedule: `[(frame, prompt), ...]` switches; each takes effect at the next chunk boundary.
             denoising_steps: step values in (0, 1000], strictly decreasing, warped by the scheduler's shift.
             guidance_scale: > 1 enables classifier-free guidance with its own cache for the negative branch.

@@ -29,7 +29,16 @@ from .tiny_components import (
 from .train_transformer import build_latent_videos, context_check, train_transformer
 from .train_vae import evaluate_reconstructions, set_latent_statistics, train_vae
 
-HELD_OUT_SEEDS = range(100, 101)  # training videos use seeds 0 .. --videos-per-prompt - 1
+HELD_OUT_SEEDS = range(100, 101)
+# The VAE schedule of the shipped model: short clips at a high lr, then longer clips so the causal caches
+# of encoder and decoder reach their steady state (what 1000-frame streaming decodes run in); the last
+# phase tunes only the decoder, so the latent space the transformer learns is fixed before it.
+VAE_PHASES = (
+    dict(max_steps=500, batch_size=6, lr=1.5e-3, clip_frames=5),
+    dict(max_steps=700, batch_size=6, lr=1e-3, clip_frames=5),
+    dict(max_steps=300, batch_size=3, lr=5e-4, clip_frames=13),
+    dict(max_steps=250, batch_size=2, lr=3e-4, clip_frames=21, decoder_only=True),  # latents unchanged
+)  # training videos use seeds 0 .. --videos-per-prompt - 1
 
 
 class EMA:
@@ -72,6 +81,8 @@ def save_pipeline(out: Path, tokenizer, text_encoder, transformer, vae, schedule
             position_mode=config.position_mode,
             denoising_steps=list(config.denoising_steps),
             max_sequence_length=config.max_sequence_length,
+            height=config.height,
+            width=config.width,
         )
         pipeline.save_pretrained(out, safe_serialization=True)
         return
@@ -86,7 +97,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
     parser.add_argument("--minutes", type=float, default=60.0, help="wall time of transformer training")
     parser.add_argument("--steps", type=int, default=None, help="stop after this many transformer steps")
-    parser.add_argument("--vae-steps", type=int, default=500)
     parser.add_argument("--vae-from", type=Path, default=None, help="load a trained VAE instead of training one")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--clip-frames", type=int, default=12, help="latent frames per teacher-forcing clip")
@@ -113,7 +123,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         log(f"loaded VAE from {args.vae_from}")
     else:
         vae = build_vae(config, seed=args.seed)
-        train_vae(vae, config, seconds=float("inf"), max_steps=args.vae_steps, batch_size=6, lr=1.5e-3, log=log)
+        for phase, phase_args in enumerate(VAE_PHASES):
+            log(f"VAE phase {phase}: {phase_args}")
+            train_vae(vae, config, seconds=float("inf"), seed=args.seed + phase, log=log, **phase_args)
         set_latent_statistics(vae, config)
     vae.requires_grad_(False)
     log(f"VAE latents_mean {vae.config.latents_mean} latents_std {vae.config.latents_std}")

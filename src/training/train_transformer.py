@@ -226,7 +226,11 @@ def train_transformer(
         clean, text, loss_mask = sample_clips(data, batch_size, clip_frames, layout, rng)
         sigmas = sample_chunk_sigmas(batch_size, num_chunks, config, generator)
         noise = torch.randn(clean.shape, generator=generator)
-        context_std = context_noise * torch.rand(batch_size, generator=generator) * (torch.rand(batch_size, generator=generator) < 0.5)
+        context_std = (
+            context_noise
+            * torch.rand(batch_size, generator=generator)
+            * (torch.rand(batch_size, generator=generator) < 0.5)
+        )
         context = clean + context_std.view(-1, 1, 1, 1, 1) * torch.randn(clean.shape, generator=generator)
         loss = teacher_forcing_loss(model, clean, text, sigmas, noise, layout, loss_mask, context=context)
         for group in optimizer.param_groups:
