@@ -37,7 +37,9 @@ VAE_PHASES = (
     dict(max_steps=500, batch_size=6, lr=1.5e-3, clip_frames=5),
     dict(max_steps=700, batch_size=6, lr=1e-3, clip_frames=5),
     dict(max_steps=300, batch_size=3, lr=5e-4, clip_frames=13),
-    dict(max_steps=250, batch_size=2, lr=3e-4, clip_frames=21, decoder_only=True),  # latents unchanged
+    # Decoder only (latents unchanged), 41-frame clips: past its 36-frame causal receptive field. Batches of 4
+    # matter: batches of 1-2 swung the decoder between colours (red decoded as blue, or blue as red).
+    dict(max_steps=120, batch_size=4, lr=1e-4, clip_frames=41, decoder_only=True),
 )  # training videos use seeds 0 .. --videos-per-prompt - 1
 
 
