@@ -23,6 +23,12 @@ def check_positive(name: str, value: int, allow_zero: bool = False) -> int:
     return value
 
 
+def check_allocation_sizes(batch_size: int, num_heads: int, head_dim: int) -> None:
+    """The sizes `early_initialization` allocates with, each a positive int named in the error."""
+    for name, size in (("batch_size", batch_size), ("num_heads", num_heads), ("head_dim", head_dim)):
+        check_positive(name, size)
+
+
 def check_key_value(key: torch.Tensor, value: torch.Tensor) -> None:
     """Key and value must be 4-D `(batch, tokens, heads, head_dim)` tensors of one shape, dtype and device."""
     for name, tensor in (("key", key), ("value", value)):

@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from .base import CacheLayer, check_key_value, check_positive
+from .base import CacheLayer, check_allocation_sizes, check_key_value
 
 
 class CrossAttentionLayer(CacheLayer):
@@ -70,5 +70,4 @@ class CrossAttentionLayer(CacheLayer):
         self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         """Text length is only known from the first update; nothing to allocate ahead."""
-        for name, size in (("batch_size", batch_size), ("num_heads", num_heads), ("head_dim", head_dim)):
-            check_positive(name, size)
+        check_allocation_sizes(batch_size, num_heads, head_dim)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CacheLayer, check_key_value, check_positive
+from .base import CacheLayer, check_allocation_sizes, check_key_value, check_positive
 
 
 def chunk_state(
@@ -44,8 +44,7 @@ class LinearAttentionLayer(CacheLayer):
         self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         """`dtype` is ignored for the sums, which are always fp32."""
-        for name, size in (("batch_size", batch_size), ("num_heads", num_heads), ("head_dim", head_dim)):
-            check_positive(name, size)
+        check_allocation_sizes(batch_size, num_heads, head_dim)
         self._allocate(batch_size, num_heads, head_dim, torch.device(device))
 
     def _allocate(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:

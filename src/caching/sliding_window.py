@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CacheLayer, check_key_value, check_matches_buffer, check_positive
+from .base import CacheLayer, check_allocation_sizes, check_key_value, check_matches_buffer, check_positive
 
 
 class SlidingWindowLayer(CacheLayer):
@@ -61,8 +61,7 @@ class SlidingWindowLayer(CacheLayer):
     ) -> None:
         if self.chunk_tokens is None:
             raise ValueError("`chunk_tokens` must be given to SlidingWindowLayer before `early_initialization`.")
-        for name, size in (("batch_size", batch_size), ("num_heads", num_heads), ("head_dim", head_dim)):
-            check_positive(name, size)
+        check_allocation_sizes(batch_size, num_heads, head_dim)
         self._allocate(batch_size, num_heads, head_dim, dtype, torch.device(device))
 
     def _allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CacheLayer, check_key_value, check_matches_buffer, check_positive
+from .base import CacheLayer, check_allocation_sizes, check_key_value, check_matches_buffer, check_positive
 
 
 class StaticLayer(CacheLayer):
@@ -24,8 +24,7 @@ class StaticLayer(CacheLayer):
     def early_initialization(
         self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
-        for name, size in (("batch_size", batch_size), ("num_heads", num_heads), ("head_dim", head_dim)):
-            check_positive(name, size)
+        check_allocation_sizes(batch_size, num_heads, head_dim)
         self._allocate(batch_size, num_heads, head_dim, dtype, torch.device(device))
 
     def _allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
