@@ -214,7 +214,10 @@ class SlidingWindowLayer(CacheLayer):
         """`(num_tokens,)` positions the next `update` of `num_tokens` tokens will get (for RoPE on queries)."""
         if self.committed_tokens is None:  # nothing allocated yet: the stream starts at 0 in both modes
             return torch.arange(num_tokens, device=device)
-        positions = self.committed_tokens + torch.arange(num_tokens, device=self.committed_tokens.device)
+        # Written into the scratch that `update` fills with the same values: no allocation on the step.
+        positions = torch.add(
+            self.committed_tokens, self._offsets[:num_tokens], out=self._pending_positions[:num_tokens]
+        )
         return self._reindex(positions) if reindexed else positions
 
     def _reindex(self, positions: torch.Tensor) -> torch.Tensor:

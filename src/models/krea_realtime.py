@@ -74,6 +74,11 @@ class ChunkLayout:
         first_recent = max(0, chunk_start - (self.window_frames - self.chunk_frames))
         return sorted({*range(min(self.sink_frames, end)), *range(first_recent, end)})
 
+    def rewindable_frames(self, committed_frames: int) -> int:
+        """Committed frames the next chunk sees after the sink: what a re-cache rewrites (never the sink)."""
+        next_chunk = set(self.visible_frames(committed_frames))
+        return sum(1 for frame in range(self.sink_frames, committed_frames) if frame in next_chunk)
+
     def frame_position(self, frame: int | torch.Tensor, chunk_start: int) -> int | torch.Tensor:
         """RoPE frame index of `frame` as seen from the chunk starting at `chunk_start`."""
         if self.position_mode == "absolute":
@@ -139,18 +144,15 @@ class CausalCallState:
     attention_bias: float = 1.0  # Krea's KV-cache bias; 1.0 = off
 
 
-class _RopeLookup:
-    """Builds `(cos, sin)` for token positions from the model's (t, h, w) RoPE tables."""
-
-    @staticmethod
-    def for_tokens(state: CausalCallState, frames: torch.Tensor, within_frame: torch.Tensor):
-        cos_t, cos_h, cos_w, sin_t, sin_h, sin_w = state.rope_tables
-        width = state.grid[1]
-        rows, cols = within_frame // width, within_frame % width
-        frames = frames.clamp(min=0)  # empty cache slots carry -1; they are masked out anyway
-        cos = torch.cat([cos_t[frames], cos_h[rows], cos_w[cols]], dim=-1)[None, :, None, :]
-        sin = torch.cat([sin_t[frames], sin_h[rows], sin_w[cols]], dim=-1)[None, :, None, :]
-        return cos, sin
+def rope_for_tokens(state: CausalCallState, frames: torch.Tensor, within_frame: torch.Tensor):
+    """`(cos, sin)` `(1, tokens, 1, head_dim)` for tokens at `frames` and `within_frame` (row-major) positions."""
+    cos_t, cos_h, cos_w, sin_t, sin_h, sin_w = state.rope_tables
+    width = state.grid[1]
+    rows, cols = within_frame // width, within_frame % width
+    frames = frames.clamp(min=0)  # empty cache slots carry -1; they are masked out anyway
+    cos = torch.cat([cos_t[frames], cos_h[rows], cos_w[cols]], dim=-1)[None, :, None, :]
+    sin = torch.cat([sin_t[frames], sin_h[rows], sin_w[cols]], dim=-1)[None, :, None, :]
+    return cos, sin
 
 
 # ----------------------------------------------------------------------------------------- processors
@@ -180,7 +182,7 @@ class KreaRealtimeSelfAttnProcessor:
 
     def _rope(self, positions: torch.Tensor):
         tokens_per_frame = self.state.layout.tokens_per_frame
-        return _RopeLookup.for_tokens(self.state, positions // tokens_per_frame, positions % tokens_per_frame)
+        return rope_for_tokens(self.state, positions // tokens_per_frame, positions % tokens_per_frame)
 
     def _cached(self, query, key, value, layer: SlidingWindowLayer) -> torch.Tensor:
         num_tokens = query.shape[1]
@@ -209,7 +211,7 @@ class KreaRealtimeSelfAttnProcessor:
             rows = slice(start, start + tokens_per_chunk)
             chunk_start = int(frame_ids[start])
             positions = layout.frame_position(frame_ids, chunk_start)
-            cos, sin = _RopeLookup.for_tokens(state, positions, within)
+            cos, sin = rope_for_tokens(state, positions, within)
             chunk_query = apply_rotary(query[:, rows], cos[:, rows], sin[:, rows])
             rotated_keys = apply_rotary(key, cos, sin)
             mask = state.dense_mask[rows]

@@ -255,14 +255,6 @@ class KreaRealtimeVideoPipeline(DiffusionPipeline):
             clean = frames[:, :, start : start + run.layout.chunk_frames]
             self._context_pass(clean, [embeds], [cache], run)
 
-    def _recent_frames_to_keep(self, layout: ChunkLayout, committed_frames: int) -> int:
-        """Committed frames a re-cache may rewrite: the visible window, never the sink."""
-        return max(
-            0,
-            committed_frames
-            - max(layout.sink_frames, committed_frames - (layout.window_frames - layout.chunk_frames)),
-        )
-
     def _generate_latents(
         self,
         run: _Run,
@@ -309,7 +301,7 @@ class KreaRealtimeVideoPipeline(DiffusionPipeline):
                         clean = result.get("latents", clean)
                     step_index += 1
                 self._context_pass(clean, embeds, caches, run)
-                keep = self._recent_frames_to_keep(layout, start + layout.chunk_frames)
+                keep = layout.rewindable_frames(start + layout.chunk_frames)
                 recent = torch.cat([recent, clean], dim=2)[:, :, recent.shape[2] + clean.shape[2] - keep :]
                 progress.update()
                 yield clean
