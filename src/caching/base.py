@@ -66,6 +66,7 @@ class CacheLayer(abc.ABC):
 
     is_compileable: bool = True
     is_sliding: bool = False
+    can_rewind: bool = False  # whether `rewind` can forget committed tokens (a re-cache after a prompt switch)
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None
@@ -94,7 +95,17 @@ class CacheLayer(abc.ABC):
 
     @abc.abstractmethod
     def get_seq_length(self) -> int:
-        """Committed tokens held now."""
+        """Committed tokens held now (state kinds: the tokens their state summarises)."""
+
+    def check_rewind(self, num_tokens: int) -> None:
+        """Raise if `rewind(num_tokens)` would be refused; changes nothing (containers check every layer first)."""
+        check_positive("num_tokens", num_tokens)
+        if not self.can_rewind:
+            raise TypeError(f"{type(self).__name__} cannot rewind (`can_rewind` is False).")
+
+    def rewind(self, num_tokens: int) -> None:
+        """Forget the last `num_tokens` committed tokens so they can be written again."""
+        self.check_rewind(num_tokens)
 
     @abc.abstractmethod
     def early_initialization(

@@ -1,39 +1,59 @@
 """`RollingKVCache`: the per-model container, mostly a list of layers.
 
 `cache[i]` is block i's self-attention layer and `cache.cross[i]` its cross-attention layer (or
-`None`). The container fans out `commit`, `reset` and `early_initialization`, and reports lengths and
-memory. One generation stream holds one cache.
+`None`). A family that needs more per block (SANA's temporal-convolution state) adds named slots:
+`cache.slots["conv_state"][i]`. The container fans out `commit`, `rewind`, `reset` and
+`early_initialization`, and reports lengths and memory. One generation stream holds one cache.
+Container operations check every layer before changing any, so a refused call leaves all layers as
+they were.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
 from .base import CacheLayer
 
 
+def _layer_list(name: str, layers: Sequence[CacheLayer | None], expected: int, allow_none: bool) -> list:
+    layers = list(layers)
+    if len(layers) != expected:
+        raise ValueError(f"`{name}` has {len(layers)} entries, expected one per block ({expected}).")
+    for i, layer in enumerate(layers):
+        if layer is None and allow_none:
+            continue
+        if not isinstance(layer, CacheLayer):
+            allowed = "a CacheLayer or None" if allow_none else "a CacheLayer"
+            raise TypeError(f"`{name}[{i}]` must be {allowed}, got {type(layer).__name__}.")
+    return layers
+
+
 class RollingKVCache:
     """Args:
     layers: one self-attention (or linear-attention / static) layer per block.
     cross_layers: one cross-attention layer per block, or `None` entries / `None` for a model without any.
+    slots: more named per-block layers (`{"conv_state": [...]}`), each list one entry per block (or `None`).
     """
 
-    def __init__(self, layers: Sequence[CacheLayer], cross_layers: Sequence[CacheLayer | None] | None = None):
+    def __init__(
+        self,
+        layers: Sequence[CacheLayer],
+        cross_layers: Sequence[CacheLayer | None] | None = None,
+        slots: Mapping[str, Sequence[CacheLayer | None]] | None = None,
+    ):
         layers = list(layers)
         if not layers:
             raise ValueError("`layers` must hold at least one CacheLayer.")
-        for i, layer in enumerate(layers):
-            if not isinstance(layer, CacheLayer):
-                raise TypeError(f"`layers[{i}]` must be a CacheLayer, got {type(layer).__name__}.")
-        cross_layers = [None] * len(layers) if cross_layers is None else list(cross_layers)
-        if len(cross_layers) != len(layers):
-            raise ValueError(
-                f"`cross_layers` has {len(cross_layers)} entries, expected one per layer ({len(layers)})."
-            )
-        self.layers = layers
-        self.cross = cross_layers
+        self.layers = _layer_list("layers", layers, len(layers), allow_none=False)
+        cross_layers = [None] * len(layers) if cross_layers is None else cross_layers
+        self.cross = _layer_list("cross_layers", cross_layers, len(layers), allow_none=True)
+        self.slots: dict[str, list[CacheLayer | None]] = {}
+        for name, slot_layers in (slots or {}).items():
+            if not isinstance(name, str) or not name or name in ("layers", "cross"):
+                raise ValueError(f"`slots` names must be non-empty strings other than 'layers'/'cross', got {name!r}.")
+            self.slots[name] = _layer_list(f"slots[{name!r}]", slot_layers, len(layers), allow_none=True)
 
     def __getitem__(self, index: int) -> CacheLayer:
         return self.layers[index]
@@ -44,12 +64,19 @@ class RollingKVCache:
     def __iter__(self) -> Iterator[CacheLayer]:
         return iter(self.layers)
 
+    def _slot_layers(self) -> list[CacheLayer]:
+        return [layer for slot in self.slots.values() for layer in slot if layer is not None]
+
     def _all_layers(self) -> list[CacheLayer]:
-        return self.layers + [layer for layer in self.cross if layer is not None]
+        return self.layers + [layer for layer in self.cross if layer is not None] + self._slot_layers()
+
+    def _stream_layers(self) -> list[CacheLayer]:
+        """Layers that advance with the stream (committed chunk by chunk): self-attention and slots."""
+        return self.layers + self._slot_layers()
 
     @property
     def has_pending(self) -> bool:
-        return any(layer.pending_tokens > 0 for layer in self.layers)
+        return any(layer.pending_tokens > 0 for layer in self._stream_layers())
 
     def commit(self) -> None:
         """Make every layer's pending chunk permanent. All layers must hold one; checked before any changes."""
@@ -59,15 +86,18 @@ class RollingKVCache:
                 f"RollingKVCache.commit() with nothing pending in layer(s) {missing[:8]}; "
                 "run the model on a chunk (update every layer) before committing."
             )
-        for layer in self.layers:
-            layer.commit()
+        for layer in self._stream_layers():
+            if layer.pending_tokens > 0:
+                layer.commit()
 
     def rewind(self, num_tokens: int) -> None:
-        """Forget the last `num_tokens` committed tokens of every self-attention layer (re-cache)."""
-        for layer in self.layers:
-            if not hasattr(layer, "rewind"):
-                raise TypeError(f"{type(layer).__name__} cannot rewind.")
-        for layer in self.layers:
+        """Forget the last `num_tokens` committed tokens of every stream layer (a re-cache).
+
+        Every layer is checked first (`check_rewind`); only then is any layer changed.
+        """
+        for layer in self._stream_layers():
+            layer.check_rewind(num_tokens)
+        for layer in self._stream_layers():
             layer.rewind(num_tokens)
 
     def reset(self) -> None:
@@ -88,7 +118,7 @@ class RollingKVCache:
             layer.early_initialization(batch_size, num_heads, head_dim, dtype, device)
 
     def get_seq_length(self, layer: int | None = None) -> int:
-        """Committed tokens held by `layer`, or the maximum over layers when `layer` is None."""
+        """Committed tokens held by block `layer`'s self-attention layer, or the maximum over layers."""
         if layer is not None:
             return self.layers[layer].get_seq_length()
         return max(cache_layer.get_seq_length() for cache_layer in self.layers)

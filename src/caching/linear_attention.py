@@ -9,6 +9,8 @@ A per-block tail (e.g. the temporal convolution's last frame) rides along with t
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from .base import CacheLayer, check_allocation_sizes, check_key_value, check_positive
@@ -31,6 +33,7 @@ class LinearAttentionLayer(CacheLayer):
         super().__init__()
         self.window_chunks = None if window_chunks is None else check_positive("window_chunks", window_chunks)
         self.committed_chunks = 0
+        self._summarised_tokens: deque[int] = deque(maxlen=self.window_chunks)  # tokens of each held chunk
         self.committed_vk: torch.Tensor | None = None
         self.committed_k_sum: torch.Tensor | None = None
         self.tail: torch.Tensor | None = None
@@ -118,6 +121,7 @@ class LinearAttentionLayer(CacheLayer):
             self.chunk_k_sum[slot].copy_(self.pending_k_sum)
             self._sum_window()
         self.committed_chunks += 1
+        self._summarised_tokens.append(self.pending_tokens)
         if self._pending_tail is not None:
             self.tail, self._pending_tail = self._pending_tail, None
         self.pending_tokens = 0
@@ -143,9 +147,14 @@ class LinearAttentionLayer(CacheLayer):
         for tensor in self._tensors():
             tensor.zero_()
         self.committed_chunks = 0
+        self._summarised_tokens.clear()
         self.pending_tokens = 0
 
     def get_seq_length(self) -> int:
-        """Committed chunks whose sums are held (the state has no token axis)."""
-        held = self.committed_chunks
-        return held if self.window_chunks is None else min(held, self.window_chunks)
+        """Committed tokens the state summarises (those of the held chunks; the state has no token axis)."""
+        return sum(self._summarised_tokens)
+
+    @property
+    def held_chunks(self) -> int:
+        """Committed chunks whose sums are held (all of them, or the last `window_chunks`)."""
+        return len(self._summarised_tokens)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .base import CacheLayer, check_allocation_sizes, check_key_value, check_matches_buffer, check_positive
+from .layout import window_start
 
 
 class SlidingWindowLayer(CacheLayer):
@@ -33,6 +34,7 @@ class SlidingWindowLayer(CacheLayer):
     """
 
     is_sliding = True
+    can_rewind = True
 
     def __init__(self, sink_tokens: int, window_tokens: int, chunk_tokens: int | None = None) -> None:
         super().__init__()
@@ -74,7 +76,7 @@ class SlidingWindowLayer(CacheLayer):
         self._pending_positions = torch.empty(self.chunk_tokens, dtype=torch.long, device=device)
         self._pending_slots = torch.empty_like(self._pending_positions)
         self._ring_offsets = torch.empty_like(self._pending_positions)
-        self._window_start = torch.zeros((), dtype=torch.long, device=device)
+        self._window_start_buffer = torch.zeros((), dtype=torch.long, device=device)
         self._pending_end = torch.zeros((), dtype=torch.long, device=device)
         self._mask = torch.zeros(self.capacity, dtype=torch.bool, device=device)
         self._scratch_mask = torch.zeros_like(self._mask)
@@ -89,13 +91,22 @@ class SlidingWindowLayer(CacheLayer):
         torch.sub(positions, self.sink_tokens, out=scratch).clamp_(min=0).remainder_(self.window_tokens)
         return out.add_(scratch)
 
-    def _first_visible_committed(self, committed: torch.Tensor) -> torch.Tensor:
-        """Absolute index of the oldest committed window token attention still sees (>= 0)."""
-        return torch.sub(committed, self.window_tokens - self.chunk_tokens, out=self._window_start).clamp_(min=0)
+    def _window_start(self, committed, out: torch.Tensor | None = None):
+        """Absolute index of the oldest committed token after the sink that the next chunk sees."""
+        return window_start(committed, self.sink_tokens, self.window_tokens, self.chunk_tokens, out=out)
+
+    @property
+    def window_full(self) -> bool:
+        """True once every slot holds a token the next full chunk attends to: its mask is all True.
+
+        A host-side flag (changed only by `commit`, `rewind` and `reset`), so a compiled step can drop the
+        mask (flash-attention kernels) without reading the device.
+        """
+        return self.chunk_tokens is not None and self._committed_count >= self.capacity - self.chunk_tokens
 
     def _refresh_mask(self, num_pending: int) -> None:
         positions, mask, below_end = self.slot_positions, self._mask, self._scratch_mask
-        window_start = self._first_visible_committed(self.committed_tokens)
+        window_start = self._window_start(self.committed_tokens, out=self._window_start_buffer)
         pending_end = torch.add(self.committed_tokens, num_pending, out=self._pending_end)
         torch.lt(positions, pending_end, out=below_end)  # drops leftovers of an aborted larger chunk
         torch.ge(positions, window_start, out=mask).logical_and_(below_end)
@@ -166,7 +177,7 @@ class SlidingWindowLayer(CacheLayer):
         if self.slot_positions is None or total == 0:
             return []
         sink = range(min(total, self.sink_tokens))
-        start = max(self.sink_tokens, total - (self.window_tokens - self.chunk_tokens))
+        start = self._window_start(total)
         candidates = [*sink, *range(start, total)]
         held = self.slot_positions.tolist()
         return [p for p in candidates if held[self._slot_of(p)] == p]
@@ -221,28 +232,27 @@ class SlidingWindowLayer(CacheLayer):
         return self._reindex(positions) if reindexed else positions
 
     def _reindex(self, positions: torch.Tensor) -> torch.Tensor:
-        window_start = torch.clamp(
-            self.committed_tokens - (self.window_tokens - self.chunk_tokens), min=self.sink_tokens
-        )
+        window_start = self._window_start(self.committed_tokens)
         return torch.where(positions < self.sink_tokens, positions, positions - window_start + self.sink_tokens)
 
     # ----------------------------------------------------------------------------------------- re-cache
+    def check_rewind(self, num_tokens: int) -> None:
+        super().check_rewind(num_tokens)
+        if self.pending_tokens:
+            raise RuntimeError("rewind() with a chunk pending; commit it first.")
+        rewindable = 0 if self.chunk_tokens is None else self._committed_count - self._window_start(self._committed_count)
+        if num_tokens > rewindable:
+            raise ValueError(
+                f"`num_tokens`={num_tokens} exceeds the {max(rewindable, 0)} committed window tokens that can "
+                "be rewound (the sink and evicted tokens cannot)."
+            )
+
     def rewind(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` committed tokens so they can be written again (a re-cache).
 
         Used after a prompt switch: the recent window is re-run under the new prompt and committed
         chunk by chunk into the same slots. Only the visible window can be rewound; the sink never is.
         """
-        check_positive("num_tokens", num_tokens)
-        if self.pending_tokens:
-            raise RuntimeError("rewind() with a chunk pending; commit it first.")
-        rewindable = self._committed_count - max(
-            self.sink_tokens, self._committed_count - (self.window_tokens - self.chunk_tokens)
-        )
-        if num_tokens > rewindable:
-            raise ValueError(
-                f"`num_tokens`={num_tokens} exceeds the {max(rewindable, 0)} committed window tokens that can "
-                "be rewound (the sink and evicted tokens cannot)."
-            )
+        self.check_rewind(num_tokens)
         self.committed_tokens.sub_(num_tokens)
         self._committed_count -= num_tokens

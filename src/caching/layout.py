@@ -1,0 +1,113 @@
+"""The window arithmetic, in one place: which committed tokens (or frames) the next chunk sees.
+
+    [ sink: 0 .. sink-1 | evicted ... | recent: window - chunk committed | the pending chunk ]
+
+The window counts the pending chunk (Self-Forcing's `local_attn_size`) and excludes the sink, so a
+chunk attends to `sink + window` at most. `window_start` is the one formula every user calls: the
+`SlidingWindowLayer` (in tokens, on device tensors), `ChunkLayout` (in frames) and the re-cache.
+`ChunkLayout` is the frame geometry every video family shares.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+POSITION_MODES = ("absolute", "relative")
+
+
+def window_start(committed, sink: int, window: int, chunk: int, out: torch.Tensor | None = None):
+    """Index of the oldest committed entry after the sink that the next chunk still sees (>= `sink`).
+
+    `committed` (entries committed so far) is an int or a 0-dim tensor; `out` receives the tensor
+    result in place so the attention step allocates nothing. Units are the caller's (tokens or frames).
+    """
+    recent = window - chunk  # committed entries the next chunk sees after the sink
+    if isinstance(committed, torch.Tensor):
+        return torch.sub(committed, recent, out=out).clamp_(min=sink)
+    return max(sink, committed - recent)
+
+
+def _check_int(name: str, value, lowest: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
+        kind = "a positive int" if lowest == 1 else f"an int >= {lowest}"
+        raise ValueError(f"`{name}` must be {kind}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Cache geometry in latent frames, and its token equivalents.
+
+    A chunk attends to `sink_frames + window_frames` frames at most: the sink, the most recent
+    `window_frames - chunk_frames` committed frames, and itself.
+    """
+
+    tokens_per_frame: int
+    chunk_frames: int = 3
+    sink_frames: int = 3
+    window_frames: int = 9
+    position_mode: str = "absolute"
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_frame", "chunk_frames", "window_frames"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("sink_frames", self.sink_frames, 0)
+        if self.chunk_frames >= self.window_frames:
+            raise ValueError(
+                f"`window_frames`={self.window_frames} must be larger than `chunk_frames`={self.chunk_frames}: "
+                "the window counts the chunk being generated, and must leave room for recent context."
+            )
+        if self.position_mode not in POSITION_MODES:
+            raise ValueError(f"`position_mode` must be one of {POSITION_MODES}, got {self.position_mode!r}.")
+
+    # ---------------------------------------------------------------------------------------- sizes
+    @property
+    def context_frames(self) -> int:
+        """Frames attended to at most (sink + window)."""
+        return self.sink_frames + self.window_frames
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.chunk_frames * self.tokens_per_frame
+
+    @property
+    def sink_tokens(self) -> int:
+        return self.sink_frames * self.tokens_per_frame
+
+    @property
+    def window_tokens(self) -> int:
+        return self.window_frames * self.tokens_per_frame
+
+    @property
+    def full_window_frames(self) -> int:
+        """Committed frames after which every slot holds a visible token (attention needs no mask)."""
+        return self.sink_frames + self.window_frames - self.chunk_frames
+
+    # ---------------------------------------------------------------------------------------- the window
+    def window_start(self, committed_frames: int) -> int:
+        """First frame after the sink that a chunk starting at `committed_frames` still sees."""
+        return window_start(committed_frames, self.sink_frames, self.window_frames, self.chunk_frames)
+
+    def visible_frames(self, chunk_start: int) -> list[int]:
+        """Frames a chunk starting at `chunk_start` attends to, oldest first (sink, window, itself)."""
+        end = chunk_start + self.chunk_frames
+        sink = range(min(self.sink_frames, chunk_start))
+        return [*sink, *range(min(self.window_start(chunk_start), chunk_start), end)]
+
+    def rewindable_frames(self, committed_frames: int) -> int:
+        """Committed frames the next chunk sees after the sink: what a re-cache rewrites (never the sink)."""
+        return max(0, committed_frames - self.window_start(committed_frames))
+
+    def frame_position(self, frame: int | torch.Tensor, chunk_start: int) -> int | torch.Tensor:
+        """RoPE frame index of `frame` as seen from the chunk starting at `chunk_start`.
+
+        "relative" re-indexes the window to start right after the sink, so positions stay below
+        `sink_frames + window_frames` however long the video runs.
+        """
+        if self.position_mode == "absolute":
+            return frame
+        shifted = frame - self.window_start(chunk_start) + self.sink_frames
+        if isinstance(frame, torch.Tensor):
+            return torch.where(frame < self.sink_frames, frame, shifted)
+        return frame if frame < self.sink_frames else shifted
