@@ -209,7 +209,8 @@ def test_linear_attention_equals_recomputation_from_scratch(window_chunks, separ
         layer.commit()
         committed.append((key, value, normalizer_key))
         held = committed if window_chunks is None else committed[-window_chunks:]
-        assert layer.get_seq_length() == len(held)
+        assert layer.held_chunks == len(held)
+        assert layer.get_seq_length() == sum(k.shape[1] for k, _, _ in held)  # tokens summarised
     # and it is the right math: one einsum over every held token
     keys, values, normalizer_keys = (torch.cat(parts, dim=1) for parts in zip(*held))
     vk, k_sum = layer.get()
