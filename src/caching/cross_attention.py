@@ -24,6 +24,15 @@ class CrossAttentionLayer(CacheLayer):
         self._source_version = -1
         self._filled = False
 
+    @property
+    def is_filled(self) -> bool:
+        """True from an `update` until `reset()`: a host-side flag, so a compiled step reads K/V without a device check.
+
+        Prompt changes are signalled explicitly: the pipeline calls `reset()` (or the container's
+        `reset_cross_attention()`), and the next step recomputes.
+        """
+        return self._filled
+
     def is_cached_for(self, conditioning: torch.Tensor) -> bool:
         """True when the stored K/V were computed from this very tensor, unmodified since."""
         return (
