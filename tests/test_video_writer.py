@@ -44,7 +44,8 @@ def test_exception_inside_with_leaves_the_written_frames_playable(tmp_path):
             writer.write(solid_frames(COLOURS[1], frames=5))
             raise RuntimeError("generation failed")
 
-    video = read_video(path)
+    assert not path.exists() and writer.partial_path == tmp_path / "video.partial.mp4"
+    video = read_video(writer.partial_path)
 
     assert video.shape == (12, SIZE, SIZE, 3)
     np.testing.assert_allclose(video[-1].reshape(-1, 3).mean(axis=0), COLOURS[1], atol=12)

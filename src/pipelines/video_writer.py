@@ -1,13 +1,20 @@
-"""Write a video to an mp4 file as its frames arrive, in constant memory.
+"""Write a video to an mp4 file as its frames arrive, in constant memory, without ever losing an earlier file.
 
 A thin context manager over `imageio_ffmpeg.write_frames`: every `write` pipes its frames straight to an ffmpeg
-process (H.264, yuv420p) and keeps none of them; leaving the `with` block, normally or by an exception,
-finishes the file so the frames written so far form a valid, playable mp4.
+process (H.264, yuv420p) and keeps none of them. The frames go to a hidden temporary file beside the target
+(`.video.mp4.<random>.tmp.mp4`), which is renamed onto the target only when the `with` block ends normally, so an
+hour-long run that fails or is interrupted (Ctrl-C) never replaces a finished video. On failure the frames done
+are finished into a playable mp4 under a distinct name, `video.partial.mp4` (`partial_path_for`), and the
+exception carries a note that names it. `continue_from` prepends an earlier partial file by stream copy (no
+re-encoding), which is how a resumed generation ends as one file.
 """
 
 import math
 import numbers
 import os
+import secrets
+import subprocess
+import tempfile
 from collections.abc import Generator
 from fractions import Fraction
 from pathlib import Path
@@ -17,19 +24,68 @@ import imageio_ffmpeg
 import numpy as np
 
 
+def partial_path_for(path: str | os.PathLike) -> Path:
+    """Where the frames of a failed or interrupted run to `path` are kept: `video.mp4` -> `video.partial.mp4`."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.partial{path.suffix}")
+
+
+def check_output_path(path: str | os.PathLike, name: str = "path") -> Path:
+    """Refuse an output `path` that cannot be written, before any work: not .mp4, a folder, a missing or
+    read-only folder. `name` is the argument named in the message (`--out` for the command)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"`{name}` {str(path)!r} is a folder; give a file name such as {str(path / 'video.mp4')!r}.")
+    if path.suffix.lower() != ".mp4":
+        raise ValueError(f"`{name}` must end in .mp4, got {str(path)!r}.")
+    if not path.parent.is_dir():
+        raise ValueError(f"`{name}`'s folder {str(path.parent)!r} does not exist.")
+    try:  # a real write, not os.access: root passes that check and still cannot write under /proc
+        probe = _temp_path_for(path)
+        probe.open("xb").close()
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"`{name}`'s folder {str(path.parent)!r} is not writable: {error.strerror}.") from None
+    return path
+
+
+def _temp_path_for(path: Path) -> Path:
+    """A fresh hidden file name beside `path`; creating it (mode "xb") fails rather than reuse one."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp.mp4")
+
+
+def concat_mp4(parts: list[Path], out: Path) -> None:
+    """Join mp4 files of the same size, fps and codec into `out` by stream copy (no re-encoding, no quality loss)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", dir=out.parent, delete=False) as listing:
+        for part in parts:  # the concat demuxer's quoting: single quotes, a quote written as '\''
+            listing.write("file '" + str(Path(part).resolve()).replace("'", "'\\''") + "'\n")
+    try:
+        command = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-v", "error", "-f", "concat", "-safe", "0"]
+        command += ["-i", listing.name, "-c", "copy", "-movflags", "+faststart", str(out)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"ffmpeg could not join {[str(p) for p in parts]}: {result.stderr.strip()}")
+    finally:
+        os.unlink(listing.name)
+
+
 class StreamingVideoWriter:
     """Streaming mp4 writer: `write` chunks of uint8 RGB frames, `close` (or leave the `with` block) to finish.
 
     Frames are encoded at their own size: no resizing and no padding (ffmpeg's `macro_block_size` alignment is
     turned off). yuv420p, the pixel format every player reads, needs an even width and height, so odd sizes are
     refused with an error instead of being silently rescaled. The ffmpeg process starts at the first `write`,
-    which fixes the frame size; a writer closed before any frame leaves no file.
+    which fixes the frame size; a writer closed before any frame leaves no file and leaves `path` as it was.
 
     Args:
-        path: the `.mp4` file to create (overwritten if it exists); its folder must exist.
+        path: the `.mp4` file to create. An existing file is replaced only when the writer closes normally.
         fps: frames per second, > 0 (a `Fraction` such as `Fraction(30000, 1001)` is kept exact).
         quality: 1 (smallest file) to 10 (best), imageio's scale; with libx264 it sets `crf = int((1 - q/10) * 51)`.
         codec: the ffmpeg video encoder.
+        continue_from: an mp4 written earlier by this writer with the same fps and size (a resumed run's
+            partial file); the result is its frames followed by the new ones.
+
+    After a failure, `partial_path` is the playable file holding every frame written (None when there was none).
 
     Example:
         with StreamingVideoWriter("out.mp4", fps=16) as writer:
@@ -38,18 +94,26 @@ class StreamingVideoWriter:
     """
 
     def __init__(
-        self, path: str | os.PathLike, fps: float | Fraction, quality: float = 5.0, codec: str = "libx264"
+        self,
+        path: str | os.PathLike,
+        fps: float | Fraction,
+        quality: float = 5.0,
+        codec: str = "libx264",
+        continue_from: str | os.PathLike | None = None,
     ) -> None:
-        path = Path(path)
-        if path.suffix.lower() != ".mp4":
-            raise ValueError(f"`path` must end in .mp4, got {str(path)!r}.")
-        if not path.parent.is_dir():
-            raise ValueError(f"`path`'s folder {str(path.parent)!r} does not exist.")
+        path = check_output_path(path)
+        if continue_from is not None and not Path(continue_from).is_file():
+            raise ValueError(f"`continue_from` {str(continue_from)!r} is not a file.")
         if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not (math.isfinite(fps) and fps > 0):
             raise ValueError(f"`fps` must be a finite number > 0, got {fps!r}.")
         if isinstance(quality, bool) or not isinstance(quality, numbers.Real) or not 1 <= quality <= 10:
             raise ValueError(f"`quality` must be between 1 and 10, got {quality!r}.")
         self.path = path
+        self.continue_from = None if continue_from is None else Path(continue_from)
+        self.partial_path: Path | None = None
+        # Created now (so an unwritable folder fails before any work) and hidden; ffmpeg overwrites it.
+        self.temp_path = _temp_path_for(path)
+        self.temp_path.open("xb").close()  # not mkstemp: its 0600 mode would carry over to the finished video
         self.fps = fps if isinstance(fps, Fraction) else float(fps)
         self.quality = float(quality)
         self.codec = codec
@@ -90,7 +154,7 @@ class StreamingVideoWriter:
     def _open(self, height: int, width: int) -> None:
         """Start ffmpeg for frames of `height` x `width`."""
         self._encoder = imageio_ffmpeg.write_frames(
-            str(self.path),
+            str(self.temp_path),
             size=(width, height),
             fps=self.fps,
             quality=self.quality,
@@ -98,18 +162,44 @@ class StreamingVideoWriter:
             pix_fmt_in="rgb24",
             pix_fmt_out="yuv420p",
             macro_block_size=1,  # no rescaling; yuv420p's even-size rule is checked in `write`
+            output_params=["-bf", "0"],  # no B-frames: parts join by stream copy with clean timestamps (`concat_mp4`)
         )
         self._encoder.send(None)  # run the generator up to its first `yield`
         self.frame_size = (height, width)
 
     def close(self) -> None:
-        """Finish the file: ffmpeg flushes its buffered frames and writes the mp4 index. Safe to call twice."""
+        """Finish the file and move it onto `path` (ffmpeg flushes and writes the mp4 index). Safe to call twice."""
+        self._finish(succeeded=True)
+
+    def abort(self) -> Path | None:
+        """Finish the frames written so far as `partial_path` and leave `path` untouched; returns `partial_path`."""
+        self._finish(succeeded=False)
+        return self.partial_path
+
+    def _finish(self, succeeded: bool) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._encoder is not None:
-            self._encoder.close()  # closes ffmpeg's stdin and waits for it to exit
-            self._encoder = None
+        try:
+            if self._encoder is not None:
+                self._encoder.close()  # closes ffmpeg's stdin and waits for it to exit
+                self._encoder = None
+            if self.frames_written == 0 and self.continue_from is None:
+                return
+            target = self.path if succeeded else partial_path_for(self.path)
+            if self.continue_from is not None:
+                joined = self.temp_path.with_name(self.temp_path.name.replace(".tmp.mp4", ".joined.tmp.mp4"))
+                parts = [self.continue_from] + ([self.temp_path] if self.frames_written else [])
+                try:
+                    concat_mp4(parts, joined)
+                    os.replace(joined, self.temp_path)
+                finally:
+                    joined.unlink(missing_ok=True)
+            os.replace(self.temp_path, target)
+            if not succeeded:
+                self.partial_path = target
+        finally:
+            self.temp_path.unlink(missing_ok=True)
 
     def __enter__(self) -> "StreamingVideoWriter":
         return self
@@ -120,5 +210,12 @@ class StreamingVideoWriter:
         exc_value: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        # Finish the file on errors too, so the frames written before the error stay a playable video.
-        self.close()
+        if exc_value is None:
+            self.close()
+            return
+        # Failed or interrupted: the frames done become a playable partial file; `path` keeps what it held.
+        partial = self.abort()
+        if partial is not None:
+            exc_value.add_note(
+                f"The frames made before this error are kept in {str(partial)!r}; {str(self.path)!r} was not touched."
+            )
