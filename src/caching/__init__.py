@@ -1,7 +1,9 @@
 """One cache API for every rolldiff model: layer kinds plus the `RollingKVCache` container."""
 
 from .base import CacheLayer
+from .condition import ConditionKVCache, ConditionLayer
 from .container import RollingKVCache
+from .conv_state import ConvStateLayer
 from .cross_attention import CrossAttentionLayer
 from .linear_attention import LinearAttentionLayer, chunk_state
 from .sliding_window import SlidingWindowLayer
@@ -9,6 +11,9 @@ from .static import StaticLayer
 
 __all__ = [
     "CacheLayer",
+    "ConvStateLayer",
+    "ConditionKVCache",
+    "ConditionLayer",
     "CrossAttentionLayer",
     "LinearAttentionLayer",
     "RollingKVCache",

@@ -1,0 +1,137 @@
+"""Train the tiny SANA-like toy-world pipeline (`tiny-bouncing-shapes-sana`) and save it as a pipeline folder.
+
+    nice -n 10 python examples/train_tiny_sana.py --out src/assets/tiny-bouncing-shapes-sana --minutes 60
+
+Only the transformer is trained: the VAE is the Krea-like default's (`--vae-from`), the Gemma-style text
+encoder is random and frozen. The data pipeline, teacher-forcing loss, noise-level sampling, context check,
+EMA and optimiser loop are the Krea-like default's (`rolldiff.training.train_transformer`), reached through
+`TeacherForcingAdapter`, which gives `LongSanaTransformer3DModel` the call signature those helpers use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKLWan
+
+from ..models.long_sana import LongSanaTransformer3DModel
+from .__main__ import EMA, HELD_OUT_SEEDS
+from .sana_components import (
+    SanaTinyConfig,
+    build_gemma_text_encoder,
+    build_gemma_tokenizer,
+    build_sana_scheduler,
+    build_sana_transformer,
+)
+from .train_transformer import build_latent_videos, context_check, train_transformer
+
+DEFAULT_VAE = Path(__file__).resolve().parent.parent / "assets" / "tiny-bouncing-shapes" / "vae"
+
+
+class TeacherForcingAdapter(torch.nn.Module):
+    """`model(hidden_states, timestep, text, layout=...)` (the Krea-like training call) -> LongSANA's reference.
+
+    The `[clean; noisy]` block-causal structure is LongSANA's own (`teacher_forcing=True`); the Wan-style
+    `frame_indices`/`frame_mask` the shared helpers pass are not needed and are ignored. Text embeddings
+    are zero past each prompt's end (`encode_prompts`), which gives the cross-attention mask the pipeline
+    passes from its tokenizer.
+    """
+
+    def __init__(self, transformer: LongSanaTransformer3DModel) -> None:
+        super().__init__()
+        self.transformer = transformer
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, layout, frame_indices=None, frame_mask=None):
+        text_mask = encoder_hidden_states.abs().amax(dim=-1) > 0  # (B, text_tokens)
+        return self.transformer(
+            hidden_states,
+            encoder_hidden_states,
+            timestep,
+            encoder_attention_mask=text_mask,
+            layout=layout,
+            teacher_forcing=True,
+        )
+
+
+def save_sana_components(out: Path, tokenizer, text_encoder, transformer, vae, scheduler) -> None:
+    """Save every component in its pipeline sub-folder (`LongSanaVideoPipeline.from_components` adds the rest).
+
+    Checkpoints write only components: a long run never imports code that may change while it trains.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    for name, component in (("transformer", transformer), ("vae", vae), ("text_encoder", text_encoder)):
+        component.save_pretrained(out / name, safe_serialization=True)
+    tokenizer.save_pretrained(out / "tokenizer")
+    scheduler.save_pretrained(out / "scheduler")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
+    parser.add_argument("--vae-from", type=Path, default=DEFAULT_VAE, help="the trained VAE to share")
+    parser.add_argument("--minutes", type=float, default=60.0, help="wall time of transformer training")
+    parser.add_argument("--steps", type=int, default=None, help="stop after this many transformer steps")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--clip-frames", type=int, default=15, help="latent frames per teacher-forcing clip")
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids thrashing on shared CPUs)")
+    parser.add_argument("--videos-per-prompt", type=int, default=12, help="training videos of 97 frames per prompt")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    config = SanaTinyConfig()
+    began = time.perf_counter()
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - began:7.0f} s] {message}", flush=True)
+
+    log(f"config {config}")
+    tokenizer = build_gemma_tokenizer()
+    text_encoder = build_gemma_text_encoder(config, len(tokenizer), seed=args.seed)
+    vae = AutoencoderKLWan.from_pretrained(args.vae_from).eval()
+    vae.requires_grad_(False)
+    log(f"loaded VAE from {args.vae_from}")
+    train_data = build_latent_videos(vae, tokenizer, text_encoder, config, range(args.videos_per_prompt))
+    held_out = build_latent_videos(vae, tokenizer, text_encoder, config, HELD_OUT_SEEDS)
+    log(f"latent videos: train {tuple(train_data.latents.shape)}, held out {tuple(held_out.latents.shape)}")
+    transformer = build_sana_transformer(config, seed=args.seed)
+    log(f"transformer parameters {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f} M")
+    ema = EMA(transformer, decay=0.999)
+    ema_model = build_sana_transformer(config, seed=args.seed)
+    scheduler = build_sana_scheduler(config)
+
+    def checkpoint(step: int) -> None:
+        ema.copy_to(ema_model)
+        for name, model in (("raw", transformer), ("ema", ema_model)):
+            checks = context_check(TeacherForcingAdapter(model), held_out, config, args.clip_frames)
+            log(f"context check ({name}) at step {step}: " + json.dumps({k: round(v, 4) for k, v in checks.items()}))
+        save_sana_components(args.out, tokenizer, text_encoder, ema_model.eval(), vae, scheduler)
+        log(f"saved components (EMA weights) to {args.out} at step {step}")
+
+    losses = train_transformer(
+        TeacherForcingAdapter(transformer),
+        train_data,
+        config,
+        seconds=args.minutes * 60,
+        max_steps=args.steps,
+        batch_size=args.batch_size,
+        clip_frames=args.clip_frames,
+        lr=args.lr,
+        seed=args.seed,
+        log=log,
+        on_step=lambda _: ema.update(transformer),
+        on_interval=checkpoint,
+        interval_seconds=args.checkpoint_minutes * 60,
+    )
+    log(f"trained {len(losses)} steps, final loss (mean of last 100) {sum(losses[-100:]) / len(losses[-100:]):.5f}")
+    checkpoint(len(losses))
+
+
+if __name__ == "__main__":
+    main()
