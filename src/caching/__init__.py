@@ -1,7 +1,6 @@
 """One cache API for every rolldiff model: layer kinds plus the `RollingKVCache` container."""
 
 from .base import CacheLayer
-from .condition import ConditionKVCache, ConditionLayer
 from .container import RollingKVCache
 from .conv_state import ConvStateLayer
 from .cross_attention import CrossAttentionLayer
@@ -12,8 +11,6 @@ from .static import StaticLayer
 __all__ = [
     "CacheLayer",
     "ConvStateLayer",
-    "ConditionKVCache",
-    "ConditionLayer",
     "CrossAttentionLayer",
     "LinearAttentionLayer",
     "RollingKVCache",
