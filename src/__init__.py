@@ -6,21 +6,27 @@ Model and pipeline classes are importable from here, which is where saved pipeli
 
 from .caching import (
     CacheLayer,
+    ConditionKVCache,
+    ConditionLayer,
     CrossAttentionLayer,
     LinearAttentionLayer,
     RollingKVCache,
     SlidingWindowLayer,
     StaticLayer,
 )
-from .models import ChunkLayout, KreaRealtimeTransformer3DModel
-from .pipelines import KreaRealtimeVideoPipeline, KreaRealtimeVideoPipelineOutput
+from .models import ChunkLayout, GlmImageCachedTransformer2DModel, KreaRealtimeTransformer3DModel
+from .pipelines import GlmImageCachedPipeline, KreaRealtimeVideoPipeline, KreaRealtimeVideoPipelineOutput
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CacheLayer",
     "ChunkLayout",
+    "ConditionKVCache",
+    "ConditionLayer",
     "CrossAttentionLayer",
+    "GlmImageCachedPipeline",
+    "GlmImageCachedTransformer2DModel",
     "KreaRealtimeTransformer3DModel",
     "KreaRealtimeVideoPipeline",
     "KreaRealtimeVideoPipelineOutput",

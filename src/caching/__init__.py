@@ -1,6 +1,7 @@
 """One cache API for every rolldiff model: layer kinds plus the `RollingKVCache` container."""
 
 from .base import CacheLayer
+from .condition import ConditionKVCache, ConditionLayer
 from .container import RollingKVCache
 from .conv_state import ConvStateLayer
 from .cross_attention import CrossAttentionLayer
@@ -11,6 +12,8 @@ from .static import StaticLayer
 __all__ = [
     "CacheLayer",
     "ConvStateLayer",
+    "ConditionKVCache",
+    "ConditionLayer",
     "CrossAttentionLayer",
     "LinearAttentionLayer",
     "RollingKVCache",

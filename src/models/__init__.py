@@ -1,5 +1,6 @@
 """Model families, each owning its cache."""
 
+from .glm_image import GlmImageCachedTransformer2DModel
 from .krea_realtime import (
     ChunkLayout,
     KreaRealtimeTransformer3DModel,
@@ -10,6 +11,7 @@ from .wan_conversion import convert_original_wan_state_dict, infer_wan_config, l
 
 __all__ = [
     "ChunkLayout",
+    "GlmImageCachedTransformer2DModel",
     "KreaRealtimeTransformer3DModel",
     "block_causal_frame_mask",
     "convert_original_wan_state_dict",

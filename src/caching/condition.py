@@ -1,0 +1,263 @@
+"""Condition cache (GLM-Image's reference images): K/V written once, read at every conditional step.
+
+One buffer per block, rows = batch samples, written in place:
+
+    row r:  [ conditions of sample r // rows_per_sample | padding | current tokens ]
+             0 ........................................ C ....... C + T
+
+- "write": a batch-1 forward of one reference image; its K/V are appended to the current sample's
+  conditions (several images per sample append; `next_sample()` moves on). These are the only
+  tokens that ever become conditions: there is no pending/commit step a stray `commit()` could
+  misuse, and `commit()` raises.
+- "read": a denoising step's K/V (batch N) are written after the longest condition (C tokens) and
+  attention reads one view `[conditions; current]` of the buffer: no per-step concatenation, no
+  new K/V tensor. One written sample serves the whole batch, S samples serve N = k * S rows
+  (sample s -> rows s*k .. s*k + k - 1, diffusers' `num_images_per_prompt` order). The layout is
+  spread in place once, at the first read of a batch size; the buffer grows (once) if it is smaller.
+- Samples may hold different condition lengths: the gap between a sample's conditions and C is
+  masked out (`attention_mask`, True = attend); with equal lengths there is no mask at all.
+- "skip" (the unconditional CFG branch) and `None`: the layer is not touched.
+`max_tokens` (conditions + current tokens per row) fixes the capacity; a write or read that would
+not fit raises before anything changes. Without it the buffer is sized at first use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import CacheLayer, check_allocation_sizes, check_key_value, check_matches_buffer, check_positive
+from .container import RollingKVCache
+
+CONDITION_MODES = ("write", "read", "skip")
+
+
+def check_mode(mode: str | None) -> str | None:
+    if mode is not None and mode not in CONDITION_MODES:
+        raise ValueError(f"`mode` must be one of {CONDITION_MODES} or None, got {mode!r}.")
+    return mode
+
+
+class ConditionLayer(CacheLayer):
+    """Args: max_tokens: conditions + current tokens one row holds (None: sized at first use)."""
+
+    def __init__(self, max_tokens: int | None = None) -> None:
+        super().__init__()
+        self.max_tokens = None if max_tokens is None else check_positive("max_tokens", max_tokens)
+        self.mode: str | None = None
+        self.sample_index = 0  # the sample "write" appends to
+        self.condition_lengths: list[int] = []  # tokens per written sample
+        self.rows_per_sample = 1  # current layout of the buffer's rows
+        self.key_mask: torch.Tensor | None = None  # (rows, capacity) bool, True = attend
+        self.attention_mask: torch.Tensor | None = None  # (N, C + T) after a read with unequal lengths, else None
+        self._mask_lengths: tuple[int, ...] | None = None  # layout the mask was built for
+        self._fixed_rows = False  # early_initialization fixes the batch
+
+    # ------------------------------------------------------------------------------------ allocation
+    def early_initialization(
+        self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        check_allocation_sizes(batch_size, num_heads, head_dim)
+        if self.max_tokens is None:
+            raise ValueError(
+                "`early_initialization` needs `max_tokens` (conditions + current tokens) at construction."
+            )
+        self._allocate(batch_size, self.max_tokens, num_heads, head_dim, dtype, torch.device(device))
+        self._fixed_rows = True
+
+    def _allocate(self, rows: int, tokens: int, heads: int, head_dim: int, dtype, device) -> None:
+        keys = torch.zeros(rows, tokens, heads, head_dim, dtype=dtype, device=device)  # zeros: padding stays finite
+        values = torch.zeros_like(keys)
+        if self.keys is not None:  # growing: keep what is written
+            old_rows, old_tokens = self.keys.shape[:2]
+            keys[:old_rows, :old_tokens] = self.keys
+            values[:old_rows, :old_tokens] = self.values
+        self.keys, self.values = keys, values
+        self.key_mask = torch.ones(rows, tokens, dtype=torch.bool, device=device)
+        self._mask_lengths = None
+
+    def _reserve(self, key: torch.Tensor, rows: int, tokens: int) -> None:
+        """Make room for `rows` x `tokens` (growing the buffer), or raise before changing anything."""
+        if self.max_tokens is not None and tokens > self.max_tokens:
+            raise ValueError(
+                f"the condition cache needs {tokens} tokens per row (conditions + current tokens) but holds "
+                f"`max_tokens`={self.max_tokens}; build it with a larger `max_tokens` (or None to size it at first use)."
+            )
+        if self.keys is None:
+            self._allocate(rows, self.max_tokens or tokens, key.shape[2], key.shape[3], key.dtype, key.device)
+            return
+        check_matches_buffer("key", key[:1], self.keys[:1])  # heads, head_dim, dtype, device; rows grow
+        if rows > self.keys.shape[0] and self._fixed_rows:
+            raise ValueError(
+                f"batch {rows} exceeds the `batch_size`={self.keys.shape[0]} the condition cache was initialised with."
+            )
+        if rows > self.keys.shape[0] or tokens > self.keys.shape[1]:
+            rows, tokens = max(rows, self.keys.shape[0]), max(tokens, self.keys.shape[1])
+            self._allocate(rows, tokens, self.keys.shape[2], self.keys.shape[3], self.keys.dtype, self.keys.device)
+
+    def _longest(self) -> int:
+        return max(self.condition_lengths, default=0)
+
+    # ------------------------------------------------------------------------------------ the modes
+    def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Act on `mode`: store conditions ("write"), read `[conditions; current]` ("read"), or pass through."""
+        check_key_value(key, value)
+        self.attention_mask = None
+        if self.mode == "write":
+            self._write(key, value)
+        elif self.mode == "read" and self._longest() > 0:
+            return self._read(key, value)
+        return key, value  # write: the reference attends to itself only; skip / None: no conditions
+
+    def _write(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        if key.shape[0] != 1:
+            raise ValueError(
+                f"condition K/V are written one sample at a time (batch 1), got batch {key.shape[0]}; "
+                "call `next_sample()` between samples."
+            )
+        sample, tokens = self.sample_index, key.shape[1]
+        lengths = self.condition_lengths + [0] * (sample + 1 - len(self.condition_lengths))
+        start = lengths[sample]
+        self._reserve(
+            key, rows=max(len(lengths), len(self.condition_lengths) * self.rows_per_sample), tokens=start + tokens
+        )
+        self._spread(1)  # written after a read: samples back to one row each
+        self.keys[sample, start : start + tokens] = key[0]
+        self.values[sample, start : start + tokens] = value[0]
+        lengths[sample] = start + tokens
+        self.condition_lengths = lengths
+
+    def _read(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, tokens = key.shape[:2]
+        samples, longest = len(self.condition_lengths), self._longest()
+        if batch % samples:
+            raise ValueError(
+                f"Cannot match {samples} cached samples to batch size {batch}: "
+                "the batch must be a multiple of the number of samples written."
+            )
+        self._reserve(key, rows=max(batch, samples * self.rows_per_sample), tokens=longest + tokens)
+        self._spread(batch // samples)
+        end = longest + tokens
+        self.keys[:batch, longest:end] = key
+        self.values[:batch, longest:end] = value
+        if len(set(self.condition_lengths)) > 1:
+            self._build_mask()
+            self.attention_mask = self.key_mask[:batch, :end]
+        return self.keys[:batch, :end], self.values[:batch, :end]
+
+    def _spread(self, rows_per_sample: int) -> None:
+        """Lay sample s on rows s*k .. s*k + k - 1 (k = rows_per_sample), moving rows in place."""
+        if rows_per_sample == self.rows_per_sample:
+            return
+        longest, old = self._longest(), self.rows_per_sample
+        for sample in range(1, len(self.condition_lengths)):  # compact: sample s -> row s (ascending is safe)
+            self._copy_row(sample * old, sample, longest)
+        for sample in reversed(range(len(self.condition_lengths))):  # expand (descending is safe)
+            for row in range(sample * rows_per_sample, (sample + 1) * rows_per_sample):
+                if row != sample:
+                    self._copy_row(sample, row, longest)
+        self.rows_per_sample = rows_per_sample
+        self._mask_lengths = None
+
+    def _copy_row(self, source: int, target: int, tokens: int) -> None:
+        if source != target:
+            self.keys[target, :tokens] = self.keys[source, :tokens]
+            self.values[target, :tokens] = self.values[source, :tokens]
+
+    def _build_mask(self) -> None:
+        """Mask each row's gap between its sample's conditions and the longest; rebuilt only on change."""
+        layout = (self.rows_per_sample, *self.condition_lengths)
+        if self._mask_lengths == layout:
+            return
+        self.key_mask.fill_(True)
+        longest = self._longest()
+        for sample, length in enumerate(self.condition_lengths):
+            rows = slice(sample * self.rows_per_sample, (sample + 1) * self.rows_per_sample)
+            self.key_mask[rows, length:longest] = False
+        self._mask_lengths = layout
+
+    # ------------------------------------------------------------------------------------ the contract
+    def next_sample(self) -> None:
+        """Later writes go to the next batch sample."""
+        self.sample_index += 1
+
+    def commit(self) -> None:
+        raise RuntimeError(
+            "ConditionLayer.commit(): conditions are committed as they are written in 'write' mode; "
+            "tokens read in 'read' mode are the current step's and never become conditions."
+        )
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Views of the conditions, one row per batch row of the current layout (padding included)."""
+        if self._longest() == 0:
+            return None
+        rows = len(self.condition_lengths) * self.rows_per_sample
+        return self.keys[:rows, : self._longest()], self.values[:rows, : self._longest()]
+
+    def reset(self) -> None:
+        """Forget the conditions and the mode, keeping the buffers (same `data_ptr`)."""
+        self.mode = None
+        self.sample_index = 0
+        self.condition_lengths = []
+        self.rows_per_sample = 1
+        self.attention_mask = None
+        self._mask_lengths = None
+        self.pending_tokens = 0
+
+    def get_seq_length(self) -> int:
+        """Condition tokens of the longest sample."""
+        return self._longest()
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.keys, self.values, self.key_mask) if t is not None]
+
+
+class ConditionKVCache(RollingKVCache):
+    """One `ConditionLayer` per block, with diffusers' `GlmImageKVCache` verbs.
+
+    `set_mode("write" | "read" | "skip" | None)`, `next_sample()`, `clear()`, `cache[i]`; also
+    everything `RollingKVCache` offers (`reset`, `early_initialization`, `memory_bytes`, ...).
+    """
+
+    def __init__(self, num_layers: int, max_tokens: int | None = None) -> None:
+        check_positive("num_layers", num_layers)
+        super().__init__([ConditionLayer(max_tokens) for _ in range(num_layers)])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def max_tokens(self) -> int | None:
+        return self.layers[0].max_tokens
+
+    @property
+    def mode(self) -> str | None:
+        return self.layers[0].mode
+
+    @property
+    def condition_lengths(self) -> list[int]:
+        """Condition tokens per written sample (the same in every layer)."""
+        return list(self.layers[0].condition_lengths)
+
+    def set_mode(self, mode: str | None) -> None:
+        check_mode(mode)
+        for layer in self.layers:
+            layer.mode = mode
+
+    def next_sample(self) -> None:
+        for layer in self.layers:
+            layer.next_sample()
+
+    def clear(self) -> None:
+        """diffusers' name for `reset()`: forget conditions and mode; the buffers are kept for the next call."""
+        self.reset()
+
+    def check_fits(self, condition_tokens: list[int], current_tokens: int) -> None:
+        """Raise (before any work) if conditions of these per-sample lengths plus `current_tokens` exceed `max_tokens`."""
+        needed = max(condition_tokens, default=0) + current_tokens
+        if self.max_tokens is not None and needed > self.max_tokens:
+            raise ValueError(
+                f"the condition cache holds `max_tokens`={self.max_tokens} per sample, but the reference images need "
+                f"{max(condition_tokens, default=0)} condition tokens + {current_tokens} current tokens = {needed}; "
+                "use smaller reference images or a cache with a larger `max_tokens`."
+            )
