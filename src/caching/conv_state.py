@@ -111,7 +111,8 @@ class ConvStateLayer(CacheLayer):
         self._pending_frames = self.pending_tokens = 0
 
     def get(self) -> tuple[torch.Tensor, None] | None:
-        return None if self.committed is None or self.committed_frames == 0 else (self.committed, None)
+        """A snapshot (a copy) of the committed frames, as every layer kind returns."""
+        return None if self.committed is None or self.committed_frames == 0 else (self.committed.clone(), None)
 
     def check_rewind(self, num_tokens: int) -> None:
         """Only the whole last committed chunk can be forgotten (the state keeps one chunk of history)."""
