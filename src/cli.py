@@ -7,8 +7,15 @@ however long the video. Bad arguments end with one line on stderr and exit code 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import ipaddress
+import math
+import signal
+import socket
 import sys
+import threading
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,6 +23,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from . import __version__ as rolldiff_version
 from .defaults import (
     DTYPES,
     ModelNotFoundError,
@@ -26,8 +34,19 @@ from .defaults import (
     native_size,
 )
 from .pipelines import StreamingVideoWriter
+from .pipelines.text_encoding import PromptWarning
+from .pipelines.video_writer import check_output_path
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # what a shell reports for a program stopped by Ctrl-C (128 + SIGINT)
+# One run is at most a day of video: a typo such as --seconds 1e9 is refused instead of running for decades.
+MAX_SECONDS = 24 * 3600.0
+MAX_FPS = 240
+# torch.Generator.manual_seed takes any 64-bit value.
+MAX_SEED = 2**64 - 1
+# Device types a pipeline can run on; `meta` holds no data and `cpu`/`cuda` cover the usual cases.
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 
 
 class UsageError(Exception):
@@ -56,18 +75,54 @@ def _steps(text: str) -> list[int]:
         ) from None
 
 
-def _positive(kind):
+def _positive(kind, maximum: float = math.inf):
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not value > 0:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} > 0, got {text!r}")
+        if value is None or not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"expected a finite {kind.__name__} > 0, got {text!r}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"expected at most {maximum:g}, got {text!r}")
         return value
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64 - 1], got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port in [1, 65535], got {text!r}")
+    return int(text)
+
+
+def _host(text: str) -> str:
+    """An IP address, or a name this machine resolves (localhost, its own name); checked before the model loads."""
+    try:
+        ipaddress.ip_address(text)
+        return text
+    except ValueError:
+        pass
+    if not text or all(part.isdigit() for part in text.split(".")):  # 999.1.1.1: a mistyped address, not a name
+        raise argparse.ArgumentTypeError(f"expected an IP address such as 127.0.0.1 or 0.0.0.0, got {text!r}")
+    try:
+        socket.getaddrinfo(text, None)
+    except (socket.gaierror, UnicodeError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an IP address nor a name this machine resolves"
+        ) from None
+    return text
 
 
 def _device(text: str) -> str:
@@ -75,13 +130,24 @@ def _device(text: str) -> str:
         device = torch.device(text)
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"expected a torch device like cpu, cuda or cuda:1, got {text!r}") from None
+    if device.type not in _DEVICE_TYPES:
+        raise argparse.ArgumentTypeError(f"expected one of the device types {', '.join(_DEVICE_TYPES)}, got {text!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise argparse.ArgumentTypeError(f"{text!r} asked for, but CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s)"
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r} asked for, but MPS is not available on this machine")
+    if device.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise argparse.ArgumentTypeError(f"{text!r} asked for, but XPU is not available on this machine")
     return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="rolldiff", description="Generate long videos chunk by chunk with a rolling KV cache.")
+    parser.add_argument("--version", action="version", version=f"rolldiff {rolldiff_version}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     generate = commands.add_parser(
@@ -98,11 +164,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FRAME:TEXT",
         help="switch to TEXT at video frame FRAME (repeatable), e.g. --prompt-at '48:a blue square moving up'",
     )
-    generate.add_argument("--seconds", type=_positive(float), default=5.0, help="length (default 5); rounded up")
+    generate.add_argument(
+        "--seconds",
+        type=_positive(float, MAX_SECONDS),
+        default=5.0,
+        help="length (default 5, at most a day); rounded up",
+    )
     generate.add_argument("--out", type=Path, default=Path("video.mp4"), help="the .mp4 to write (default video.mp4)")
     _add_model_arguments(generate)
-    generate.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    generate.add_argument("--fps", type=_positive(int), default=16, help="frames per second of the file (default 16)")
+    generate.add_argument("--seed", type=_seed, default=0, help="random seed (default 0)")
+    generate.add_argument(
+        "--fps", type=_positive(int, MAX_FPS), default=16, help="frames per second of the file (default 16)"
+    )
     generate.add_argument("--height", type=_positive(int), help="pixels (default: the model's native size)")
     generate.add_argument("--width", type=_positive(int), help="pixels (default: the model's native size)")
     generate.add_argument("--steps", type=_steps, help="denoising steps, e.g. 1000,750,500,250 (default: the model's)")
@@ -114,8 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="serve the Gradio demo", description="Serve the Gradio demo.")
     _add_model_arguments(demo)
-    demo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    demo.add_argument("--port", type=_positive(int), default=7860, help="port (default 7860)")
+    demo.add_argument(
+        "--host", type=_host, default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    demo.add_argument("--port", type=_port, default=7860, help="port (default 7860)")
     demo.add_argument("--max-concurrency", type=_positive(int), default=2, help="generations at once (default 2)")
     demo.set_defaults(run=run_demo)
     return parser
@@ -131,10 +206,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------------------------- commands
 def run_generate(args: argparse.Namespace) -> int:
-    if args.out.suffix.lower() != ".mp4":
-        raise UsageError(f"--out must be an .mp4 file, got {str(args.out)!r}")
-    if not args.out.parent.is_dir():
-        raise UsageError(f"--out's folder {str(args.out.parent)!r} does not exist")
+    try:
+        check_output_path(args.out, "--out")
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("`--out`", "--out")) from None
     if args.prompt is None and not any(frame == 0 for frame, _ in args.prompt_at):
         raise UsageError("give --prompt, or a --prompt-at 0:TEXT for the first frames")
 
@@ -146,38 +221,94 @@ def run_generate(args: argparse.Namespace) -> int:
     chunk_frames = args.chunk_frames or pipe.config.chunk_frames
     num_frames = frames_for_seconds(pipe, args.seconds, args.fps, chunk_frames)
     try:
-        chunks = pipe.stream(  # checks every argument before any model work; names the bad one
-            args.prompt,
-            num_frames,
-            height,
-            width,
-            prompt_schedule=sorted(args.prompt_at) or None,
-            denoising_steps=args.steps,
-            generator=torch.Generator("cpu").manual_seed(args.seed),
-            chunk_frames=args.chunk_frames,
-            sink_frames=args.sink_frames,
-            window_frames=args.window_frames,
-            position_mode=args.position_mode,
-        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PromptWarning)
+            chunks = pipe.stream(  # checks every argument before any model work; names the bad one
+                args.prompt,
+                num_frames,
+                height,
+                width,
+                prompt_schedule=sorted(args.prompt_at) or None,
+                denoising_steps=args.steps,
+                generator=torch.Generator("cpu").manual_seed(args.seed),
+                chunk_frames=args.chunk_frames,
+                sink_frames=args.sink_frames,
+                window_frames=args.window_frames,
+                position_mode=args.position_mode,
+            )
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
+    _report_warnings(caught)
     num_chunks = pipe._frames_to_latent(num_frames) // chunk_frames
     rounded = " (rounded up to whole chunks)" if num_frames != round(args.seconds * args.fps) else ""
     duration = num_frames / args.fps
     print(f"Generating {num_frames} frames{rounded}: {duration:.2f} s at {args.fps} fps, {height}x{width}, {device}")
 
     start = time.perf_counter()
-    with StreamingVideoWriter(args.out, fps=args.fps) as writer, tqdm(total=num_chunks, unit="chunk") as progress:
-        for frames in chunks:  # (1, frames, height, width, 3) in [0, 1]
-            writer.write((frames[0] * 255.0).round().clip(0, 255).astype("uint8"))
-            progress.update()
+    writer = StreamingVideoWriter(args.out, fps=args.fps)  # a temporary file beside --out until the end
+    try:
+        with _sigterm_as_interrupt(), writer, tqdm(total=num_chunks, unit="chunk") as progress:
+            for frames in chunks:  # (1, frames, height, width, 3) in [0, 1]
+                writer.write((frames[0] * 255.0).round().clip(0, 255).astype("uint8"))
+                progress.update()
+    except KeyboardInterrupt:
+        print(f"rolldiff: interrupted; {_kept(writer)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     elapsed = time.perf_counter() - start
     print(f"Wrote {writer.frames_written} frames to {args.out.resolve()}")
     print(f"{writer.frames_written / elapsed:.1f} frames per second ({elapsed:.1f} s for the whole video)")
     return 0
 
 
+def _kept(writer: StreamingVideoWriter) -> str:
+    """What a failed run left: the partial file (if any frame was made) and the untouched target."""
+    target = str(writer.path)
+    if writer.partial_path is None:
+        return f"no frame was finished; {target} was not touched."
+    return f"the {writer.frames_written} frames made are kept in {writer.partial_path}; {target} was not touched."
+
+
+def _report_warnings(caught: list[warnings.WarningMessage]) -> None:
+    """One `rolldiff: warning:` line per prompt warning (unknown words, truncation); others as Python shows them."""
+    for warning in caught:
+        if issubclass(warning.category, PromptWarning):
+            print(f"rolldiff: warning: {warning.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """`kill PID` stops a run like Ctrl-C does: the frames done are kept, not lost with an unfinished file."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live on the main thread
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """Bind and release `host:port` now, so a busy port or a foreign address fails before the model loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UsageError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("gradio") is None:
+        raise UsageError("the demo needs Gradio, which is not installed: pip install 'rolldiff[demo]'")
+    _check_can_listen(args.host, args.port)
     from .demo import build_demo  # imports gradio: only for this command
 
     device = args.device or default_device()
@@ -211,8 +342,13 @@ def _quiet_libraries() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `rolldiff` command; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv:  # `rolldiff` alone: say what it does and how to start, not "the following arguments are required"
+        parser.print_help()
+        return EXIT_USAGE
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
         with _quiet_libraries():
             return args.run(args)
     except (UsageError, ModelNotFoundError) as exc:

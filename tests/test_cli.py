@@ -14,10 +14,12 @@ import pytest
 import torch
 from tiny_components import tiny_pipeline
 
+import rolldiff
 import rolldiff.defaults
 from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.cli import main
 from rolldiff.defaults import native_size
+from rolldiff.pipelines.video_writer import StreamingVideoWriter
 
 RED, BLUE = "a red circle moving left", "a blue square moving up"
 SIZE = ["--height", "16", "--width", "16"]
@@ -92,12 +94,12 @@ def test_native_size_comes_from_the_pipeline_config_else_480x832(model_dir, tmp_
         (["--prompt", RED, "--prompt-at", "8"], "expected FRAME:TEXT"),
         (["--prompt", RED, "--prompt-at", "100:a cat"], "frame 100 is out of range"),
         (["--prompt", RED, "--height", "20"], "`height` must be a positive multiple of 8"),
-        (["--prompt", RED, "--seconds", "-1"], "--seconds: expected a float > 0"),
+        (["--prompt", RED, "--seconds", "-1"], "--seconds: expected a finite float > 0"),
         (["--prompt", RED, "--steps", "1000,fast"], "expected comma-separated integers"),
         (["--prompt", RED, "--steps", "250,500"], "strictly decreasing"),
         (["--prompt", RED, "--position-mode", "sideways"], "`position_mode` must be one of"),
         (["--seconds", "1"], "give --prompt"),
-        (["--prompt", RED, "--out", "video.gif"], "--out must be an .mp4 file"),
+        (["--prompt", RED, "--out", "video.gif"], "--out must end in .mp4"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_on_stderr(model_dir, tmp_path, capsys, args, message):
@@ -153,3 +155,33 @@ def test_long_video_example_parses_help(capsys):
         with pytest.raises(SystemExit) as exit_info:
             example.main(argv)
         assert exit_info.value.code == 0 and "--minutes" in capsys.readouterr().out
+
+
+def test_version_and_usage_without_arguments(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == f"rolldiff {rolldiff.__version__}"
+    assert main([]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: rolldiff") and "generate" in out and "demo" in out
+
+
+def test_interrupted_run_keeps_the_old_video_and_the_frames_made(model_dir, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "v.mp4"
+    assert _generate(model_dir, out, "--prompt", RED, "--seconds", "0.25") == 0  # 2 frames: the finished video
+    before = out.read_bytes()
+    real_write = StreamingVideoWriter.write
+
+    def write_then_interrupt(self, frames):
+        real_write(self, frames)
+        if self.frames_written >= 4:  # Ctrl-C after the second chunk's frames
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(StreamingVideoWriter, "write", write_then_interrupt)
+    assert _generate(model_dir, out, "--prompt", BLUE, "--seconds", "1") == 130
+    err = capsys.readouterr().err
+    partial = tmp_path / "v.partial.mp4"
+    assert f"the 4 frames made are kept in {partial}" in err and "was not touched" in err
+    assert out.read_bytes() == before
+    assert _read(partial).shape == (4, 16, 16, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4", "v.partial.mp4"]
