@@ -13,10 +13,17 @@ their weights arrive with wrappers around them:
 `convert_original_wan_state_dict` strips all of these, renames every key through one explicit table and refuses
 anything it cannot map. The renames match diffusers' `convert_wan_transformer_to_diffusers` (the test oracle) for
 text-to-video checkpoints; image-to-video keys (`img_emb`, `k_img`) are rejected.
+
+`check_weights_match_config` is the loading check for diffusers-format folders: diffusers' `from_pretrained` loads
+a config saying 2 layers over weights with 4 (or the reverse, leaving layers random) with only a warning, so a
+wrong checkpoint would generate noise. The check reads the safetensors headers (no tensor data), builds the model
+from its config on the meta device, and refuses missing, unexpected or mis-shaped weights by name, before any
+weight is loaded. `StrictWeightsMixin` runs it in `from_pretrained`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -26,11 +33,19 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["convert_original_wan_state_dict", "infer_wan_config", "load_original_wan_checkpoint"]
+__all__ = [
+    "StrictWeightsMixin",
+    "WeightsMismatchError",
+    "check_weights_match_config",
+    "convert_original_wan_state_dict",
+    "infer_wan_config",
+    "load_original_wan_checkpoint",
+]
 
 # Module paths outside the blocks: original name -> diffusers name. Each has `.weight` and `.bias`.
 _TOP_LEVEL_MODULES = {
@@ -276,3 +291,84 @@ def infer_wan_config(state_dict: Mapping[str, Tensor], attention_head_dim: int =
         "cross_attn_norm": "blocks.0.norm2.weight" in state_dict,
         "qk_norm": "rms_norm_across_heads" if "blocks.0.attn1.norm_q.weight" in state_dict else None,
     }
+
+
+class WeightsMismatchError(ValueError):
+    """A checkpoint's weights do not fit the model its config describes (missing, unexpected or mis-shaped keys)."""
+
+
+def _checkpoint_shapes(folder: Path, weights_name: str) -> dict[str, tuple[int, ...]] | None:
+    """Names and shapes of the tensors in `folder`'s safetensors weights (one file or shards), read from headers
+    only; None when the folder holds no safetensors weights under `weights_name` (nothing to check)."""
+    single = folder / weights_name
+    index = folder / f"{weights_name}.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as weights:
+            for key in weights.keys():
+                shapes[key] = tuple(weights.get_slice(key).get_shape())
+    return shapes
+
+
+def check_weights_match_config(
+    model_class, folder: str | os.PathLike, weights_name: str = "diffusion_pytorch_model.safetensors"
+) -> None:
+    """Refuse a diffusers-format model folder whose weights do not fit its `config.json`, before loading them.
+
+    Args:
+        model_class: the `ModelMixin` subclass the folder is loaded as (its config builds the expected weights).
+        folder: the model's folder (`.../transformer`), holding `config.json` and safetensors weights.
+        weights_name: the weights file (sharded checkpoints: its `.index.json`).
+
+    Raises:
+        WeightsMismatchError: naming the missing, unexpected and mis-shaped keys (a few of each, and how many).
+    """
+    folder = Path(folder)
+    shapes = _checkpoint_shapes(folder, weights_name)
+    if shapes is None:
+        return
+    with torch.device("meta"):  # shapes only: no memory, no initialisation time, even for 14B
+        model = model_class.from_config(model_class.load_config(folder))
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    ignored = [
+        re.compile(pattern) for pattern in getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or []
+    ]
+    missing = [key for key in expected if key not in shapes]
+    unexpected = [key for key in shapes if key not in expected and not any(p.search(key) for p in ignored)]
+    misshaped = [
+        f"{key} {shapes[key]} (config: {expected[key]})"
+        for key in expected
+        if key in shapes and shapes[key] != expected[key]
+    ]
+    if not (missing or unexpected or misshaped):
+        return
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)} weight(s) the config needs: {_preview(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} weight(s) the config has no place for: {_preview(unexpected)}")
+    if misshaped:
+        problems.append(f"{len(misshaped)} weight(s) of another shape: {', '.join(misshaped[:_NUM_KEYS_IN_ERRORS])}")
+    raise WeightsMismatchError(
+        f"The weights in {str(folder)!r} do not match its config.json ({model_class.__name__}, "
+        f"num_layers={model.config.get('num_layers', '?')}): {'; '.join(problems)}. The config and the weights "
+        "come from different checkpoints; use the config.json saved with these weights."
+    )
+
+
+class StrictWeightsMixin:
+    """Put first in a `ModelMixin` subclass's bases: `from_pretrained` of a local folder runs
+    `check_weights_match_config` before loading, so mismatched weights are an error, not a warning."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        folder = Path(str(pretrained_model_name_or_path)).expanduser() / (kwargs.get("subfolder") or "")
+        if folder.is_dir() and kwargs.get("variant") is None:
+            check_weights_match_config(cls, folder)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
