@@ -1,22 +1,27 @@
-"""The embedded default model, and how the `rolldiff` command and the demo find and load a pipeline.
+"""The embedded default models, and how the `rolldiff` command and the demo find and load a pipeline.
 
-The default is a tiny Krea-like pipeline trained on 32x32 toy-world videos (bouncing shapes), shipped inside
-the package so `rolldiff generate --prompt ...` runs on a laptop CPU with no download.
+Two tiny pipelines trained on 32x32 toy-world videos (bouncing shapes) ship inside the package, so
+`rolldiff generate --prompt ...` runs on a laptop CPU with no download: `tiny-bouncing-shapes` (Krea-like,
+the default) and `tiny-bouncing-shapes-sana` (SANA-like). `--model` takes one of their names, a pipeline
+folder or a Hub id; the pipeline class is the one named by the folder's `model_index.json`.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
 
 import torch
+from diffusers import DiffusionPipeline
 
 import rolldiff
 
 from .pipelines import KreaRealtimeVideoPipeline
 
 DEFAULT_MODEL_NAME = "tiny-bouncing-shapes"
+EMBEDDED_MODEL_NAMES = (DEFAULT_MODEL_NAME, "tiny-bouncing-shapes-sana")  # the default first
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # "name" or "org/name": what the Hugging Face Hub accepts as a repository id.
@@ -41,34 +46,74 @@ def default_dtype(device: str | torch.device) -> str:
     return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
+def embedded_models() -> dict[str, Path]:
+    """Name -> folder of every embedded pipeline present in the package (the default first)."""
+    folders = {name: default_model_path().parent / name for name in EMBEDDED_MODEL_NAMES}
+    folders[DEFAULT_MODEL_NAME] = default_model_path()
+    return {name: folder for name, folder in folders.items() if (folder / "model_index.json").is_file()}
+
+
 def resolve_model(model: str | Path | None) -> str | Path:
-    """A local pipeline folder (checked) or a Hub id; `None` is the embedded default.
+    """An embedded model's folder (by name), a local pipeline folder (checked) or a Hub id; `None` is the default.
 
     Raises:
         ModelNotFoundError: the folder is missing or holds no `model_index.json`.
     """
-    if model is None:
+    if model is None or str(model) == DEFAULT_MODEL_NAME:
         folder = default_model_path()
         if not (folder / "model_index.json").is_file():
             raise ModelNotFoundError(f"the embedded default model is missing at {folder}; pass --model PATH_OR_ID.")
         return folder
+    embedded = embedded_models()
+    if str(model) in embedded:
+        return embedded[str(model)]
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "model_index.json").is_file():
             raise ModelNotFoundError(f"--model {str(model)!r} is not a pipeline folder (no model_index.json in it).")
         return path
     if not _HUB_ID.match(str(model)):
-        raise ModelNotFoundError(f"--model {str(model)!r}: no such folder, and not a Hugging Face Hub id.")
+        names = ", ".join(embedded)
+        raise ModelNotFoundError(
+            f"--model {str(model)!r}: no such folder, not an embedded model ({names}) and not a Hugging Face Hub id."
+        )
     return str(model)
 
 
-def load_pipeline(
-    model: str | Path | None = None, device: str | None = None, dtype: str | None = None
-) -> KreaRealtimeVideoPipeline:
-    """Load a pipeline folder or Hub id (`None`: the embedded default) onto `device` in `dtype`.
+def pipeline_class(source: str | Path) -> type[DiffusionPipeline]:
+    """The rolldiff pipeline class named by `_class_name` in the `model_index.json` of `source` (folder or Hub id).
+
+    Raises:
+        ModelNotFoundError: no readable `model_index.json`, or it names a class rolldiff does not provide.
+    """
+    try:
+        if Path(source).is_dir():
+            index = json.loads((Path(source) / "model_index.json").read_text())
+        else:
+            index = DiffusionPipeline.load_config(str(source))
+        class_name = index["_class_name"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelNotFoundError(f"--model {str(source)!r}: no readable model_index.json ({exc}).") from exc
+    known = {
+        name: cls
+        for name in rolldiff.__all__
+        if isinstance(cls := getattr(rolldiff, name), type) and issubclass(cls, DiffusionPipeline)
+    }
+    if class_name not in known:
+        raise ModelNotFoundError(
+            f"--model {str(source)!r} is a {class_name!r} pipeline; rolldiff runs {', '.join(sorted(known))}."
+        )
+    return known[class_name]
+
+
+def load_pipeline(model: str | Path | None = None, device: str | None = None, dtype: str | None = None):
+    """Load an embedded model (by name), a folder or a Hub id (`None`: the default) onto `device` in `dtype`.
+
+    The pipeline class is the one `model_index.json` names (`pipeline_class`).
 
     Args:
-        model: a folder saved with `save_pretrained`, a Hub repository id, or `None`.
+        model: an embedded model's name (`embedded_models()`), a folder saved with `save_pretrained`, a Hub
+            repository id, or `None`.
         device: "cpu", "cuda", "cuda:1", ...; default: CUDA when available.
         dtype: one of `DTYPES`' names; default: bfloat16 on CUDA, float32 otherwise.
 
@@ -78,8 +123,9 @@ def load_pipeline(
     source = resolve_model(model)
     device = device or default_device()
     torch_dtype = DTYPES[dtype or default_dtype(device)]
+    cls = pipeline_class(source)
     try:
-        pipe = KreaRealtimeVideoPipeline.from_pretrained(source, dtype=torch_dtype)
+        pipe = cls.from_pretrained(source, dtype=torch_dtype)
     except (OSError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelNotFoundError(f"--model {str(source)!r} could not be loaded: {reason}") from exc
