@@ -8,13 +8,19 @@ from .caching import (
     CacheLayer,
     ConditionKVCache,
     ConditionLayer,
+    ConvStateLayer,
     CrossAttentionLayer,
     LinearAttentionLayer,
     RollingKVCache,
     SlidingWindowLayer,
     StaticLayer,
 )
-from .models import ChunkLayout, GlmImageCachedTransformer2DModel, KreaRealtimeTransformer3DModel
+from .models import (
+    ChunkLayout,
+    GlmImageCachedTransformer2DModel,
+    KreaRealtimeTransformer3DModel,
+    LongSanaTransformer3DModel,
+)
 from .pipelines import GlmImageCachedPipeline, KreaRealtimeVideoPipeline, KreaRealtimeVideoPipelineOutput
 
 __version__ = "0.1.0"
@@ -24,6 +30,7 @@ __all__ = [
     "ChunkLayout",
     "ConditionKVCache",
     "ConditionLayer",
+    "ConvStateLayer",
     "CrossAttentionLayer",
     "GlmImageCachedPipeline",
     "GlmImageCachedTransformer2DModel",
@@ -31,6 +38,7 @@ __all__ = [
     "KreaRealtimeVideoPipeline",
     "KreaRealtimeVideoPipelineOutput",
     "LinearAttentionLayer",
+    "LongSanaTransformer3DModel",
     "RollingKVCache",
     "SlidingWindowLayer",
     "StaticLayer",

@@ -7,15 +7,18 @@ from .krea_realtime import (
     block_causal_frame_mask,
     teacher_forcing_frame_mask,
 )
+from .long_sana import LongSanaTransformer3DModel, sana_layout
 from .wan_conversion import convert_original_wan_state_dict, infer_wan_config, load_original_wan_checkpoint
 
 __all__ = [
     "ChunkLayout",
     "GlmImageCachedTransformer2DModel",
     "KreaRealtimeTransformer3DModel",
+    "LongSanaTransformer3DModel",
     "block_causal_frame_mask",
     "convert_original_wan_state_dict",
     "infer_wan_config",
     "load_original_wan_checkpoint",
+    "sana_layout",
     "teacher_forcing_frame_mask",
 ]
