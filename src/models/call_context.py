@@ -19,7 +19,10 @@ T = TypeVar("T")
 class CallContextSlot(threading.local):
     """Holds the context of the forward running in this thread (`None` outside a call)."""
 
-    context: Any = None  # class default: every new thread starts unbound
+    def __init__(self) -> None:
+        # threading.local runs __init__ again in every thread that touches the slot: each starts unbound,
+        # and the attribute always exists (dynamo guards on the instance dict, not on a class default).
+        self.context: Any = None
 
 
 def bind_call_context(slot: CallContextSlot, context: Any, function: Callable[..., T], *args, **kwargs) -> T:

@@ -1,95 +1,59 @@
 """Causal Wan 2.1 video transformer with a rolling KV cache (Krea Realtime, Self-Forcing, LongLive).
 
-`KreaRealtimeTransformer3DModel` subclasses diffusers' `WanTransformer3DModel`, so every
-diffusers-format Wan 2.1 checkpoint loads unchanged. It adds:
+`KreaRealtimeTransformer3DModel` subclasses diffusers' `WanTransformer3DModel` and runs its forward
+and blocks unchanged (LoRA scale, attention backends, gradient checkpointing keep working). Only
+three pieces differ:
 
-- causal attention processors that read and write a `RollingKVCache` (one `SlidingWindowLayer` for
-  self-attention and one `CrossAttentionLayer` for the text per block), built by `make_cache`;
-- two position modes: `"absolute"` stores keys after RoPE at absolute frame positions (what
-  Self-Forcing / Krea checkpoints were trained with; bounded by the 1024-entry RoPE table) and
-  `"relative"` stores keys before RoPE and rotates them at read time with positions re-indexed inside
-  sink + window (unbounded length);
-- Krea's KV-cache attention bias: `log(bias)` added to the scores of every cached (past) token;
-- a dense reference path over a whole sequence with the block-causal, sink + window mask, used by the
-  equivalence tests and by training.
+- the rotary module: inside a cached or dense call it returns a per-call `CausalAttentionInputs`
+  (cache, layout, positions, RoPE tables, masks, computed once per forward) instead of the plain
+  cos/sin, and diffusers' blocks hand that object to every self-attention processor unchanged;
+- the self-attention processor: plain Wan, the dense block-causal reference, or one chunk through
+  its `SlidingWindowLayer` (positions `"absolute"`: keys stored after RoPE; `"relative"`: keys stored
+  before RoPE and rotated at read time with positions re-indexed inside sink + window);
+- the cross-attention processor: the text K/V come from the block's `CrossAttentionLayer`, filled once
+  per prompt (`prepare_conditioning`, or lazily at the first step).
+
+Per-call state is never stored on the model: the call's inputs are bound to a per-thread
+`CallContextSlot` for the duration of one forward, so one model serves any number of concurrent
+streams, each with its own cache, and a cached step compiles with `fullgraph=True` into one graph
+while the window fills and one once it is full (then attention runs without a mask).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin  # noqa: F401  diffusers' pipeline loader looks it up here
-from diffusers.models.transformers.transformer_wan import WanAttention, WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import (
+    WanAttention,
+    WanAttnProcessor,
+    WanRotaryPosEmbed,
+    WanTransformer3DModel,
+)
 
 from ..caching import CrossAttentionLayer, RollingKVCache, SlidingWindowLayer
+from ..caching.layout import POSITION_MODES, ChunkLayout
+from .call_context import CallContextSlot, bind_call_context
 
-POSITION_MODES = ("absolute", "relative")
-
-
-# ----------------------------------------------------------------------------------------- chunk geometry
-@dataclass(frozen=True)
-class ChunkLayout:
-    """Cache geometry in latent frames, and its token equivalents.
-
-    The window counts the pending chunk (Self-Forcing's `local_attn_size`) and excludes the sink, so a
-    chunk attends to `sink_frames + window_frames` frames at most: the sink, the most recent
-    `window_frames - chunk_frames` committed frames, and itself.
-    """
-
-    tokens_per_frame: int
-    chunk_frames: int = 3
-    sink_frames: int = 3
-    window_frames: int = 9
-    position_mode: str = "absolute"
-
-    def __post_init__(self) -> None:
-        for name in ("tokens_per_frame", "chunk_frames", "window_frames"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
-        if isinstance(self.sink_frames, bool) or not isinstance(self.sink_frames, int) or self.sink_frames < 0:
-            raise ValueError(f"`sink_frames` must be an int >= 0, got {self.sink_frames!r}.")
-        if self.chunk_frames >= self.window_frames:
-            raise ValueError(
-                f"`window_frames`={self.window_frames} must be larger than `chunk_frames`={self.chunk_frames}: "
-                "the window counts the chunk being generated, and must leave room for recent context."
-            )
-        if self.position_mode not in POSITION_MODES:
-            raise ValueError(f"`position_mode` must be one of {POSITION_MODES}, got {self.position_mode!r}.")
-
-    @property
-    def context_frames(self) -> int:
-        """Frames attended to at most (sink + window)."""
-        return self.sink_frames + self.window_frames
-
-    def visible_frames(self, chunk_start: int) -> list[int]:
-        """Frames a chunk starting at `chunk_start` attends to, oldest first (sink, window, itself)."""
-        end = chunk_start + self.chunk_frames
-        first_recent = max(0, chunk_start - (self.window_frames - self.chunk_frames))
-        return sorted({*range(min(self.sink_frames, end)), *range(first_recent, end)})
-
-    def rewindable_frames(self, committed_frames: int) -> int:
-        """Committed frames the next chunk sees after the sink: what a re-cache rewrites (never the sink)."""
-        next_chunk = set(self.visible_frames(committed_frames))
-        return sum(1 for frame in range(self.sink_frames, committed_frames) if frame in next_chunk)
-
-    def frame_position(self, frame: int | torch.Tensor, chunk_start: int) -> int | torch.Tensor:
-        """RoPE frame index of `frame` as seen from the chunk starting at `chunk_start`."""
-        if self.position_mode == "absolute":
-            return frame
-        window_start = max(self.sink_frames, chunk_start - (self.window_frames - self.chunk_frames))
-        shifted = frame - window_start + self.sink_frames
-        if isinstance(frame, torch.Tensor):
-            return torch.where(frame < self.sink_frames, frame, shifted)
-        return frame if frame < self.sink_frames else shifted
+__all__ = [
+    "POSITION_MODES",
+    "CausalAttentionInputs",
+    "ChunkLayout",
+    "KreaRealtimeTransformer3DModel",
+    "block_causal_frame_mask",
+    "teacher_forcing_frame_mask",
+]
 
 
+# ----------------------------------------------------------------------------------------- dense masks
 def block_causal_frame_mask(num_frames: int, layout: ChunkLayout) -> torch.Tensor:
     """`(frames, frames)` bool mask, True = attend: each chunk sees its sink, its recent window and itself."""
     frame_visible = torch.zeros(num_frames, num_frames, dtype=torch.bool)
@@ -129,127 +93,177 @@ def apply_rotary(hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return rotated.type_as(hidden_states)
 
 
-# ----------------------------------------------------------------------------------------- per-call state
 @dataclass
-class CausalCallState:
-    """What the attention processors of one forward need; set by the model for the duration of a call."""
+class RopeTables:
+    """Wan's 3-D RoPE tables split into (frames, rows, cols) parts, and the post-patch frame width."""
 
+    cos: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    grid_width: int
+
+    def lookup(self, frames: torch.Tensor, within_frame: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)` `(1, tokens, 1, head_dim)` of tokens at `frames` and row-major `within_frame` positions."""
+        rows, cols = within_frame // self.grid_width, within_frame % self.grid_width
+        frames = frames.clamp(min=0)  # empty cache slots carry -1; they are masked out anyway
+        cos = torch.cat([self.cos[0][frames], self.cos[1][rows], self.cos[2][cols]], dim=-1)
+        sin = torch.cat([self.sin[0][frames], self.sin[1][rows], self.sin[2][cols]], dim=-1)
+        return cos[None, :, None, :], sin[None, :, None, :]
+
+    def for_tokens(self, positions: torch.Tensor, tokens_per_frame: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of tokens at absolute (or re-indexed) stream `positions`."""
+        return self.lookup(positions // tokens_per_frame, positions % tokens_per_frame)
+
+
+# ----------------------------------------------------------------------------------------- per-call inputs
+@dataclass
+class DenseChunk:
+    """One query chunk of the dense reference: its rows, the RoPE of every key as it sees them, its mask."""
+
+    rows: slice
+    cos: torch.Tensor  # (1, tokens, 1, head_dim)
+    sin: torch.Tensor
+    mask: torch.Tensor  # (chunk_tokens, tokens) bool, or additive float when a bias is set
+
+
+@dataclass
+class CausalAttentionInputs:
+    """What the self-attention processors of one forward share; built once by the rotary module.
+
+    Cached calls: `kv_cache` and `layout`; RoPE of the pending queries (and, in "relative" mode, of the
+    keys of each distinct window geometry) is computed by the first block that needs it and reused by
+    the rest. Dense calls: `dense_chunks`, one entry per query chunk.
+    """
+
+    rope: RopeTables
+    layout: ChunkLayout
     kv_cache: RollingKVCache | None = None
-    layout: ChunkLayout | None = None
     conditioning: torch.Tensor | None = None  # the raw text embeddings the cross-attention K/V belong to
-    dense_mask: torch.Tensor | None = None  # (tokens, tokens) bool for the dense reference path
-    frame_ids: torch.Tensor | None = None  # (tokens,) latent frame of every token in the dense path
-    rope_tables: tuple[torch.Tensor, ...] = field(default_factory=tuple)  # cos/sin tables split (t, h, w)
-    grid: tuple[int, int] = (1, 1)  # post-patch (height, width)
-    attention_bias: float = 1.0  # Krea's KV-cache bias; 1.0 = off
+    attention_bias: float = 1.0
+    dense_chunks: list[DenseChunk] = field(default_factory=list)
+    dense_layouts: list[ChunkLayout] | None = None  # per-block layouts of the dense path (None: `layout`)
+    block_dense_chunks: dict[int, list[DenseChunk]] = field(default_factory=dict)
+    shared_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def query_rope(self, layer: SlidingWindowLayer, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of the chunk being written, shared by every block of the same geometry."""
+        reindexed = self.layout.position_mode == "relative"
+        key = ("query", num_tokens, layer.sink_tokens, layer.window_tokens) if reindexed else ("query", num_tokens)
+        if key not in self.shared_rope:
+            positions = layer.pending_positions(num_tokens, reindexed=reindexed)
+            self.shared_rope[key] = self.rope.for_tokens(positions, self.layout.tokens_per_frame)
+        return self.shared_rope[key]
+
+    def key_rope(self, layer: SlidingWindowLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE of every slot re-indexed inside sink + window ("relative" mode), after the layer's update."""
+        key = ("keys", layer.sink_tokens, layer.window_tokens)
+        if key not in self.shared_rope:
+            positions = layer.key_positions(reindexed=True)
+            self.shared_rope[key] = self.rope.for_tokens(positions, self.layout.tokens_per_frame)
+        return self.shared_rope[key]
 
 
-def rope_for_tokens(state: CausalCallState, frames: torch.Tensor, within_frame: torch.Tensor):
-    """`(cos, sin)` `(1, tokens, 1, head_dim)` for tokens at `frames` and `within_frame` (row-major) positions."""
-    cos_t, cos_h, cos_w, sin_t, sin_h, sin_w = state.rope_tables
-    width = state.grid[1]
-    rows, cols = within_frame // width, within_frame % width
-    frames = frames.clamp(min=0)  # empty cache slots carry -1; they are masked out anyway
-    cos = torch.cat([cos_t[frames], cos_h[rows], cos_w[cols]], dim=-1)[None, :, None, :]
-    sin = torch.cat([sin_t[frames], sin_h[rows], sin_w[cols]], dim=-1)[None, :, None, :]
-    return cos, sin
+class CausalRotaryPosEmbed(WanRotaryPosEmbed):
+    """Wan's rotary module; inside a cached or dense call it hands the call's inputs to the blocks instead."""
+
+    def __init__(self, *args: Any, call_slot: CallContextSlot, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.call_slot = call_slot
+
+    def forward(self, hidden_states: torch.Tensor):
+        inputs = self.call_slot.context
+        return super().forward(hidden_states) if inputs is None else inputs
 
 
 # ----------------------------------------------------------------------------------------- processors
-class KreaRealtimeSelfAttnProcessor:
-    """Self-attention of block `index`: plain (Wan), dense block-causal (reference), or through the cache."""
+class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
+    """Self-attention of block `index`: plain Wan, dense block-causal (reference), or through the cache."""
 
-    def __init__(self, index: int, state: CausalCallState) -> None:
+    def __init__(self, index: int) -> None:
+        super().__init__()
         self.index = index
-        self.state = state
 
     def __call__(
         self, attn: WanAttention, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None
     ):
+        if not isinstance(rotary_emb, CausalAttentionInputs):
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        inputs = rotary_emb
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
         key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
         value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-        state = self.state
-        if state.kv_cache is not None:
-            out = self._cached(query, key, value, state.kv_cache[self.index])
-        elif state.dense_mask is not None:
-            out = self._dense(query, key, value)
+        if inputs.kv_cache is not None:
+            out = self._cached(query, key, value, inputs.kv_cache[self.index], inputs)
         else:
-            query, key = apply_rotary(query, *rotary_emb), apply_rotary(key, *rotary_emb)
-            out = _sdpa(query, key, value)
+            out = self._dense(query, key, value, inputs)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
-    def _rope(self, positions: torch.Tensor):
-        tokens_per_frame = self.state.layout.tokens_per_frame
-        return rope_for_tokens(self.state, positions // tokens_per_frame, positions % tokens_per_frame)
+    def _attend(self, query, key, value, mask: torch.Tensor | None) -> torch.Tensor:
+        return dispatch_attention_fn(query, key, value, attn_mask=mask, backend=self._attention_backend)
 
-    def _cached(self, query, key, value, layer: SlidingWindowLayer) -> torch.Tensor:
+    def _cached(self, query, key, value, layer: SlidingWindowLayer, inputs: CausalAttentionInputs) -> torch.Tensor:
         num_tokens = query.shape[1]
-        if self.state.layout.position_mode == "absolute":
-            rope = self._rope(layer.pending_positions(num_tokens, device=query.device))
+        if inputs.layout.position_mode == "absolute":
+            rope = inputs.query_rope(layer, num_tokens)
             query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
             keys, values = layer.update(key, value)  # stored after RoPE
         else:
             keys, values = layer.update(key, value)  # stored before RoPE, rotated at read time
-            query = apply_rotary(query, *self._rope(layer.pending_positions(num_tokens, reindexed=True)))
-            keys = apply_rotary(keys, *self._rope(layer.key_positions(reindexed=True)))
-        mask = layer.attention_mask
-        if self.state.attention_bias != 1.0:
+            query = apply_rotary(query, *inputs.query_rope(layer, num_tokens))
+            keys = apply_rotary(keys, *inputs.key_rope(layer))
+        if inputs.attention_bias != 1.0:
+            mask = layer.attention_mask
             past = mask & ~layer.pending_slot_mask()
-            mask = _bias_mask(mask, past, self.state.attention_bias, query.dtype)
-        return _sdpa(query, keys, values, mask[None, None, None, :])
+            mask = _bias_mask(mask, past, inputs.attention_bias, query.dtype)
+        elif layer.window_full and num_tokens == layer.chunk_tokens:
+            mask = None  # every slot is visible: no mask, so fused (flash) kernels apply
+        else:
+            mask = layer.attention_mask
+        return self._attend(query, keys, values, None if mask is None else mask[None, None, None, :])
 
-    def _dense(self, query, key, value) -> torch.Tensor:
+    def _dense(self, query, key, value, inputs: CausalAttentionInputs) -> torch.Tensor:
         """Whole sequence, one query chunk at a time so each chunk rotates keys by its own positions."""
-        state, layout = self.state, self.state.layout
-        frame_ids = state.frame_ids
-        within = torch.arange(query.shape[1], device=query.device) % layout.tokens_per_frame
+        chunks = inputs.block_dense_chunks.get(self.index, inputs.dense_chunks)
         outputs = []
-        tokens_per_chunk = layout.chunk_frames * layout.tokens_per_frame
-        for start in range(0, query.shape[1], tokens_per_chunk):
-            rows = slice(start, start + tokens_per_chunk)
-            chunk_start = int(frame_ids[start])
-            positions = layout.frame_position(frame_ids, chunk_start)
-            cos, sin = rope_for_tokens(state, positions, within)
-            chunk_query = apply_rotary(query[:, rows], cos[:, rows], sin[:, rows])
-            rotated_keys = apply_rotary(key, cos, sin)
-            mask = state.dense_mask[rows]
-            if state.attention_bias != 1.0:
-                past = mask & (frame_ids < chunk_start)[None, :]
-                mask = _bias_mask(mask, past, state.attention_bias, query.dtype)
-            outputs.append(_sdpa(chunk_query, rotated_keys, value, mask[None, None]))
+        for chunk in chunks:
+            chunk_query = apply_rotary(query[:, chunk.rows], chunk.cos[:, chunk.rows], chunk.sin[:, chunk.rows])
+            rotated_keys = apply_rotary(key, chunk.cos, chunk.sin)
+            mask = chunk.mask if chunk.mask.dtype == torch.bool else chunk.mask.to(query.dtype)
+            outputs.append(self._attend(chunk_query, rotated_keys, value, mask[None, None]))
         return torch.cat(outputs, dim=1)
 
 
-class KreaRealtimeCrossAttnProcessor:
-    """Text cross-attention whose K/V are computed once per prompt and kept in the cache."""
+class KreaRealtimeCrossAttnProcessor(WanAttnProcessor):
+    """Text cross-attention whose K/V are computed once per prompt and kept in the block's cache layer."""
 
-    def __init__(self, index: int, state: CausalCallState) -> None:
+    def __init__(self, index: int, call_slot: CallContextSlot) -> None:
+        super().__init__()
         self.index = index
-        self.state = state
+        self.call_slot = call_slot
 
     def __call__(
         self, attn: WanAttention, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None
     ):
-        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
-        cache = self.state.kv_cache
-        layer = cache.cross[self.index] if cache is not None else None
-        if layer is not None and layer.is_cached_for(self.state.conditioning):
-            key, value = layer.get()
+        inputs = self.call_slot.context
+        cache = None if inputs is None else inputs.kv_cache
+        if cache is None or cache.cross[self.index] is None:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        layer = cache.cross[self.index]
+        if layer.is_filled:  # kept until the prompt changes: `reset_cross_attention()` / `prepare_conditioning`
+            key, value = layer.keys, layer.values
         else:
-            key = attn.norm_k(attn.to_k(encoder_hidden_states)).unflatten(2, (attn.heads, -1))
-            value = attn.to_v(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            if layer is not None:
-                key, value = layer.update(key, value, conditioning=self.state.conditioning)
-        out = _sdpa(query, key, value).flatten(2, 3).type_as(query)
+            key, value = layer.update(*text_key_value(attn, encoder_hidden_states), conditioning=inputs.conditioning)
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
+        out = dispatch_attention_fn(query, key, value, backend=self._attention_backend)
+        out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
 
-def _sdpa(query, key, value, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """SDPA on `(batch, tokens, heads, head_dim)` tensors."""
-    out = F.scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask)
-    return out.transpose(1, 2)
+def text_key_value(attn: WanAttention, text_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-attention K/V `(batch, text_tokens, heads, head_dim)` of the projected text states."""
+    key = attn.norm_k(attn.to_k(text_states)).unflatten(2, (attn.heads, -1))
+    value = attn.to_v(text_states).unflatten(2, (attn.heads, -1))
+    return key, value
 
 
 def _bias_mask(mask: torch.Tensor, past: torch.Tensor, bias: float, dtype: torch.dtype) -> torch.Tensor:
@@ -264,17 +278,23 @@ class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
     """`WanTransformer3DModel` that generates chunk by chunk from a rolling KV cache.
 
     The config (and so every checkpoint) is exactly Wan 2.1's. Cache geometry and position mode are
-    generation settings, passed to `make_cache`.
+    generation settings, passed to `make_cache` and `forward`.
     """
 
     _skip_keys = ["kv_cache"]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._call_state = CausalCallState()
+        self._call_slot = CallContextSlot()
+        self.rope = CausalRotaryPosEmbed(
+            self.config.attention_head_dim,
+            self.config.patch_size,
+            self.config.rope_max_seq_len,
+            call_slot=self._call_slot,
+        )
         for index, block in enumerate(self.blocks):
-            block.attn1.set_processor(KreaRealtimeSelfAttnProcessor(index, self._call_state))
-            block.attn2.set_processor(KreaRealtimeCrossAttnProcessor(index, self._call_state))
+            block.attn1.set_processor(KreaRealtimeSelfAttnProcessor(index))
+            block.attn2.set_processor(KreaRealtimeCrossAttnProcessor(index, self._call_slot))
 
     # The config is exactly Wan's: ConfigMixin reads the accepted keys from this signature.
     __init__.__signature__ = inspect.signature(WanTransformer3DModel.__init__)
@@ -289,16 +309,33 @@ class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
             )
         return (latent_height // p_h) * (latent_width // p_w)
 
-    def make_cache(
-        self, layout: ChunkLayout, batch_size: int | None = None, dtype=None, device=None
-    ) -> RollingKVCache:
-        """One `SlidingWindowLayer` + `CrossAttentionLayer` per block; allocated now if `batch_size` is given."""
-        tokens = layout.tokens_per_frame
-        layers = [
-            SlidingWindowLayer(
-                layout.sink_frames * tokens, layout.window_frames * tokens, layout.chunk_frames * tokens
+    def block_layouts(self, layout: ChunkLayout, window_frames_per_block: Sequence[int] | None) -> list[ChunkLayout]:
+        """One layout per block: `layout` everywhere, or with a window of its own per block (local/global mixes)."""
+        if window_frames_per_block is None:
+            return [layout] * len(self.blocks)
+        windows = list(window_frames_per_block)
+        if len(windows) != len(self.blocks):
+            raise ValueError(
+                f"`window_frames_per_block` has {len(windows)} entries, expected one per block ({len(self.blocks)})."
             )
-            for _ in self.blocks
+        return [dataclasses.replace(layout, window_frames=window) for window in windows]
+
+    def make_cache(
+        self,
+        layout: ChunkLayout,
+        batch_size: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        window_frames_per_block: Sequence[int] | None = None,
+    ) -> RollingKVCache:
+        """One `SlidingWindowLayer` + `CrossAttentionLayer` per block; allocated now if `batch_size` is given.
+
+        `window_frames_per_block` gives each block its own window (in latent frames, counting the
+        chunk), as hybrid local/global attention does; the sink and chunk stay `layout`'s.
+        """
+        layers = [
+            SlidingWindowLayer(block.sink_tokens, block.window_tokens, block.chunk_tokens)
+            for block in self.block_layouts(layout, window_frames_per_block)
         ]
         cache = RollingKVCache(layers, [CrossAttentionLayer() for _ in self.blocks])
         if batch_size is not None:
@@ -307,6 +344,19 @@ class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
                 batch_size, heads, self.config.attention_head_dim, dtype or self.dtype, device or self.device
             )
         return cache
+
+    @torch.no_grad()
+    def prepare_conditioning(self, kv_cache: RollingKVCache, encoder_hidden_states: torch.Tensor) -> None:
+        """Compute every block's text K/V into the cache now (a new prompt), so cached steps only read them.
+
+        Calling it is the explicit "the prompt changed" signal; a compiled step then never sees an empty
+        cross-attention layer, which keeps it at one graph per window state.
+        """
+        text_states = self.condition_embedder.text_embedder(encoder_hidden_states)
+        for block, layer in zip(self.blocks, kv_cache.cross):
+            if layer is not None:
+                layer.reset()
+                layer.update(*text_key_value(block.attn2, text_states), conditioning=encoder_hidden_states)
 
     def check_frame_budget(self, num_latent_frames: int, layout: ChunkLayout) -> None:
         """Refuse a video whose absolute positions would leave the RoPE table (never silently wrong)."""
@@ -327,7 +377,7 @@ class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
         return_dict: bool = True,
         attention_kwargs: dict[str, Any] | None = None,
         kv_cache: RollingKVCache | None = None,
-        layout: ChunkLayout | None = None,
+        layout: ChunkLayout | Sequence[ChunkLayout] | None = None,
         frame_indices: torch.Tensor | None = None,
         frame_mask: torch.Tensor | None = None,
         attention_bias: float = 1.0,
@@ -336,91 +386,116 @@ class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
 
         - no `kv_cache`, no `layout`: plain Wan 2.1 (full attention over the given frames);
         - `layout` without `kv_cache`: the dense reference, the whole sequence under the block-causal,
-          sink + window mask, starting at frame 0; `timestep` may be
-          `(batch, frames)` so context chunks run at t = 0 and the current chunk noised;
-          `frame_indices` `(frames,)` and `frame_mask` `(frames, frames)` replace the default
-          positions and mask (teacher forcing: see `teacher_forcing_frame_mask`);
+          sink + window mask, starting at frame 0; `timestep` may be `(batch, frames)` so context chunks
+          run at t = 0 and the current chunk noised; `frame_indices` `(frames,)` and `frame_mask`
+          `(frames, frames)` replace the default positions and mask (teacher forcing: see
+          `teacher_forcing_frame_mask`); `layout` may be one layout per block (per-block windows);
         - `kv_cache` and `layout`: one chunk; its K/V are written as pending into the cache (call
           `kv_cache.commit()` after the clean context pass).
+        `attention_kwargs` are diffusers' (e.g. `{"scale": 0.5}` for LoRA adapters).
         """
         if kv_cache is not None and layout is None:
             raise ValueError("`layout` (a ChunkLayout) is required together with `kv_cache`.")
         if encoder_hidden_states_image is not None:
             raise ValueError("Image conditioning (`encoder_hidden_states_image`) is not supported by this model.")
-        batch_size, _, num_frames, height, width = hidden_states.shape
+        if layout is None:
+            return super().forward(
+                hidden_states,
+                timestep,
+                encoder_hidden_states,
+                return_dict=return_dict,
+                attention_kwargs=attention_kwargs,
+            )  # LoRA's `apply_lora_scale` reads `attention_kwargs` from keywords only
+        block_layouts = list(layout) if isinstance(layout, Sequence) else None
+        if block_layouts is not None and len(block_layouts) != len(self.blocks):
+            raise ValueError(
+                f"`layout` has {len(block_layouts)} entries, expected one per block ({len(self.blocks)})."
+            )
+        layout = block_layouts[0] if block_layouts is not None else layout
+        _, _, num_frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.config.patch_size
         grid_frames, grid_h, grid_w = num_frames // p_t, height // p_h, width // p_w
-        state = self._call_state
-        if layout is not None:
-            if grid_h * grid_w != layout.tokens_per_frame:
-                raise ValueError(
-                    f"`layout.tokens_per_frame`={layout.tokens_per_frame} does not match the input's "
-                    f"{grid_h}x{grid_w} tokens per frame."
-                )
-            if kv_cache is not None and grid_frames > layout.chunk_frames:
-                raise ValueError(f"A chunk of {grid_frames} frames exceeds `chunk_frames`={layout.chunk_frames}.")
-            if kv_cache is not None and layout.position_mode == "absolute":
-                end_frame = kv_cache[0]._committed_count // layout.tokens_per_frame + grid_frames
-                self.check_frame_budget(end_frame, layout)
-
-        # 1. Patch embedding and positions
-        rotary_emb = self.rope(hidden_states)
-        hidden_states = self.patch_embedding(hidden_states).flatten(2).transpose(1, 2).contiguous()  # (B, L, C)
+        self._check_layout(layout, kv_cache, grid_frames, grid_h * grid_w)
         split = [self.rope.t_dim, self.rope.h_dim, self.rope.w_dim]
-        state.rope_tables = (*self.rope.freqs_cos.split(split, dim=1), *self.rope.freqs_sin.split(split, dim=1))
-        state.grid = (grid_h, grid_w)
-        state.layout, state.kv_cache, state.attention_bias = layout, kv_cache, attention_bias
-        state.conditioning = encoder_hidden_states
-        if layout is not None and kv_cache is None:
-            if frame_mask is None:
-                frame_mask = block_causal_frame_mask(grid_frames, layout)
-            if frame_indices is None:
-                frame_indices = torch.arange(grid_frames)
-            if frame_mask.shape != (grid_frames, grid_frames) or frame_indices.shape != (grid_frames,):
-                raise ValueError(
-                    f"`frame_mask` must be ({grid_frames}, {grid_frames}) and `frame_indices` ({grid_frames},), "
-                    f"got {tuple(frame_mask.shape)} and {tuple(frame_indices.shape)}."
-                )
-            tokens = grid_h * grid_w
-            device = hidden_states.device
-            state.dense_mask = frame_mask.to(device).repeat_interleave(tokens, 0).repeat_interleave(tokens, 1)
-            state.frame_ids = frame_indices.to(device).repeat_interleave(tokens)
-
-        # 2. Time and text embeddings; `(batch, frames)` timesteps become per-token
-        if timestep.ndim == 2:
-            timestep = timestep.repeat_interleave(grid_h * grid_w, dim=1)
-            token_count = timestep.shape[1]
-            timestep = timestep.flatten()
-        else:
-            token_count = None
-        temb, timestep_proj, text_states, _ = self.condition_embedder(
-            timestep, encoder_hidden_states, None, timestep_seq_len=token_count
+        rope = RopeTables(self.rope.freqs_cos.split(split, dim=1), self.rope.freqs_sin.split(split, dim=1), grid_w)
+        inputs = CausalAttentionInputs(
+            rope=rope,
+            layout=layout,
+            kv_cache=kv_cache,
+            conditioning=encoder_hidden_states,
+            attention_bias=attention_bias,
         )
-        timestep_proj = timestep_proj.unflatten(2 if token_count else 1, (6, -1))
+        if kv_cache is None:
+            self._add_dense_chunks(inputs, block_layouts, grid_frames, frame_indices, frame_mask, hidden_states.device)
+        if timestep.ndim == 2:  # (batch, frames) -> (batch, tokens): diffusers' per-token timestep path
+            timestep = timestep.repeat_interleave(grid_h * grid_w, dim=1)
+        return bind_call_context(
+            self._call_slot,
+            inputs,
+            super().forward,
+            hidden_states,
+            timestep,
+            encoder_hidden_states,
+            return_dict=return_dict,
+            attention_kwargs=attention_kwargs,
+        )
 
-        # 3. Blocks
-        try:
-            for block in self.blocks:
-                if torch.is_grad_enabled() and self.gradient_checkpointing:
-                    hidden_states = self._gradient_checkpointing_func(
-                        block, hidden_states, text_states, timestep_proj, rotary_emb
-                    )
-                else:
-                    hidden_states = block(hidden_states, text_states, timestep_proj, rotary_emb)
-        finally:
-            state.kv_cache = state.conditioning = state.dense_mask = state.frame_ids = None
-            state.layout = None
+    def _check_layout(self, layout: ChunkLayout, kv_cache, grid_frames: int, tokens_per_frame: int) -> None:
+        if tokens_per_frame != layout.tokens_per_frame:
+            raise ValueError(
+                f"`layout.tokens_per_frame`={layout.tokens_per_frame} does not match the input's "
+                f"{tokens_per_frame} tokens per frame."
+            )
+        if kv_cache is None:
+            return
+        if grid_frames > layout.chunk_frames:
+            raise ValueError(f"A chunk of {grid_frames} frames exceeds `chunk_frames`={layout.chunk_frames}.")
+        if layout.position_mode == "absolute" and not torch.compiler.is_compiling():
+            end_frame = kv_cache[0]._committed_count // layout.tokens_per_frame + grid_frames
+            self.check_frame_budget(end_frame, layout)
 
-        # 4. Output norm, projection and unpatchify
-        if temb.ndim == 3:
-            shift, scale = (self.scale_shift_table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
-            shift, scale = shift.squeeze(2), scale.squeeze(2)
-        else:
-            shift, scale = (self.scale_shift_table + temb.unsqueeze(1)).chunk(2, dim=1)
-        hidden_states = (self.norm_out(hidden_states.float()) * (1 + scale) + shift).type_as(hidden_states)
-        hidden_states = self.proj_out(hidden_states)
-        hidden_states = hidden_states.reshape(batch_size, grid_frames, grid_h, grid_w, p_t, p_h, p_w, -1)
-        output = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
-        if not return_dict:
-            return (output,)
-        return Transformer2DModelOutput(sample=output)
+    def _add_dense_chunks(
+        self,
+        inputs: CausalAttentionInputs,
+        block_layouts: list[ChunkLayout] | None,
+        grid_frames: int,
+        frame_indices: torch.Tensor | None,
+        frame_mask: torch.Tensor | None,
+        device: torch.device,
+    ) -> None:
+        """RoPE and mask of every query chunk of the dense reference, once per distinct block layout."""
+        if frame_indices is None:
+            frame_indices = torch.arange(grid_frames)
+        if frame_indices.shape != (grid_frames,):
+            raise ValueError(f"`frame_indices` must be ({grid_frames},), got {tuple(frame_indices.shape)}.")
+        if frame_mask is not None and frame_mask.shape != (grid_frames, grid_frames):
+            raise ValueError(f"`frame_mask` must be ({grid_frames}, {grid_frames}), got {tuple(frame_mask.shape)}.")
+        by_layout: dict[ChunkLayout, list[DenseChunk]] = {}
+        for index, layout in enumerate(block_layouts or [inputs.layout]):
+            if layout not in by_layout:
+                mask = block_causal_frame_mask(grid_frames, layout) if frame_mask is None else frame_mask
+                by_layout[layout] = self._dense_chunks(inputs, layout, frame_indices.to(device), mask.to(device))
+            inputs.block_dense_chunks[index] = by_layout[layout]
+        inputs.dense_chunks = inputs.block_dense_chunks[0]
+
+    @staticmethod
+    def _dense_chunks(
+        inputs: CausalAttentionInputs, layout: ChunkLayout, frame_indices: torch.Tensor, frame_mask: torch.Tensor
+    ) -> list[DenseChunk]:
+        tokens = layout.tokens_per_frame
+        frame_ids = frame_indices.repeat_interleave(tokens)  # (L,) latent frame of every token
+        token_mask = frame_mask.repeat_interleave(tokens, 0).repeat_interleave(tokens, 1)  # (L, L)
+        within = torch.arange(frame_ids.shape[0], device=frame_ids.device) % tokens
+        chunk_tokens = layout.chunk_tokens
+        dtype = inputs.rope.cos[0].dtype
+        chunks = []
+        for start in range(0, frame_ids.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            chunk_start = int(frame_ids[start])
+            cos, sin = inputs.rope.lookup(layout.frame_position(frame_ids, chunk_start), within)
+            mask = token_mask[rows]
+            if inputs.attention_bias != 1.0:
+                past = mask & (frame_ids < chunk_start)[None, :]
+                mask = _bias_mask(mask, past, inputs.attention_bias, dtype)
+            chunks.append(DenseChunk(rows, cos, sin, mask))
+        return chunks
