@@ -21,7 +21,8 @@ def kv(tokens: int = 2, batch: int = 1, heads: int = 2, head_dim: int = 4, **kwa
 def snapshot(layer) -> dict:
     """Every attribute of the layer; tensors as (data_ptr, copy)."""
     state = {}
-    for name, item in vars(layer).items():
+    attributes = {name: item for name, item in vars(layer).items() if name not in ("_buffers", "_modules")}
+    for name, item in {**attributes, **dict(layer.named_buffers())}.items():
         if isinstance(item, torch.Tensor):
             state[name] = (item.data_ptr(), item.clone())
         elif not callable(item):

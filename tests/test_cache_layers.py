@@ -29,7 +29,7 @@ def cross_attention_kv(layer: CrossAttentionLayer, prompt: torch.Tensor) -> tupl
     """What a model's cross-attention does: project the prompt only when the layer is not cached for it."""
     if not layer.is_cached_for(prompt):
         layer.update(prompt * 2, prompt * 3, conditioning=prompt)
-    return layer.get()
+    return layer.keys, layer.values  # attention reads the live buffers while `is_filled`; get() is a copy
 
 
 def prompt_embeds(tokens: int = 3, seed: int = 0) -> torch.Tensor:

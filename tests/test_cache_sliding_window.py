@@ -21,11 +21,21 @@ def scalar_chunk(*values: float) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32).view(1, len(values), 1, 1)  # (B, T, H, D)
 
 
+def same_storage(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    return view.data_ptr() == buffer.data_ptr() and view.shape == buffer.shape
+
+
+def buffer_pointers(layer: SlidingWindowLayer) -> dict[str, int]:
+    """data_ptr of every tensor the layer holds (registered buffers and plain attributes)."""
+    tensors = {**dict(layer.named_buffers()), **{n: t for n, t in vars(layer).items() if isinstance(t, torch.Tensor)}}
+    return {name: t.data_ptr() for name, t in tensors.items()}
+
+
 def update_scalars(layer: SlidingWindowLayer, *values: float) -> dict[str, list[float]]:
     """Write a chunk of scalar tokens (value = -key) and report buffer and attended tokens."""
     key = scalar_chunk(*values)
     keys, vals = layer.update(key, -key)
-    assert keys is layer.keys and vals is layer.values  # attention reads the buffers, not a copy
+    assert same_storage(keys, layer.keys) and same_storage(vals, layer.values)  # the buffers, not a copy
     mask = layer.attention_mask
     attended = keys[0, mask, 0, 0]
     order = torch.argsort(layer.key_positions()[mask])
@@ -303,7 +313,7 @@ def test_attention_matches_naive_cat_and_slice(seed):
 def test_steady_state_keeps_every_buffer():
     layer = SlidingWindowLayer(sink_tokens=4, window_tokens=12, chunk_tokens=4)
     layer.early_initialization(1, 2, 8, torch.float32, "cpu")
-    pointers = {name: t.data_ptr() for name, t in vars(layer).items() if isinstance(t, torch.Tensor)}
+    pointers = buffer_pointers(layer)
     assert {"keys", "values", "slot_positions", "committed_tokens", "_mask"} <= pointers.keys()
     for _ in range(30):
         for _step in range(4):
@@ -312,7 +322,7 @@ def test_steady_state_keeps_every_buffer():
             assert (keys.data_ptr(), values.data_ptr()) == (pointers["keys"], pointers["values"])
             assert layer.attention_mask.data_ptr() == pointers["_mask"]
         layer.commit()
-        now = {name: t.data_ptr() for name, t in vars(layer).items() if isinstance(t, torch.Tensor)}
+        now = buffer_pointers(layer)
         assert now == pointers
 
 

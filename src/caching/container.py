@@ -2,10 +2,14 @@
 
 `cache[i]` is block i's self-attention layer and `cache.cross[i]` its cross-attention layer (or
 `None`). A family that needs more per block (SANA's temporal-convolution state) adds named slots:
-`cache.slots["conv_state"][i]`. The container fans out `commit`, `rewind`, `reset` and
+`cache.slots["conv_state"][i]`. The container fans out `commit`, `rewind`, `crop`, `reset` and
 `early_initialization`, and reports lengths and memory. One generation stream holds one cache.
 Container operations check every layer before changing any, so a refused call leaves all layers as
 they were.
+
+The container is an `nn.Module` whose submodules are its layers (`layers.3`, `cross.3`,
+`slots.conv_state.3`): `.to()`, `state_dict()` and `torch.export` see every buffer. Layers share one
+`CacheWorkspace` (the dequantization and offload scratch), counted once by `memory_bytes()`.
 """
 
 from __future__ import annotations
@@ -13,13 +17,18 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
+from torch import nn
 
-from .base import CacheLayer
+from .base import CacheLayer, check_dtype_device
+from .workspace import CacheWorkspace
 
 
-def _layer_list(name: str, layers: Sequence[CacheLayer | None], expected: int, allow_none: bool) -> list:
+def _layer_list(name: str, layers: Sequence[CacheLayer | None], expected: int | None, allow_none: bool) -> list:
+    """Check a per-block list: a sequence of `expected` entries (any length if None), each a layer (or None)."""
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence | nn.ModuleList):
+        raise TypeError(f"`{name}` must be a list of cache layers, got {type(layers).__name__}.")
     layers = list(layers)
-    if len(layers) != expected:
+    if expected is not None and len(layers) != expected:
         raise ValueError(f"`{name}` has {len(layers)} entries, expected one per block ({expected}).")
     for i, layer in enumerate(layers):
         if layer is None and allow_none:
@@ -30,7 +39,12 @@ def _layer_list(name: str, layers: Sequence[CacheLayer | None], expected: int, a
     return layers
 
 
-class RollingKVCache:
+def _registered(layers: list[CacheLayer | None]) -> nn.ModuleDict:
+    """Per-block entries keyed by block index, `None` entries left out (a ModuleDict cannot hold None)."""
+    return nn.ModuleDict({str(i): layer for i, layer in enumerate(layers) if layer is not None})
+
+
+class RollingKVCache(nn.Module):
     """Args:
     layers: one self-attention (or linear-attention / static) layer per block.
     cross_layers: one cross-attention layer per block, or `None` entries / `None` for a model without any.
@@ -43,17 +57,42 @@ class RollingKVCache:
         cross_layers: Sequence[CacheLayer | None] | None = None,
         slots: Mapping[str, Sequence[CacheLayer | None]] | None = None,
     ):
-        layers = list(layers)
+        super().__init__()
+        layers = _layer_list("layers", layers, None, allow_none=False)
         if not layers:
             raise ValueError("`layers` must hold at least one CacheLayer.")
-        self.layers = _layer_list("layers", layers, len(layers), allow_none=False)
         cross_layers = [None] * len(layers) if cross_layers is None else cross_layers
-        self.cross = _layer_list("cross_layers", cross_layers, len(layers), allow_none=True)
-        self.slots: dict[str, list[CacheLayer | None]] = {}
+        cross = _layer_list("cross_layers", cross_layers, len(layers), allow_none=True)
+        if slots is not None and not isinstance(slots, Mapping):
+            raise TypeError(f"`slots` must be a mapping of name -> per-block layers, got {type(slots).__name__}.")
+        named_slots: dict[str, list[CacheLayer | None]] = {}
         for name, slot_layers in (slots or {}).items():
-            if not isinstance(name, str) or not name or name in ("layers", "cross"):
-                raise ValueError(f"`slots` names must be non-empty strings other than 'layers'/'cross', got {name!r}.")
-            self.slots[name] = _layer_list(f"slots[{name!r}]", slot_layers, len(layers), allow_none=True)
+            if not isinstance(name, str) or not name.isidentifier() or name in ("layers", "cross"):
+                raise ValueError(f"`slots` names must be identifiers other than 'layers'/'cross', got {name!r}.")
+            named_slots[name] = _layer_list(f"slots[{name!r}]", slot_layers, len(layers), allow_none=True)
+        everything = [*layers, *cross, *(layer for slot in named_slots.values() for layer in slot)]
+        seen = [layer for layer in everything if layer is not None]
+        if len({id(layer) for layer in seen}) != len(seen):
+            raise ValueError("Each cache layer object may appear once in a cache (one per block and kind).")
+        self.layers = nn.ModuleList(layers)
+        self._cross_modules = _registered(cross)
+        self._slot_modules = nn.ModuleDict({name: _registered(slot) for name, slot in named_slots.items()})
+        self.cross: list[CacheLayer | None] = cross  # plain list, `None` where a block has none
+        self.slots: dict[str, list[CacheLayer | None]] = named_slots
+        self.workspace = CacheWorkspace()
+        self._share_workspace()
+
+    def _share_workspace(self) -> None:
+        """One scratch for all layers; offloaded layers alternate work buffers and prefetch the next one."""
+        offloaded = []
+        for layer in self._all_layers():
+            if hasattr(layer, "share_workspace"):
+                parity = len(offloaded) if getattr(layer, "offload", False) else 0
+                layer.share_workspace(self.workspace, parity)
+                if getattr(layer, "offload", False):
+                    offloaded.append(layer)
+        for layer, following in zip(offloaded, offloaded[1:] + offloaded[:1]):
+            layer._next_offloaded = following if following is not layer else None
 
     def __getitem__(self, index: int) -> CacheLayer:
         return self.layers[index]
@@ -68,11 +107,11 @@ class RollingKVCache:
         return [layer for slot in self.slots.values() for layer in slot if layer is not None]
 
     def _all_layers(self) -> list[CacheLayer]:
-        return self.layers + [layer for layer in self.cross if layer is not None] + self._slot_layers()
+        return [*self.layers, *(layer for layer in self.cross if layer is not None), *self._slot_layers()]
 
     def _stream_layers(self) -> list[CacheLayer]:
         """Layers that advance with the stream (committed chunk by chunk): self-attention and slots."""
-        return self.layers + self._slot_layers()
+        return [*self.layers, *self._slot_layers()]
 
     @property
     def has_pending(self) -> bool:
@@ -100,6 +139,20 @@ class RollingKVCache:
         for layer in self._stream_layers():
             layer.rewind(num_tokens)
 
+    def crop(self, max_tokens: int) -> None:
+        """`crop(max_tokens)` on every sliding self-attention layer (evict the oldest window tokens early).
+
+        For one layer only (KV compression of one block), call `cache[i].crop(max_tokens)`.
+        Every layer is checked first; only then is any layer changed.
+        """
+        croppable = [layer for layer in self.layers if hasattr(layer, "crop")]
+        if not croppable:
+            raise TypeError("No layer of this cache can crop (only SlidingWindowLayer can).")
+        for layer in croppable:
+            layer.check_crop(max_tokens)
+        for layer in croppable:
+            layer.crop(max_tokens)
+
     def reset(self) -> None:
         """Empty every layer, keeping the buffers (a new video with the same settings)."""
         for layer in self._all_layers():
@@ -114,8 +167,17 @@ class RollingKVCache:
     def early_initialization(
         self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
+        """Allocate every layer for batches up to `batch_size` (a smaller batch then uses the first rows).
+
+        Every layer is checked first (sizes, and that none holds a stream: `reset()` first).
+        """
+        check_dtype_device(dtype, device)
+        for layer in self._all_layers():
+            if hasattr(layer, "check_early_initialization"):
+                layer.check_early_initialization(batch_size, num_heads, head_dim, dtype, device)
         for layer in self._all_layers():
             layer.early_initialization(batch_size, num_heads, head_dim, dtype, device)
+        self._share_workspace()
 
     def get_seq_length(self, layer: int | None = None) -> int:
         """Committed tokens held by block `layer`'s self-attention layer, or the maximum over layers."""
@@ -123,6 +185,15 @@ class RollingKVCache:
             return self.layers[layer].get_seq_length()
         return max(cache_layer.get_seq_length() for cache_layer in self.layers)
 
-    def memory_bytes(self) -> int:
-        """Bytes held by all buffers of all layers."""
-        return sum(layer.memory_bytes() for layer in self._all_layers())
+    def memory_bytes(self, device: torch.device | str | None = None) -> int:
+        """Bytes held by all buffers of all layers, plus the shared workspace once (on `device` only, if given)."""
+        layers = sum(layer.memory_bytes(device) for layer in self._all_layers())
+        return layers + self.workspace.memory_bytes(device)
+
+    def resident_bytes(self) -> int:
+        """Bytes that live on the compute device: offloaded layers count only their slot maps and work buffers."""
+        own = sum(
+            layer.resident_bytes() if hasattr(layer, "resident_bytes") else layer.memory_bytes()
+            for layer in self._all_layers()
+        )
+        return own + self.workspace.memory_bytes()

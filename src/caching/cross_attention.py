@@ -11,7 +11,7 @@ import weakref
 
 import torch
 
-from .base import CacheLayer, check_allocation_sizes, check_key_value
+from .base import CacheLayer, check_key_value
 
 
 class CrossAttentionLayer(CacheLayer):
@@ -62,7 +62,8 @@ class CrossAttentionLayer(CacheLayer):
         """Nothing is pending in a cross-attention layer; committing is a no-op."""
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return (self.keys, self.values) if self._filled else None
+        """The stored K/V, a copy (the rule of every kind); attention reads `keys` / `values` while `is_filled`."""
+        return (self.keys.clone(), self.values.clone()) if self._filled else None
 
     def reset(self) -> None:
         """Forget the conditioning (the next call recomputes) but keep the buffers."""
@@ -73,10 +74,10 @@ class CrossAttentionLayer(CacheLayer):
         self._filled = False
 
     def get_seq_length(self) -> int:
-        return 0 if self.get() is None else self.keys.shape[1]
+        return self.keys.shape[1] if self._filled else 0
 
     def early_initialization(
         self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
-        """Text length is only known from the first update; nothing to allocate ahead."""
-        check_allocation_sizes(batch_size, num_heads, head_dim)
+        """Text length is only known from the first update; nothing to allocate ahead. Refused while filled."""
+        self.check_early_initialization(batch_size, num_heads, head_dim, dtype, device)

@@ -13,7 +13,11 @@ from collections import deque
 
 import torch
 
-from .base import CacheLayer, check_allocation_sizes, check_key_value, check_positive
+from .base import CacheLayer, check_key_value, check_positive
+
+# Every state tensor, registered as a buffer (`state_dict`, `.to()`, export); the per-chunk ring only with a window.
+_STATE_NAMES = ("committed_vk", "committed_k_sum", "pending_vk", "pending_k_sum", "_total_vk", "_total_k_sum")
+_STATE_NAMES += ("chunk_vk", "chunk_k_sum")
 
 
 def chunk_state(
@@ -34,8 +38,8 @@ class LinearAttentionLayer(CacheLayer):
         self.window_chunks = None if window_chunks is None else check_positive("window_chunks", window_chunks)
         self.committed_chunks = 0
         self._summarised_tokens: deque[int] = deque(maxlen=self.window_chunks)  # tokens of each held chunk
-        self.committed_vk: torch.Tensor | None = None
-        self.committed_k_sum: torch.Tensor | None = None
+        for name in _STATE_NAMES:
+            self.register_buffer(name, None)
         self.tail: torch.Tensor | None = None
         self._pending_tail: torch.Tensor | None = None
 
@@ -46,8 +50,8 @@ class LinearAttentionLayer(CacheLayer):
     def early_initialization(
         self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
-        """`dtype` is ignored for the sums, which are always fp32."""
-        check_allocation_sizes(batch_size, num_heads, head_dim)
+        """`dtype` is ignored for the sums, which are always fp32. Refused while the layer holds a stream."""
+        self.check_early_initialization(batch_size, num_heads, head_dim, dtype, device)
         self._allocate(batch_size, num_heads, head_dim, torch.device(device))
 
     def _allocate(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:
@@ -63,8 +67,7 @@ class LinearAttentionLayer(CacheLayer):
             self.chunk_k_sum = torch.zeros(self.window_chunks, *self.committed_k_sum.shape, **f32)
 
     def _tensors(self) -> list[torch.Tensor]:
-        names = ("committed_vk", "committed_k_sum", "pending_vk", "pending_k_sum", "_total_vk", "_total_k_sum")
-        names += ("chunk_vk", "chunk_k_sum", "tail", "_pending_tail")
+        names = (*_STATE_NAMES, "tail", "_pending_tail")
         return [t for t in (getattr(self, n, None) for n in names) if t is not None]
 
     def update(
@@ -138,9 +141,10 @@ class LinearAttentionLayer(CacheLayer):
             self.committed_k_sum.add_(self.chunk_k_sum[slot])
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(vk, k_sum)` of the committed chunks, a copy (the rule of every kind); `update` returns the live sums."""
         if self.committed_vk is None or self.committed_chunks == 0:
             return None
-        return self.committed_vk, self.committed_k_sum
+        return self.committed_vk.clone(), self.committed_k_sum.clone()
 
     def reset(self) -> None:
         self.tail = self._pending_tail = None  # the caller's tensors (detached views): drop, never zero them

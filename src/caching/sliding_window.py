@@ -12,14 +12,32 @@ tokens, which are exactly the ones that fall out of the window as the chunk arri
 exception mid-chunk leaves the committed state intact. Attention reads the whole buffer with a
 boolean mask (`attention_mask`), so shapes never change and `torch.compile` builds one graph.
 All counters are device tensors: no host sync, no Python-int guard that grows with the video.
+
+Options, each changing only where and how K/V are stored (the slot arithmetic is the same):
+- `quantization="int8"` / `"fp8"`: codes plus per token-and-head scales (`quantization.py`); `update`
+  returns K/V dequantized into a scratch shared by the cache's layers, with the pending chunk exact.
+- `offload=True`: committed K/V live in CPU memory and visit the compute device when the block runs
+  (`offload.py`).
+- A buffer allocated for batch B serves any batch b <= B: its first b rows.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import CacheLayer, check_allocation_sizes, check_key_value, check_matches_buffer, check_positive
+from . import offload as offloading
+from .base import (
+    CacheLayer,
+    check_dtype_device,
+    check_key_value,
+    check_matches_buffer,
+    check_positive,
+)
 from .layout import window_start
+from .quantization import as_bits, check_quantization, dequantize_into, quantize_into, storage_dtype
+from .workspace import CacheWorkspace
+
+_HOME = torch.device("cpu")
 
 
 class SlidingWindowLayer(CacheLayer):
@@ -31,22 +49,49 @@ class SlidingWindowLayer(CacheLayer):
             (Self-Forcing's `local_attn_size`). Attention sees at most `sink_tokens + window_tokens` keys.
         chunk_tokens: the largest chunk `update` will receive; taken from the first update when `None`.
             Attention sees the `window_tokens - chunk_tokens` most recent committed tokens plus the chunk.
+        quantization: `None` (K/V in the compute dtype), `"int8"` or `"fp8"` (per token-and-head scales).
+        offload: keep the committed K/V in CPU memory (pinned with CUDA); they visit the compute device
+            when the block runs. Eager only (`is_compileable` is False).
     """
 
     is_sliding = True
     can_rewind = True
 
-    def __init__(self, sink_tokens: int, window_tokens: int, chunk_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        sink_tokens: int,
+        window_tokens: int,
+        chunk_tokens: int | None = None,
+        *,
+        quantization: str | None = None,
+        offload: bool = False,
+    ) -> None:
         super().__init__()
         self.sink_tokens = check_positive("sink_tokens", sink_tokens, allow_zero=True)
         self.window_tokens = check_positive("window_tokens", window_tokens)
         self.chunk_tokens: int | None = None
         if chunk_tokens is not None:
             self._set_chunk_tokens(chunk_tokens)
+        self.quantization = check_quantization(quantization)
+        if not isinstance(offload, bool):
+            raise TypeError(f"`offload` must be a bool, got {type(offload).__name__}.")
+        self.offload = offload
+        self.is_compileable = not offload
         self.capacity = self.sink_tokens + self.window_tokens
-        self.committed_tokens: torch.Tensor | None = None  # 0-dim long, on the cache device
-        self.slot_positions: torch.Tensor | None = None  # (capacity,) absolute token index per slot, -1 empty
+        for name in ("key_scales", "value_scales", "slot_positions", "committed_tokens"):
+            self.register_buffer(name, None)
+        # committed_tokens: 0-dim long on the compute device; slot_positions: (capacity,) token index per slot, -1 empty
+        self.workspace = CacheWorkspace()  # scratch of quantized / offloaded layers; a container shares one
+        self.compute_dtype: torch.dtype | None = None
         self._committed_count = 0  # host mirror, read only outside the attention step
+        self._stream_batch: int | None = None  # rows the stream uses since the last reset (eager updates)
+        self._workspace_names: dict[str, str] = {}
+        self._work_parity = 0  # which of the two shared work buffers an offloaded layer uses
+        self._next_offloaded: SlidingWindowLayer | None = None  # prefetched after this layer (set by the container)
+        self._prefetch_event = None
+        self._prefetched_batch: int | None = None
+        self._staged: dict[str, torch.Tensor] = {}  # offload: the pending chunk in host memory
+        self._stage_event = None
 
     def _set_chunk_tokens(self, chunk_tokens: int) -> None:
         check_positive("chunk_tokens", chunk_tokens)
@@ -58,31 +103,113 @@ class SlidingWindowLayer(CacheLayer):
         self.chunk_tokens = chunk_tokens
 
     # ----------------------------------------------------------------------------------------- allocation
-    def early_initialization(
+    def check_early_initialization(
         self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
         if self.chunk_tokens is None:
             raise ValueError("`chunk_tokens` must be given to SlidingWindowLayer before `early_initialization`.")
-        check_allocation_sizes(batch_size, num_heads, head_dim)
-        self._allocate(batch_size, num_heads, head_dim, dtype, torch.device(device))
+        super().check_early_initialization(batch_size, num_heads, head_dim, dtype, device)
+
+    def early_initialization(
+        self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        """Allocate for batches up to `batch_size`; an empty layer of the same geometry keeps its buffers.
+
+        Refused (RuntimeError) while the layer holds a stream: call `reset()` first.
+        """
+        self.check_early_initialization(batch_size, num_heads, head_dim, dtype, device)
+        device = check_dtype_device(dtype, device)
+        same = (
+            self.keys is not None
+            and self.keys.shape == (batch_size, self.capacity, num_heads, head_dim)
+            and self.compute_dtype == dtype
+            and self.slot_positions.device == device
+        )
+        if same:
+            self.reset()
+        else:
+            self._allocate(batch_size, num_heads, head_dim, dtype, device)
 
     def _allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.keys = torch.zeros(batch, self.capacity, heads, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
+        self.compute_dtype = dtype
+        home = _HOME if self.offload else device
+        stored = dtype if self.quantization is None else storage_dtype(self.quantization)
+        pin = self.offload and torch.cuda.is_available()  # pinned host memory: asynchronous copies to the GPU
+
+        def zeros(*shape, dtype=stored, where=home):
+            return torch.zeros(shape, dtype=dtype, device=where, pin_memory=pin and where == _HOME)
+
+        self.keys = zeros(batch, self.capacity, heads, head_dim)
+        self.values = zeros(batch, self.capacity, heads, head_dim)
+        quantized = self.quantization is not None
+        self.key_scales = zeros(batch, self.capacity, heads, 1, dtype=torch.float32) if quantized else None
+        self.value_scales = zeros(batch, self.capacity, heads, 1, dtype=torch.float32) if quantized else None
         self.slot_positions = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
         self.committed_tokens = torch.zeros((), dtype=torch.long, device=device)
         # Scratch for the per-step index arithmetic, so the steady state allocates nothing.
-        self._offsets = torch.arange(self.chunk_tokens, dtype=torch.long, device=device)
-        self._pending_positions = torch.empty(self.chunk_tokens, dtype=torch.long, device=device)
-        self._pending_slots = torch.empty_like(self._pending_positions)
-        self._ring_offsets = torch.empty_like(self._pending_positions)
-        self._window_start_buffer = torch.zeros((), dtype=torch.long, device=device)
-        self._pending_end = torch.zeros((), dtype=torch.long, device=device)
-        self._mask = torch.zeros(self.capacity, dtype=torch.bool, device=device)
-        self._scratch_mask = torch.zeros_like(self._mask)
+        scratch = {
+            "_offsets": torch.arange(self.chunk_tokens, dtype=torch.long, device=device),
+            "_pending_positions": torch.empty(self.chunk_tokens, dtype=torch.long, device=device),
+            "_pending_slots": torch.empty(self.chunk_tokens, dtype=torch.long, device=device),
+            "_ring_offsets": torch.empty(self.chunk_tokens, dtype=torch.long, device=device),
+            "_window_start_buffer": torch.zeros((), dtype=torch.long, device=device),
+            "_pending_end": torch.zeros((), dtype=torch.long, device=device),
+            "_mask": torch.zeros(self.capacity, dtype=torch.bool, device=device),
+            "_scratch_mask": torch.zeros(self.capacity, dtype=torch.bool, device=device),
+        }
+        for name, tensor in scratch.items():
+            self.register_buffer(name, tensor, persistent=False)
+        if self.offload:  # host memory for the pending chunk, written home at commit
+            self._staged = {
+                name: zeros(batch, self.chunk_tokens, heads, tensor.shape[-1], dtype=tensor.dtype, where=_HOME)
+                for name, tensor in self._home().items()
+            }
+        self._committed_count, self.pending_tokens, self._stream_batch = 0, 0, None
+        self._sync_window_full()
+        self._prefetch_event = None
+        self._reserve_workspace()
+
+    def _home(self) -> dict[str, torch.Tensor]:
+        """The stored K/V (codes and scales when quantized): on the compute device, or in CPU memory if offloaded."""
+        home = {"keys": self.keys, "values": self.values}
+        if self.quantization is not None:
+            home.update(key_scales=self.key_scales, value_scales=self.value_scales)
+        return home
+
+    def _reserve_workspace(self) -> None:
+        """Name (and size) this layer's shares of the workspace; called at allocation and when a container shares one."""
+        if self.keys is None or (self.quantization is None and not self.offload):
+            return
+        batch, _, heads, head_dim = self.keys.shape
+        device, ws, names = self.slot_positions.device, self.workspace, {}
+        if self.quantization is not None:
+            chunk = (batch, self.chunk_tokens, heads, head_dim)
+            names["quant_work"] = ws.reserve("quant_work", chunk, torch.float32, device)
+            names["quant_codes"] = ws.reserve("quant_codes", chunk, self.keys.dtype, device)
+            names["quant_scales"] = ws.reserve("quant_scales", (*chunk[:3], 1), torch.float32, device)
+            for name in ("keys", "values"):
+                names[f"dequant_{name}"] = ws.reserve(f"dequant_{name}", self.keys.shape, self.compute_dtype, device)
+        if self.offload:
+            for name, tensor in self._home().items():
+                role = f"offload{self._work_parity}_{name}"
+                names[f"work_{name}"] = ws.reserve(role, tuple(tensor.shape), tensor.dtype, device)
+        self._workspace_names = names
+
+    def share_workspace(self, workspace: CacheWorkspace, work_parity: int = 0) -> None:
+        """Use the container's workspace (one scratch for all layers); `work_parity` picks an offload work buffer."""
+        self.workspace = workspace
+        self._work_parity = work_parity % 2
+        self._reserve_workspace()
 
     def _tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values, self.slot_positions) if t is not None]
+        held = [*self._home().values(), self.slot_positions, *self._staged.values()]
+        return [t for t in held if t is not None]
+
+    def resident_bytes(self) -> int:
+        """Bytes this layer keeps on the compute device (an offloaded layer: only its slot map)."""
+        if self.offload:
+            return 0 if self.slot_positions is None else self.slot_positions.nbytes
+        return self.memory_bytes()
 
     # ----------------------------------------------------------------------------------------- the window arithmetic
     def _slots_for(self, positions: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
@@ -100,9 +227,17 @@ class SlidingWindowLayer(CacheLayer):
         """True once every slot holds a token the next full chunk attends to: its mask is all True.
 
         A host-side flag (changed only by `commit`, `rewind` and `reset`), so a compiled step can drop the
-        mask (flash-attention kernels) without reading the device.
+        mask (flash-attention kernels) without reading the device. Not after `crop`, which empties slots.
         """
-        return self.chunk_tokens is not None and self._committed_count >= self.capacity - self.chunk_tokens
+        return getattr(self, "_window_full_flag", False)  # a stored bool: compile guards on it, not on a count
+
+    def _sync_window_full(self) -> None:
+        """Recompute the `window_full` flag; called by every method that moves the committed count."""
+        self._window_full_flag = (
+            self.chunk_tokens is not None
+            and self._committed_count >= self.capacity - self.chunk_tokens
+            and not getattr(self, "_cropped", False)
+        )
 
     def _refresh_mask(self, num_pending: int) -> None:
         positions, mask, below_end = self.slot_positions, self._mask, self._scratch_mask
@@ -115,10 +250,12 @@ class SlidingWindowLayer(CacheLayer):
 
     # ----------------------------------------------------------------------------------------- the contract
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the pending chunk `(batch, chunk, heads, head_dim)`; return the whole buffers.
+        """Write the pending chunk `(batch, chunk, heads, head_dim)`; return K/V `(batch, capacity, heads, head_dim)`.
 
         Attention must use them with `attention_mask` (True = attend). Calling `update` again before
-        `commit()` overwrites the same slots (the next denoising step of the same chunk).
+        `commit()` overwrites the same slots (the next denoising step of the same chunk). The returned
+        tensors are the first `batch` rows of the buffers (a quantized layer: the shared dequantized scratch,
+        valid until the next layer's update; an offloaded layer: the shared device work buffer).
         """
         check_key_value(key, value)
         num_pending = key.shape[1]
@@ -132,17 +269,25 @@ class SlidingWindowLayer(CacheLayer):
             self._allocate(batch, heads, head_dim, key.dtype, key.device)
         else:
             self._check_chunk(num_pending)
-            check_matches_buffer("key", key, self.keys)
+            check_matches_buffer(
+                "key", key, self.keys, allow_smaller_batch=True, dtype=self.compute_dtype,
+                device=self.slot_positions.device,
+            )  # fmt: skip
+        batch = key.shape[0]
+        if not torch.compiler.is_compiling():
+            self._check_stream_batch(batch)
         positions = torch.add(
             self.committed_tokens, self._offsets[:num_pending], out=self._pending_positions[:num_pending]
         )
         slots = self._slots_for(positions, self._pending_slots[:num_pending], self._ring_offsets[:num_pending])
-        self.keys.index_copy_(1, slots, key)
-        self.values.index_copy_(1, slots, value)
+        storage = self._fetch(batch) if self.offload else {name: t[:batch] for name, t in self._home().items()}
+        keys, values = self._write(storage, slots, key, value)
         self.slot_positions.index_copy_(0, slots, positions)
         self._refresh_mask(num_pending)
         self.pending_tokens = num_pending
-        return self.keys, self.values
+        if self.offload:
+            self._prefetch_next(batch)
+        return keys, values
 
     def _check_chunk(self, num_pending: int) -> None:
         if num_pending > self.chunk_tokens:
@@ -151,27 +296,122 @@ class SlidingWindowLayer(CacheLayer):
                 f"`chunk_tokens`={self.chunk_tokens} (window_tokens={self.window_tokens})."
             )
 
+    def _check_stream_batch(self, batch: int) -> None:
+        """One stream keeps its batch until `reset()`: rows it did not write hold no context."""
+        if self._stream_batch is not None and batch != self._stream_batch and self._committed_count > 0:
+            raise ValueError(
+                f"`key` has batch {batch} but this stream has run with batch {self._stream_batch} since the last "
+                "`reset()`; call `reset()` before serving another batch size."
+            )
+        self._stream_batch = batch
+
+    def _write(self, storage: dict[str, torch.Tensor], slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        """Write the chunk into `storage` (and stage it for home when offloaded); return K/V for attention."""
+        if self.quantization is None:
+            for name, chunk in (("keys", key), ("values", value)):
+                storage[name].index_copy_(1, slots, chunk)
+                self._stage(name, chunk)
+            return storage["keys"], storage["values"]
+        view, names = self.workspace.view_named, self._workspace_names
+        read = []
+        for name, scale_name, chunk in (("keys", "key_scales", key), ("values", "value_scales", value)):
+            codes = view(names["quant_codes"], chunk.shape)  # (B, T, H, D)
+            scales = view(names["quant_scales"], (*chunk.shape[:3], 1))  # (B, T, H, 1)
+            quantize_into(chunk, codes, scales, view(names["quant_work"], chunk.shape), self.quantization)
+            as_bits(storage[name]).index_copy_(1, slots, as_bits(codes))
+            storage[scale_name].index_copy_(1, slots, scales)
+            self._stage(name, codes)
+            self._stage(scale_name, scales)
+            dequantized = view(names[f"dequant_{name}"], storage[name].shape)  # (B, capacity, H, D)
+            dequantize_into(storage[name], storage[scale_name], dequantized)
+            read.append(dequantized.index_copy_(1, slots, chunk))  # the pending chunk itself stays exact
+        return read[0], read[1]
+
+    # ----------------------------------------------------------------------------------------- offload
+    def _work_views(self, batch: int) -> dict[str, torch.Tensor]:
+        return {
+            name: self.workspace.view_named(self._workspace_names[f"work_{name}"], (batch, *tensor.shape[1:]))
+            for name, tensor in self._home().items()
+        }
+
+    def _fetch(self, batch: int) -> dict[str, torch.Tensor]:
+        """The committed K/V on the compute device (prefetched by the previous block, or copied now)."""
+        work = self._work_views(batch)
+        device = self.slot_positions.device
+        if self._prefetch_event is not None and self._prefetched_batch == batch:
+            torch.cuda.current_stream(device).wait_event(self._prefetch_event)
+        else:
+            offloading.copy_rows(work, self._home(), batch, non_blocking=device.type == "cuda")
+        self._prefetch_event = None
+        return work
+
+    def _stage(self, name: str, chunk: torch.Tensor) -> None:
+        """Offloaded: copy the pending chunk to host memory now (asynchronously); `commit` writes it home."""
+        if not self.offload:
+            return
+        self._staged[name][: chunk.shape[0], : chunk.shape[1]].copy_(chunk, non_blocking=chunk.is_cuda)
+        if chunk.is_cuda:
+            self._stage_event = torch.cuda.Event()
+            self._stage_event.record()
+
+    def _prefetch_next(self, batch: int) -> None:
+        """On CUDA, start copying the next offloaded block's K/V to the device while this block computes."""
+        following, device = self._next_offloaded, self.slot_positions.device
+        if (
+            device.type != "cuda"
+            or following is None
+            or following.keys is None
+            or following._work_parity == self._work_parity  # it would overwrite the buffer this block reads
+            or batch > following.keys.shape[0]
+        ):
+            return
+        stream = self.workspace.side_stream(device)
+        following._prefetch_event = offloading.prefetch(following._work_views(batch), following._home(), batch, stream)
+        following._prefetched_batch = batch
+
+    def _commit_home(self) -> None:
+        """Write the staged chunk into its home slots (the only time home changes)."""
+        if self.slot_positions.device.type == "cuda":
+            torch.cuda.synchronize(self.slot_positions.device)  # staged copies landed; no copy still reads home
+        self._prefetch_event = None  # a prefetched copy predates this commit
+        start, batch = self._committed_count, self._stream_batch or self.keys.shape[0]
+        positions = range(start, start + self.pending_tokens)
+        slots = torch.tensor([self._slot_of(p) for p in positions], dtype=torch.long)
+        staged = {name: t[:batch, : self.pending_tokens] for name, t in self._staged.items()}
+        offloading.write_home(self._home(), staged, slots)
+
     def commit(self) -> None:
         self._require_pending()
+        if self.offload:
+            self._commit_home()
         self.committed_tokens.add_(self.pending_tokens)
         self._committed_count += self.pending_tokens
+        self._sync_window_full()
         self.pending_tokens = 0
 
     def reset(self) -> None:
         if self.keys is not None:
-            self.keys.zero_()
-            self.values.zero_()
+            for tensor in self._home().values():
+                tensor.zero_()
             self.slot_positions.fill_(-1)
             self.committed_tokens.zero_()
             self._mask.zero_()
         self._committed_count = 0
         self.pending_tokens = 0
+        self._stream_batch = None
+        self._prefetch_event = None
+        self._cropped = False
+        self._sync_window_full()
+
+    @property
+    def in_use(self) -> bool:
+        return self.pending_tokens > 0 or self._committed_count > 0
 
     def _visible_committed_positions(self) -> list[int]:
         """Absolute indices of the committed tokens the next chunk will see, oldest first.
 
         Reads the slot map (a host sync; never called from the attention step) so that tokens
-        overwritten in the ring, e.g. before a `rewind`, are never reported as held.
+        overwritten in the ring, e.g. before a `rewind`, or evicted by `crop`, are never reported as held.
         """
         total = self._committed_count
         if self.slot_positions is None or total == 0:
@@ -189,12 +429,21 @@ class SlidingWindowLayer(CacheLayer):
         return self.sink_tokens + (position - self.sink_tokens) % self.window_tokens
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Committed sink and window tokens in stream order, `(batch, tokens, heads, head_dim)` (a copy)."""
+        """Committed sink and window tokens in stream order, `(batch, tokens, heads, head_dim)`: a copy,
+        in the compute dtype on the compute device (dequantized / fetched from home when so stored)."""
         positions = self._visible_committed_positions()
         if not positions:
             return None
+        home = self._home()
         slots = torch.tensor([self._slot_of(p) for p in positions], dtype=torch.long, device=self.keys.device)
-        return self.keys.index_select(1, slots), self.values.index_select(1, slots)
+        rows = self._stream_batch or self.keys.shape[0]
+        out = []
+        for name, scale_name in (("keys", "key_scales"), ("values", "value_scales")):
+            held = home[name][:rows].index_select(1, slots)
+            if self.quantization is not None:
+                held = (held.float() * home[scale_name][:rows].index_select(1, slots)).to(self.compute_dtype)
+            out.append(held.to(self.slot_positions.device))
+        return out[0], out[1]
 
     def get_seq_length(self) -> int:
         return len(self._visible_committed_positions())
@@ -235,12 +484,14 @@ class SlidingWindowLayer(CacheLayer):
         window_start = self._window_start(self.committed_tokens)
         return torch.where(positions < self.sink_tokens, positions, positions - window_start + self.sink_tokens)
 
-    # ----------------------------------------------------------------------------------------- re-cache
+    # ----------------------------------------------------------------------------------------- re-cache, crop
     def check_rewind(self, num_tokens: int) -> None:
         super().check_rewind(num_tokens)
         if self.pending_tokens:
             raise RuntimeError("rewind() with a chunk pending; commit it first.")
-        rewindable = 0 if self.chunk_tokens is None else self._committed_count - self._window_start(self._committed_count)
+        rewindable = (
+            0 if self.chunk_tokens is None else self._committed_count - self._window_start(self._committed_count)
+        )
         if num_tokens > rewindable:
             raise ValueError(
                 f"`num_tokens`={num_tokens} exceeds the {max(rewindable, 0)} committed window tokens that can "
@@ -256,3 +507,35 @@ class SlidingWindowLayer(CacheLayer):
         self.check_rewind(num_tokens)
         self.committed_tokens.sub_(num_tokens)
         self._committed_count -= num_tokens
+        self._sync_window_full()
+
+    def check_crop(self, max_tokens: int) -> list[int]:
+        """Raise if `crop(max_tokens)` would be refused; return the positions it would evict (changes nothing)."""
+        check_positive("max_tokens", max_tokens, allow_zero=True)
+        if self.pending_tokens:
+            raise RuntimeError("crop() with a chunk pending; commit it first.")
+        held = self._visible_committed_positions()
+        sink = [p for p in held if p < self.sink_tokens]
+        if max_tokens < len(sink):
+            raise ValueError(
+                f"`max_tokens`={max_tokens} is below the {len(sink)} sink tokens held; crop evicts window tokens only."
+            )
+        window = [p for p in held if p >= self.sink_tokens]
+        return window[: max(len(held) - max_tokens, 0)]
+
+    def crop(self, max_tokens: int) -> None:
+        """Keep at most `max_tokens` committed tokens, evicting the oldest window tokens early (KV compression).
+
+        The stream position is unchanged (the next chunk's positions, and every other layer, are not
+        affected); only this layer's mask loses the evicted slots. To forget the most recent tokens
+        instead (transformers' `crop`), use `rewind`.
+        """
+        evicted = self.check_crop(max_tokens)
+        if evicted:
+            slots = torch.tensor(
+                [self._slot_of(p) for p in evicted], dtype=torch.long, device=self.slot_positions.device
+            )
+            self.slot_positions.index_fill_(0, slots, -1)
+            self._refresh_mask(0)
+            self._cropped = True
+            self._sync_window_full()
