@@ -18,6 +18,17 @@ import torch
 
 from .base import CacheLayer, check_allocation_sizes, check_positive
 
+# committed, pending and previous frames; `frame_count`: committed frames, on the state's device
+_STATE_NAMES = ("committed", "pending", "previous", "frame_count")
+
+
+def register_state(layer: CacheLayer, name: str) -> None:
+    """An empty state tensor attribute: a registered buffer when cache layers are `nn.Module`s."""
+    if isinstance(layer, torch.nn.Module):
+        layer.register_buffer(name, None)
+    else:
+        setattr(layer, name, None)
+
 
 class ConvStateLayer(CacheLayer):
     """Args:
@@ -33,10 +44,8 @@ class ConvStateLayer(CacheLayer):
             None if tokens_per_frame is None else check_positive("tokens_per_frame", tokens_per_frame)
         )
         self.state_frames = check_positive("state_frames", state_frames)
-        self.committed: torch.Tensor | None = None
-        self.pending: torch.Tensor | None = None
-        self.previous: torch.Tensor | None = None
-        self.frame_count: torch.Tensor | None = None  # committed frames, on the state's device
+        for name in _STATE_NAMES:  # buffers (`.to()`, `state_dict`) where layers are modules
+            register_state(self, name)
         self.committed_frames = 0  # host mirror, for checks outside the model's forward
         self._pending_frames = 0
         self._last_chunk_frames = 0  # frames of the last committed chunk (what `rewind` can undo)
@@ -50,6 +59,8 @@ class ConvStateLayer(CacheLayer):
     ) -> None:
         """Channels are `num_heads * head_dim` (SANA's FFN width equals the attention width)."""
         check_allocation_sizes(batch_size, num_heads, head_dim)
+        if hasattr(self, "check_early_initialization"):  # refuses a layer that holds a stream
+            self.check_early_initialization(batch_size, num_heads, head_dim, dtype, device)
         if self.tokens_per_frame is None:
             raise ValueError(
                 "`ConvStateLayer(tokens_per_frame=...)` is required to allocate ahead of the first update."

@@ -40,7 +40,7 @@ from diffusers.models.transformers.transformer_sana_video import (
 from einops import rearrange
 
 from ..caching import CrossAttentionLayer, LinearAttentionLayer, RollingKVCache
-from ..caching.conv_state import ConvStateLayer
+from ..caching.conv_state import ConvStateLayer, register_state
 from ..caching.layout import ChunkLayout
 from .call_context import CallContextSlot, bind_call_context
 
@@ -77,6 +77,14 @@ class RewindableLinearAttentionLayer(LinearAttentionLayer):
     """
 
     can_rewind = True
+    _UNDO_NAMES = ("_previous_vk", "_previous_k_sum", "_evicted_vk", "_evicted_k_sum")
+
+    def __init__(self, window_chunks: int | None = None) -> None:
+        super().__init__(window_chunks)
+        for name in self._UNDO_NAMES:
+            register_state(self, name)
+        self._evicted_tokens: int | None = None
+        self._can_undo = False
 
     def _allocate(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:
         super()._allocate(batch, heads, head_dim, device)
@@ -84,12 +92,9 @@ class RewindableLinearAttentionLayer(LinearAttentionLayer):
         self._previous_k_sum = torch.zeros_like(self.committed_k_sum)
         self._evicted_vk = torch.zeros_like(self.committed_vk)
         self._evicted_k_sum = torch.zeros_like(self.committed_k_sum)
-        self._evicted_tokens: int | None = None
-        self._can_undo = False
 
     def _tensors(self) -> list[torch.Tensor]:
-        extra = ("_previous_vk", "_previous_k_sum", "_evicted_vk", "_evicted_k_sum")
-        return super()._tensors() + [t for t in (getattr(self, n, None) for n in extra) if t is not None]
+        return super()._tensors() + [t for t in (getattr(self, n) for n in self._UNDO_NAMES) if t is not None]
 
     def commit(self) -> None:
         self._require_pending()
@@ -106,7 +111,7 @@ class RewindableLinearAttentionLayer(LinearAttentionLayer):
 
     def check_rewind(self, num_tokens: int) -> None:
         super().check_rewind(num_tokens)
-        last = self._summarised_tokens[-1] if self._summarised_tokens and getattr(self, "_can_undo", False) else 0
+        last = self._summarised_tokens[-1] if self._summarised_tokens and self._can_undo else 0
         if num_tokens != last:
             raise ValueError(
                 f"{type(self).__name__} can rewind exactly the last committed chunk ({last} tokens), "
@@ -245,14 +250,13 @@ class LongSanaCrossAttnProcessor(SanaAttnProcessor2_0):
         if attn.norm_q is not None:
             query = attn.norm_q(query)
         query = query.unflatten(2, (attn.heads, -1))
-        cached = layer.get()
-        if cached is None:
+        if layer.get_seq_length() == 0:  # empty until the first chunk of a prompt (a host flag: <= 2 graphs)
             key, value = attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
             if attn.norm_k is not None:
                 key = attn.norm_k(key)
             key, value = layer.update(key.unflatten(2, (attn.heads, -1)), value.unflatten(2, (attn.heads, -1)))
         else:
-            key, value = cached
+            key, value = layer.keys, layer.values  # the live buffers (`get()` returns a copy)
         out = dispatch_attention_fn(
             query,
             key,
