@@ -266,6 +266,25 @@ def test_rewind_then_rewrite_equals_writing_once(models):
         torch.testing.assert_close(a.committed, b.committed, atol=0, rtol=0)
 
 
+def test_gradient_checkpointing_gives_the_same_gradients_in_the_reference():
+    """Recomputed blocks must see the call's context again (block-causal, not diffusers' bidirectional path)."""
+    _, model = build_models()
+    clean, text = inputs(frames=4)
+    layout = sana_layout(TOKENS_PER_FRAME, chunk_frames=2)
+    timestep = torch.cat([torch.zeros(1, 4), torch.full((1, 4), 600.0)], dim=1)
+    hidden = torch.cat([clean, torch.randn_like(clean)], dim=2)
+    gradients = []
+    for checkpointing in (False, True):
+        model.zero_grad()
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        model.train()
+        model(hidden, text, timestep, layout=layout, teacher_forcing=True).sample.square().mean().backward()
+        gradients.append(model.transformer_blocks[0].attn1.to_q.weight.grad.clone())
+    model.disable_gradient_checkpointing()
+    torch.testing.assert_close(gradients[1], gradients[0], atol=1e-6, rtol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------- errors
 def test_bad_calls_are_refused_before_any_work(models):
     _, ours = models

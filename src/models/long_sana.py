@@ -22,6 +22,7 @@ per-chunk cumulative sums instead of a cache; with `teacher_forcing=True` the in
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -353,6 +354,17 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
 
     # The config is exactly SANA-Video's: ConfigMixin reads the accepted keys from this signature.
     __init__.__signature__ = inspect.signature(SanaVideoTransformer3DModel.__init__)
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None) -> None:
+        """Checkpointed blocks are recomputed during backward, after `forward` has unbound its context:
+        each checkpointed call re-binds the context it ran with, so the recomputation is the same function."""
+        checkpoint = gradient_checkpointing_func or torch.utils.checkpoint.checkpoint
+        slot = self._call_slot
+
+        def with_call_context(block, *args):
+            return checkpoint(functools.partial(bind_call_context, slot, slot.context, block), *args)
+
+        super()._set_gradient_checkpointing(enable, with_call_context)
 
     # ---------------------------------------------------------------------------------------- cache
     def tokens_per_frame(self, latent_height: int, latent_width: int) -> int:
