@@ -3,11 +3,14 @@
 A schedule is `[(frame, prompt), ...]` (or `{frame: prompt}`) in pixel frames, strictly increasing,
 starting at 0 unless a base `prompt` covers the frames before the first entry. A prompt may be one
 string or one per batch element. The chunk loop switches at the first chunk starting at or after an
-entry's frame, so frames before the switch frame are never touched.
+entry's frame, so frames before the switch frame are never touched, and a switch after the last chunk's
+first frame would never apply: `build` refuses it when told where the last chunk starts. Frames are any
+integer type (numpy's too); strings and floats are refused as what they are, not as out of range.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,9 +36,16 @@ class PromptSchedule:
 
     @classmethod
     def build(
-        cls, prompt: str | list[str] | None, schedule: Sequence[tuple[int, str]] | dict | None, num_frames: int
+        cls,
+        prompt: str | list[str] | None,
+        schedule: Sequence[tuple[int, str]] | dict | None,
+        num_frames: int,
+        last_chunk_start: int | None = None,
     ) -> PromptSchedule:
-        """Validate `prompt` and `prompt_schedule` together; raises ValueError naming the bad argument."""
+        """Validate `prompt` and `prompt_schedule` together; raises ValueError naming the bad argument.
+
+        `last_chunk_start`: the first pixel frame of the video's last chunk; a later switch is refused.
+        """
         entries: list[tuple[int, list[str]]] = []
         if prompt is not None:
             entries.append((0, _as_prompt_list("prompt", prompt)))
@@ -48,9 +58,21 @@ class PromptSchedule:
                 if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
                     raise ValueError(f"`prompt_schedule` entries must be (frame, prompt) pairs, got {pair!r}.")
                 frame, text = pair
-                if isinstance(frame, bool) or not isinstance(frame, int) or not 0 <= frame < num_frames:
+                if isinstance(frame, bool) or not isinstance(frame, numbers.Integral):
+                    raise ValueError(
+                        f"`prompt_schedule` frame {frame!r} is a {type(frame).__name__}; frames must be ints "
+                        f"(pixel frame numbers in [0, {num_frames}))."
+                    )
+                frame = int(frame)
+                if not 0 <= frame < num_frames:
                     raise ValueError(
                         f"`prompt_schedule` frame {frame!r} is out of range: frames must be ints in [0, {num_frames})."
+                    )
+                if last_chunk_start is not None and frame > last_chunk_start:
+                    raise ValueError(
+                        f"`prompt_schedule` frame {frame} comes after the last chunk starts (frame "
+                        f"{last_chunk_start}), so the switch would never apply; a switch takes effect at the first "
+                        "chunk starting at or after its frame. Use an earlier frame or a longer video."
                     )
                 if frame <= previous:
                     raise ValueError(
