@@ -110,6 +110,8 @@ class GlmImageCachedPipeline(GlmImagePipeline):
     def _prompt_batch(prompt, prompt_embeds) -> int:
         if isinstance(prompt, str):
             return 1
+        if prompt is not None and not isinstance(prompt, list):
+            raise TypeError(f"`prompt` must be a str or a list of str, got {type(prompt).__name__}.")
         return len(prompt) if prompt is not None else prompt_embeds.shape[0]
 
     def _normalize_images(self, image, batch_size: int) -> list[list[PIL.Image.Image]] | None:
@@ -389,6 +391,9 @@ class GlmImageCachedPipeline(GlmImagePipeline):
         self._current_timestep = None
         self._interrupt = False
         device = self._execution_device
+        cache = condition_cache if condition_cache is not None else self.transformer.make_cache()
+        image_tokens = (height // self.token_pixels) * (width // self.token_pixels)
+        cache.check_fits(self.condition_tokens(images), image_tokens)  # the glyph tokens are added below
 
         # 2. Glyph embeddings (cheap), then the exact cache-capacity check before the prior runs
         prompt_embeds, negative_prompt_embeds = self.encode_prompt(
@@ -401,8 +406,6 @@ class GlmImageCachedPipeline(GlmImagePipeline):
             device=device,
             dtype=self.dtype,
         )
-        cache = condition_cache if condition_cache is not None else self.transformer.make_cache()
-        image_tokens = (height // self.token_pixels) * (width // self.token_pixels)
         cache.check_fits(self.condition_tokens(images), prompt_embeds.shape[1] + image_tokens)
 
         # 3. Prior tokens (the autoregressive prior), unless given
