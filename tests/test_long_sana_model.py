@@ -317,6 +317,29 @@ def test_positions_past_the_rope_table_are_refused(models):
         ours(latents, text, torch.tensor([0.0]), kv_cache=cache, layout=layout)
 
 
+@pytest.mark.parametrize("context_chunks", [None, 2])
+@torch.no_grad()
+def test_rebasing_positions_changes_nothing_but_the_table_index(models, context_chunks):
+    """RoPE is relative in the numerator: moving every committed frame back keeps every output."""
+    _, ours = models
+    latents, text = inputs(frames=12)
+    layout = sana_layout(TOKENS_PER_FRAME, chunk_frames=2, context_chunks=context_chunks)
+    plain, _ = run_chunked(ours, latents, text, torch.tensor([300.0]), layout)
+    cache = ours.make_cache(layout)
+    rebased = []
+    for start in range(0, 12, 2):
+        if start in (6, 10):
+            ours.rebase_positions(cache, 5 if start == 6 else 3)
+        piece = latents[:, :, start : start + 2]
+        rebased.append(ours(piece, text, torch.tensor([300.0]), kv_cache=cache, layout=layout).sample)
+        ours(piece, text, torch.tensor([0.0]), kv_cache=cache, layout=layout)
+        cache.commit()
+    torch.testing.assert_close(torch.cat(rebased, dim=2), plain, atol=TOL, rtol=0)
+    assert cache.slots["conv_state"][0].frame_count.item() == 12 - 8
+    with pytest.raises(ValueError, match="num_frames"):
+        ours.rebase_positions(cache, 5)
+
+
 # ----------------------------------------------------------------------------------------- proof 3
 def _rss_bytes() -> int:
     with open(f"/proc/{os.getpid()}/statm") as statm:

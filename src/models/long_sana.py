@@ -409,6 +409,41 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
                 "positions (LongSANA uses absolute frame positions); generate fewer frames."
             )
 
+    @torch.no_grad()
+    def rebase_positions(self, kv_cache: RollingKVCache, num_frames: int) -> None:
+        """Move every committed frame `num_frames` positions back, so a stream can run past the RoPE table.
+
+        RoPE enters only the numerator `q_rot . k_rot`, which depends on the positions' difference; so
+        shifting all positions by the same amount changes nothing but the table index. The committed
+        states hold `v k_rot^T`: rotating their key axis by `-num_frames` frames re-indexes them exactly
+        (up to rounding) in place, and the next chunk starts `num_frames` earlier. Host-side, between
+        chunks; no recompile (buffers change in place, the counter is a device tensor).
+        """
+        conv_layers = kv_cache.slots["conv_state"]
+        committed = conv_layers[0].committed_frames
+        if isinstance(num_frames, bool) or not isinstance(num_frames, int) or not 0 < num_frames <= committed:
+            raise ValueError(
+                f"`num_frames` must be an int in [1, {committed}] (the committed frames), got {num_frames!r}."
+            )
+        split = [self.rope.t_dim, self.rope.h_dim, self.rope.w_dim]
+        t_cos, h_cos, w_cos = self.rope.freqs_cos.split(split, dim=1)
+        t_sin, h_sin, w_sin = self.rope.freqs_sin.split(split, dim=1)
+        step = min(num_frames, t_cos.shape[0] - 1)  # rotate by table entries: several steps past the table size
+        remaining = num_frames
+        while remaining:
+            shift = min(step, remaining)
+            cos = torch.cat([t_cos[shift], h_cos[0], w_cos[0]]).float()  # rotation by -shift frames
+            sin = torch.cat([-t_sin[shift], h_sin[0], w_sin[0]]).float()
+            for layer in kv_cache.layers:
+                for name in ("committed_vk", "chunk_vk", "_previous_vk", "_evicted_vk"):
+                    state = getattr(layer, name, None)
+                    if state is not None:  # (..., D_v, D_k): rotate every row along the key axis
+                        state.copy_(_rotate(state, cos.to(state.device), sin.to(state.device)))
+            remaining -= shift
+        for layer in conv_layers:
+            layer.frame_count.sub_(num_frames)
+            layer.committed_frames -= num_frames
+
     # ---------------------------------------------------------------------------------------- forward
     def forward(
         self,
