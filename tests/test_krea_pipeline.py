@@ -116,7 +116,7 @@ def test_callback_on_step_end_sees_every_step(pipe):
     calls = []
 
     def callback(pipeline, step, timestep, tensors):
-        calls.append((step, round(timestep), tuple(tensors["latents"].shape)))
+        calls.append((step, round(float(timestep)), tuple(tensors["latents"].shape)))
         return {}
 
     pipe(PROMPT, num_frames=4, denoising_steps=[1000, 500], callback_on_step_end=callback, generator=_seed(), **SIZE)

@@ -1,0 +1,141 @@
+"""The shared chunk loop (`ChunkedVideoPipeline`): diffusers' conventions and constant memory.
+
+Callbacks see each step's result before the next step's input is formed and their latents are
+used; `interrupt` stops a run; `prompt_embeds` stand in for a prompt; noise is drawn chunk by chunk, so
+starting a stream of any length costs the same memory; one pipeline serves concurrent streams.
+"""
+
+import threading
+
+import pytest
+import torch
+from tiny_components import tiny_pipeline
+
+from rolldiff.pipelines import chunked_video
+
+PROMPT = "a red circle moving left"
+SIZE = dict(height=16, width=16)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipeline = tiny_pipeline()
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def _seed(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _latents(pipe, **kwargs) -> torch.Tensor:
+    return pipe(PROMPT, output_type="latent", generator=_seed(), **SIZE, **kwargs).frames
+
+
+def test_latents_returned_by_the_callback_become_the_next_step_input(pipe):
+    replacement = torch.full((1, 4, 2, 4, 4), 0.25)
+    seen_inputs = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda module, args: seen_inputs.append(args[0].clone()))
+
+    def callback(pipeline, step, timestep, tensors):
+        return {"latents": replacement} if step == 0 else {}
+
+    try:
+        _latents(pipe, num_frames=2, denoising_steps=[1000, 500], callback_on_step_end=callback)
+    finally:
+        hook.remove()
+    # forward calls: step 0, step 1, context pass; step 1 ran on exactly what the callback returned
+    assert torch.equal(seen_inputs[1], replacement)
+
+
+def test_latents_returned_at_the_last_step_are_the_chunk(pipe):
+    replacement = torch.full((1, 4, 2, 4, 4), -0.5)
+
+    def callback(pipeline, step, timestep, tensors):
+        return {"latents": replacement} if step == 1 else None
+
+    latents = _latents(pipe, num_frames=4, denoising_steps=[1000, 500], callback_on_step_end=callback)
+    assert torch.equal(latents[:, :, :2], replacement)  # chunk 0 is what the callback said
+    assert not torch.equal(latents[:, :, 2:], replacement)
+
+
+def test_interrupt_stops_the_run_before_the_next_step(pipe):
+    def callback(pipeline, step, timestep, tensors):
+        if step == 4:  # chunk 1, step 0 of 4
+            pipeline.interrupt = True
+        return {}
+
+    chunks = list(pipe.stream(PROMPT, num_frames=8, generator=_seed(), callback_on_step_end=callback, **SIZE))
+    assert len(chunks) == 1  # chunk 0 finished; chunk 1 stopped at its next step
+    assert len(list(pipe.stream(PROMPT, num_frames=4, generator=_seed(), **SIZE))) == 2  # a new run starts clean
+
+
+def test_prompt_embeds_give_the_same_video_as_the_prompt(pipe):
+    embeds = pipe.encode_prompt([PROMPT], pipe.config.max_sequence_length)
+    from_embeds = pipe(prompt_embeds=embeds, num_frames=4, output_type="latent", generator=_seed(), **SIZE).frames
+    torch.testing.assert_close(from_embeds, _latents(pipe, num_frames=4), atol=0, rtol=0)
+    negative = pipe.encode_prompt(["a cat"], pipe.config.max_sequence_length)
+    guided = pipe(
+        PROMPT, num_frames=4, guidance_scale=3.0, negative_prompt_embeds=negative, output_type="latent",
+        generator=_seed(), **SIZE,
+    ).frames  # fmt: skip
+    torch.testing.assert_close(guided, _latents(pipe, num_frames=4, guidance_scale=3.0, negative_prompt="a cat"))
+    with pytest.raises(ValueError, match="prompt_embeds"):
+        pipe(PROMPT, prompt_embeds=embeds, num_frames=4, **SIZE)
+
+
+def test_a_chunk_depends_only_on_the_seed_and_its_index(pipe):
+    short = _latents(pipe, num_frames=4)
+    long = _latents(pipe, num_frames=8)
+    torch.testing.assert_close(long[:, :, :4], short, atol=0, rtol=0)  # noise drawn when each chunk starts
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def test_starting_a_very_long_stream_allocates_nothing_the_size_of_the_video(pipe, monkeypatch):
+    requested = []
+    original = chunked_video.randn_tensor
+
+    def recording_randn(shape, *args, **kwargs):
+        requested.append(int(torch.Size(shape).numel()))
+        return original(shape, *args, **kwargs)
+
+    monkeypatch.setattr(chunked_video, "randn_tensor", recording_randn)
+    num_frames = 4_000_000  # 4 M latent frames: 1 GB of float32 noise if drawn up front
+    before = _rss_bytes()
+    stream = pipe.stream(PROMPT, num_frames=num_frames, position_mode="relative", generator=_seed(), **SIZE)
+    first = next(stream)
+    second = next(stream)
+    grown = _rss_bytes() - before
+    stream.close()
+    assert first.shape == second.shape == (1, 2, 16, 16, 3)
+    assert max(requested) == 1 * 4 * 2 * 4 * 4  # one chunk of noise at a time
+    assert grown < 64 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB starting a {num_frames}-frame stream"
+
+
+def test_one_pipeline_serves_concurrent_streams_exactly_as_alone(pipe):
+    alone = {seed: pipe(PROMPT, num_frames=6, output_type="latent", generator=_seed(seed), **SIZE).frames
+             for seed in range(3)}  # fmt: skip
+    together = {}
+    barrier = threading.Barrier(3)
+
+    def run(seed: int) -> None:
+        barrier.wait()
+        chunks = pipe.stream(PROMPT, num_frames=6, output_type="latent", generator=_seed(seed), **SIZE)
+        together[seed] = torch.cat(list(chunks), dim=2)
+
+    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for seed in range(3):
+        assert torch.equal(together[seed], alone[seed])
+
+
+def test_unknown_cache_options_are_refused_before_work(pipe):
+    with pytest.raises(TypeError, match="cache options"):
+        pipe.stream(PROMPT, num_frames=4, window_chunks=3, **SIZE)
