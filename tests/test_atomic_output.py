@@ -11,7 +11,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from rolldiff.pipelines.video_writer import StreamingVideoWriter, check_output_path, partial_path_for
+from rolldiff.pipelines.video_writer import StreamingVideoWriter, check_output_path, count_frames, partial_path_for
 
 SIZE = 16
 RED, GREEN, BLUE = (220, 30, 30), (30, 220, 30), (30, 30, 220)
@@ -130,3 +130,19 @@ def test_unwritable_folder_is_refused(tmp_path):
         (tmp_path / "locked").mkdir(mode=0o500)
     with pytest.raises(ValueError, match="is not writable"):
         check_output_path(target, "--out")
+
+
+def test_continue_frames_keeps_only_the_frames_vouched_for(tmp_path):
+    first = tmp_path / "first.mp4"
+    with StreamingVideoWriter(first, fps=8) as writer:
+        writer.write(solid(RED, 4))
+        writer.write(solid(BLUE, 3))  # frames a killed run wrote after its last saved state
+    path = tmp_path / "video.mp4"
+    with StreamingVideoWriter(path, fps=8, continue_from=first, continue_frames=4) as writer:
+        assert writer.total_frames == 4
+        writer.write(solid(GREEN, 2))
+        assert writer.total_frames == 6
+    video = read(path)
+    assert video.shape[0] == 6 and count_frames(path) == 6
+    np.testing.assert_array_equal(video[:4], read(first)[:4])
+    np.testing.assert_allclose(video[4:].reshape(-1, 3).mean(0), GREEN, atol=12)

@@ -12,6 +12,7 @@ re-encoding), which is how a resumed generation ends as one file.
 import math
 import numbers
 import os
+import re
 import secrets
 import subprocess
 import tempfile
@@ -54,6 +55,26 @@ def _temp_path_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp.mp4")
 
 
+def count_frames(path: str | os.PathLike) -> int:
+    """Frames in an mp4, counted from its packets by stream copy (fast: nothing is decoded)."""
+    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-v", "error", "-stats", "-i", str(path), "-map", "0:v:0"]
+    result = subprocess.run(command + ["-c", "copy", "-f", "null", "-"], capture_output=True, text=True)
+    counts = re.findall(r"frame=\s*(\d+)", result.stderr)
+    if result.returncode != 0 or not counts:
+        raise ValueError(f"{str(path)!r} is not a readable video: {result.stderr.strip()[-300:]}")
+    return int(counts[-1])
+
+
+def _first_frames(path: Path, num_frames: int, out: Path) -> None:
+    """The first `num_frames` frames of `path` into `out` by stream copy; exact because the writer makes no
+    B-frames (every frame depends only on earlier ones)."""
+    command = [imageio_ffmpeg.get_ffmpeg_exe(), "-y", "-v", "error", "-i", str(path), "-map", "0:v:0"]
+    command += ["-frames:v", str(num_frames), "-c", "copy", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"ffmpeg could not cut {str(path)!r} to {num_frames} frames: {result.stderr.strip()}")
+
+
 def concat_mp4(parts: list[Path], out: Path) -> None:
     """Join mp4 files of the same size, fps and codec into `out` by stream copy (no re-encoding, no quality loss)."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt", dir=out.parent, delete=False) as listing:
@@ -84,6 +105,8 @@ class StreamingVideoWriter:
         codec: the ffmpeg video encoder.
         continue_from: an mp4 written earlier by this writer with the same fps and size (a resumed run's
             partial file); the result is its frames followed by the new ones.
+        continue_frames: keep only the first `continue_frames` frames of `continue_from` (the frames a resume
+            state vouches for; a run killed after writing a chunk but before saving its state wrote more).
 
     After a failure, `partial_path` is the playable file holding every frame written (None when there was none).
 
@@ -100,16 +123,27 @@ class StreamingVideoWriter:
         quality: float = 5.0,
         codec: str = "libx264",
         continue_from: str | os.PathLike | None = None,
+        continue_frames: int | None = None,
     ) -> None:
         path = check_output_path(path)
         if continue_from is not None and not Path(continue_from).is_file():
             raise ValueError(f"`continue_from` {str(continue_from)!r} is not a file.")
+        if continue_frames is not None and (
+            continue_from is None
+            or isinstance(continue_frames, bool)
+            or not isinstance(continue_frames, int)
+            or continue_frames < 0
+        ):
+            raise ValueError(f"`continue_frames` must be an int >= 0 with `continue_from`, got {continue_frames!r}.")
         if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not (math.isfinite(fps) and fps > 0):
             raise ValueError(f"`fps` must be a finite number > 0, got {fps!r}.")
         if isinstance(quality, bool) or not isinstance(quality, numbers.Real) or not 1 <= quality <= 10:
             raise ValueError(f"`quality` must be between 1 and 10, got {quality!r}.")
         self.path = path
         self.continue_from = None if continue_from is None else Path(continue_from)
+        if continue_from is not None and continue_frames is None:
+            continue_frames = count_frames(continue_from)
+        self.continue_frames = continue_frames
         self.partial_path: Path | None = None
         # Created now (so an unwritable folder fails before any work) and hidden; ffmpeg overwrites it.
         self.temp_path = _temp_path_for(path)
@@ -121,6 +155,11 @@ class StreamingVideoWriter:
         self.frame_size: tuple[int, int] | None = None  # (height, width), fixed by the first write
         self._encoder: Generator[None, np.ndarray | None, None] | None = None
         self._closed = False
+
+    @property
+    def total_frames(self) -> int:
+        """Frames of the finished file: those kept from `continue_from` and those written."""
+        return (self.continue_frames or 0) + self.frames_written
 
     def write(self, frames: np.ndarray) -> None:
         """Encode `frames` now and keep none of them.
@@ -184,17 +223,24 @@ class StreamingVideoWriter:
             if self._encoder is not None:
                 self._encoder.close()  # closes ffmpeg's stdin and waits for it to exit
                 self._encoder = None
-            if self.frames_written == 0 and self.continue_from is None:
+            kept = self.continue_from is not None and self.continue_frames != 0
+            if self.frames_written == 0 and not kept:
                 return
             target = self.path if succeeded else partial_path_for(self.path)
             if self.continue_from is not None:
                 joined = self.temp_path.with_name(self.temp_path.name.replace(".tmp.mp4", ".joined.tmp.mp4"))
-                parts = [self.continue_from] + ([self.temp_path] if self.frames_written else [])
+                first = self.continue_from
+                cut = self.temp_path.with_name(self.temp_path.name.replace(".tmp.mp4", ".cut.tmp.mp4"))
                 try:
+                    if self.continue_frames is not None:
+                        _first_frames(self.continue_from, self.continue_frames, cut)
+                        first = cut
+                    parts = ([first] if kept else []) + ([self.temp_path] if self.frames_written else [])
                     concat_mp4(parts, joined)
                     os.replace(joined, self.temp_path)
                 finally:
                     joined.unlink(missing_ok=True)
+                    cut.unlink(missing_ok=True)
             os.replace(self.temp_path, target)
             if not succeeded:
                 self.partial_path = target
