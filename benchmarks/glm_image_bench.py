@@ -1,0 +1,201 @@
+"""GLM-Image decoder: rolldiff's `ConditionKVCache` against diffusers' `GlmImageKVCache`, same weights, same run.
+
+What is measured, per number of reference images (1 and 2), at GLM-Image's real layer shapes
+(32 heads x 128 = 4096 wide, text_embed_dim 1472, codebook 16384) with `--layers` blocks (the real
+model has 30), a 1024x1024 target (4096 image tokens + `--glyph-tokens`) and 1024x1024 references
+(4096 condition tokens each):
+  step s             wall time of one conditional ("read") decoder forward (the unconditional
+                     "skip" pass is the same code for both caches and is not timed).
+  MiB alloc / step   bytes of new tensor storages in that forward, counted with a `TorchDispatchMode`
+                     (an op output whose storage none of the op's inputs owns; views and in-place
+                     writes count 0; scratch inside one kernel is invisible to it).
+  cache op ms        the cache's read alone, per layer: ours writes the current K/V into its buffer
+                     and returns a view; diffusers `torch.cat`s `[conditions; current]` (median of 20).
+  cache op MiB       bytes that read allocates, per layer.
+  cache MiB held     what the cache object keeps between steps (all layers).
+Conditions are written with the same random post-RoPE K/V into both caches (the write phase runs
+once per image and is not what differs); ours lays out its buffer once before the timed steps.
+The two approaches run interleaved step by step, so background load falls on both alike. Both
+decoders share one set of weights (diffusers' module is built on the meta device and assigned ours).
+
+    python benchmarks/glm_image_bench.py [--layers 1] [--steps 1] [--glyph-tokens 32] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from diffusers import GlmImageTransformer2DModel
+from diffusers.models.transformers.transformer_glm_image import GlmImageKVCache
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from rolldiff import ConditionKVCache, GlmImageCachedTransformer2DModel
+
+MiB = 2**20
+HEADS, HEAD_DIM = 32, 128
+REAL_CONFIG = dict(
+    patch_size=2,
+    in_channels=16,
+    out_channels=16,
+    attention_head_dim=HEAD_DIM,
+    num_attention_heads=HEADS,
+    text_embed_dim=1472,
+    time_embed_dim=512,
+    condition_dim=256,
+    prior_vq_quantizer_codebook_size=16384,
+)
+VAE_FACTOR = 8
+
+
+class AllocationCounter(TorchDispatchMode):
+    """Sums the storage bytes of op outputs that none of the op's inputs owns (new allocations)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        owned = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in owned:
+                owned.add(tensor.untyped_storage().data_ptr())
+                self.bytes += tensor.untyped_storage().nbytes()
+        return out
+
+
+def build_decoders(layers: int, dtype: torch.dtype):
+    """Ours with random weights, and diffusers' class sharing the very same parameter tensors."""
+    torch.manual_seed(0)
+    ours = GlmImageCachedTransformer2DModel(num_layers=layers, **REAL_CONFIG).to(dtype).eval()
+    with torch.device("meta"):
+        theirs = GlmImageTransformer2DModel(num_layers=layers, **REAL_CONFIG)
+    theirs.load_state_dict(ours.state_dict(), assign=True)
+    return ours, theirs.eval()
+
+
+def step_inputs(size: int, glyph_tokens: int, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(1)
+    latent = size // VAE_FACTOR
+    tokens = (latent // 2) ** 2
+    return dict(
+        hidden_states=torch.randn(1, 16, latent, latent, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(1, glyph_tokens, 1472, generator=g).to(dtype),
+        prior_token_id=torch.randint(0, 16384, (1, tokens), generator=g),
+        prior_token_drop=torch.zeros(1, tokens, dtype=torch.bool),
+        timestep=torch.full((1,), 500.0),
+        target_size=torch.tensor([[float(size), float(size)]]),
+        crop_coords=torch.zeros(1, 2),
+    )
+
+
+def fill_caches(layers: int, references: int, tokens_per_reference: int, current_tokens: int, dtype):
+    """Both caches get the same condition K/V per layer; ours lays out its read buffer once."""
+    ours, theirs = ConditionKVCache(layers), GlmImageKVCache(layers)
+    ours.set_mode("write")
+    theirs.set_mode("write")
+    g = torch.Generator().manual_seed(2)
+    for layer in range(layers):
+        for _ in range(references):
+            key, value = torch.randn(2, 1, tokens_per_reference, HEADS, HEAD_DIM, generator=g).to(dtype).unbind(0)
+            ours[layer].update(key, value)
+            theirs[layer].store(key, value)
+    ours.set_mode("read")
+    theirs.set_mode("read")
+    current = torch.zeros(1, current_tokens, HEADS, HEAD_DIM, dtype=dtype)
+    for layer in ours:
+        layer.update(current, current)  # the one-time layout of the read buffer
+    return ours, theirs
+
+
+def cache_op(layer_read, key, value, repeats: int = 20) -> tuple[float, float]:
+    """Median ms and MiB allocated of one layer's read."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        layer_read(key, value)
+        times.append(time.perf_counter() - start)
+    with AllocationCounter() as counter:
+        layer_read(key, value)
+    return statistics.median(times) * 1e3, counter.bytes / MiB
+
+
+def held_mib(cache) -> float:
+    if isinstance(cache, GlmImageKVCache):
+        tensors = [t for layer in cache.caches for t in layer.k_caches + layer.v_caches]
+        return sum(t.numel() * t.element_size() for t in tensors) / MiB
+    return cache.memory_bytes() / MiB
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=1, help="decoder blocks (GLM-Image has 30)")
+    parser.add_argument("--steps", type=int, default=1, help="timed conditional steps per approach")
+    parser.add_argument("--size", type=int, default=1024, help="target and reference side, pixels")
+    parser.add_argument("--glyph-tokens", type=int, default=32)
+    parser.add_argument("--references", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+
+    ours_model, their_model = build_decoders(args.layers, dtype)
+    inputs = step_inputs(args.size, args.glyph_tokens, dtype)
+    image_tokens = (args.size // VAE_FACTOR // 2) ** 2
+    current_tokens = args.glyph_tokens + image_tokens
+    print(
+        f"GLM-Image decoder, {args.layers} layer(s) of {HEADS} heads x {HEAD_DIM}, {args.dtype}, {args.threads} threads; "
+        f"target {args.size}x{args.size} ({image_tokens} image + {args.glyph_tokens} glyph tokens), "
+        f"references {args.size}x{args.size} ({image_tokens} tokens each)\n"
+    )
+    header = f"{'refs':>4} {'cache':<28} {'step s':>8} {'MiB alloc/step':>15} {'cache op ms':>12} {'cache op MiB':>13} {'MiB held':>9}"
+    print(header)
+    print("-" * len(header))
+    for references in args.references:
+        caches = fill_caches(args.layers, references, image_tokens, current_tokens, dtype)
+        models = (ours_model, their_model)
+        names = ("rolldiff ConditionKVCache", "diffusers GlmImageKVCache")
+        steps = {name: [] for name in names}
+        allocated = {}
+        for _ in range(args.steps):  # interleaved
+            outputs = []
+            for name, model, cache in zip(names, models, caches):
+                with AllocationCounter() as counter:
+                    start = time.perf_counter()
+                    outputs.append(model(**inputs, kv_caches=cache).sample)
+                    steps[name].append(time.perf_counter() - start)
+                allocated[name] = counter.bytes / MiB
+            difference = (outputs[0].float() - outputs[1].float()).abs().max().item()
+            assert difference == 0, f"outputs differ by {difference}"
+        key = torch.randn(1, current_tokens, HEADS, HEAD_DIM).to(dtype)
+        ops = (
+            cache_op(caches[0][0].update, key, key),
+            cache_op(caches[1][0].get, key, key),
+        )
+        rows = []
+        for name, cache, (op_ms, op_mib) in zip(names, caches, ops):
+            step = statistics.median(steps[name])
+            rows.append((step, allocated[name], op_ms, op_mib))
+            print(
+                f"{references:>4} {name:<28} {step:>8.2f} {allocated[name]:>15.1f} {op_ms:>12.2f} {op_mib:>13.1f} "
+                f"{held_mib(cache):>9.1f}"
+            )
+        (ours_step, ours_alloc, ours_op, _), (their_step, their_alloc, their_op, their_op_mib) = rows
+        print(
+            f"{'':>4} diffusers / rolldiff: step time x{their_step / ours_step:.3f}, bytes allocated per step "
+            f"x{their_alloc / ours_alloc:.3f} (-{their_alloc - ours_alloc:.0f} MiB, of which the cache's "
+            f"{their_op_mib * args.layers:.0f} MiB), cache op time x{their_op / ours_op:.1f}\n"
+        )
+        del caches
+
+
+if __name__ == "__main__":
+    main()
