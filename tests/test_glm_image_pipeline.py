@@ -7,9 +7,12 @@ with a tolerance of 1e-6 (they come out bitwise equal).
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 from diffusers import GlmImagePipeline, GlmImageTransformer2DModel
@@ -201,3 +204,23 @@ def test_a_diffusers_decoder_is_refused_with_the_fix():
     components["transformer"] = GlmImageTransformer2DModel(**DECODER_CONFIG)
     with pytest.raises(TypeError, match="GlmImageCachedTransformer2DModel.from_pretrained"):
         GlmImageCachedPipeline(**components)
+
+
+def load_example():
+    path = Path(__file__).parents[1] / "examples" / "glm_image.py"
+    spec = importlib.util.spec_from_file_location("glm_image_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
+def test_example_edits_with_a_checkpoint_folder(tmp_path):
+    GlmImageCachedPipeline(**tiny_components()).save_pretrained(tmp_path / "model")
+    reference_image(32, 64, seed=8).save(tmp_path / "reference.png")
+    out = tmp_path / "out" / "edited.png"
+    argv = ["--model", str(tmp_path / "model"), "--prompt", "make it blue", "--out", str(out)]
+    argv += ["--image", str(tmp_path / "reference.png"), "--steps", "2", "--dtype", "float32", "--device", "cpu"]
+    assert load_example().main(argv) == out
+    assert PIL.Image.open(out).size == (64, 32)  # the reference's size by default
+    with pytest.raises(SystemExit, match="no model_index.json"):
+        load_example().main(["--model", str(tmp_path), "--prompt", "a cat"])
