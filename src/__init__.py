@@ -21,7 +21,13 @@ from .models import (
     KreaRealtimeTransformer3DModel,
     LongSanaTransformer3DModel,
 )
-from .pipelines import GlmImageCachedPipeline, KreaRealtimeVideoPipeline, KreaRealtimeVideoPipelineOutput
+from .pipelines import (
+    GlmImageCachedPipeline,
+    KreaRealtimeVideoPipeline,
+    KreaRealtimeVideoPipelineOutput,
+    LongSanaVideoPipeline,
+    LongSanaVideoPipelineOutput,
+)
 
 __version__ = "0.1.0"
 
@@ -39,6 +45,8 @@ __all__ = [
     "KreaRealtimeVideoPipelineOutput",
     "LinearAttentionLayer",
     "LongSanaTransformer3DModel",
+    "LongSanaVideoPipeline",
+    "LongSanaVideoPipelineOutput",
     "RollingKVCache",
     "SlidingWindowLayer",
     "StaticLayer",

@@ -49,10 +49,17 @@ ALL_CHUNKS = 2**31 - 1  # `ChunkLayout.window_frames` meaning "every committed c
 LINEAR_ATTENTION_EPS = 1e-15  # diffusers' SanaLinearAttnProcessor3_0
 
 
-def sana_layout(tokens_per_frame: int, chunk_frames: int = 10, context_chunks: int | None = None) -> ChunkLayout:
-    """The `ChunkLayout` of a LongSANA stream: no sink; a chunk sees `context_chunks` earlier chunks (None: all)."""
+def sana_layout(
+    tokens_per_frame: int, chunk_frames: int = 10, context_chunks: int | None = None, position_mode: str = "absolute"
+) -> ChunkLayout:
+    """The `ChunkLayout` of a LongSANA stream: no sink; a chunk sees `context_chunks` earlier chunks (None: all).
+
+    The window counts the chunk itself, as for every family: `window_frames = chunk_frames * (context_chunks + 1)`.
+    """
     window = ALL_CHUNKS if context_chunks is None else chunk_frames * (context_chunks + 1)
-    return ChunkLayout(tokens_per_frame, chunk_frames=chunk_frames, sink_frames=0, window_frames=window)
+    return ChunkLayout(
+        tokens_per_frame, chunk_frames=chunk_frames, sink_frames=0, window_frames=window, position_mode=position_mode
+    )
 
 
 def context_chunks(layout: ChunkLayout) -> int | None:
@@ -251,11 +258,8 @@ class LongSanaCrossAttnProcessor(SanaAttnProcessor2_0):
         if attn.norm_q is not None:
             query = attn.norm_q(query)
         query = query.unflatten(2, (attn.heads, -1))
-        if layer.get_seq_length() == 0:  # empty until the first chunk of a prompt (a host flag: <= 2 graphs)
-            key, value = attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
-            if attn.norm_k is not None:
-                key = attn.norm_k(key)
-            key, value = layer.update(key.unflatten(2, (attn.heads, -1)), value.unflatten(2, (attn.heads, -1)))
+        if not layer.is_filled:  # `prepare_conditioning` fills it; else the first step does (a host flag)
+            key, value = layer.update(*text_key_value(attn, encoder_hidden_states))
         else:
             key, value = layer.keys, layer.values  # the live buffers (`get()` returns a copy)
         out = dispatch_attention_fn(
@@ -270,6 +274,14 @@ class LongSanaCrossAttnProcessor(SanaAttnProcessor2_0):
         )
         out = attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
         return out / attn.rescale_output_factor
+
+
+def text_key_value(attn, text_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-attention K/V `(batch, text_tokens, heads, head_dim)` of the projected, normalised caption."""
+    key, value = attn.to_k(text_states), attn.to_v(text_states)
+    if attn.norm_k is not None:
+        key = attn.norm_k(key)
+    return key.unflatten(2, (attn.heads, -1)), value.unflatten(2, (attn.heads, -1))
 
 
 class BlockCausalTemporalConv(torch.nn.Conv2d):
@@ -399,6 +411,21 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
                 device or self.device,
             )
         return cache
+
+    @torch.no_grad()
+    def prepare_conditioning(self, kv_cache: RollingKVCache, encoder_hidden_states: torch.Tensor) -> None:
+        """Compute every block's text K/V into the cache now (a new prompt): cached steps only read them.
+
+        Calling it is the explicit "the prompt changed" signal; a compiled step then never sees an empty
+        cross-attention layer (one graph). Same maths as diffusers' forward: caption projection + RMS norm.
+        """
+        batch_size = encoder_hidden_states.shape[0]
+        text_states = self.caption_projection(encoder_hidden_states)
+        text_states = self.caption_norm(text_states.view(batch_size, -1, text_states.shape[-1]))
+        for block, layer in zip(self.transformer_blocks, kv_cache.cross):
+            if layer is not None:
+                layer.reset()
+                layer.update(*text_key_value(block.attn2, text_states))
 
     def check_frame_budget(self, num_latent_frames: int) -> None:
         """Refuse a video whose absolute frame positions would leave the RoPE table (never silently wrong)."""

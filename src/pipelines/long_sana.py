@@ -1,0 +1,181 @@
+"""`LongSanaVideoPipeline`: long text-to-video with block-causal SANA-Video (LongSANA) and a constant-size state.
+
+The chunk loop, validation, streaming decode, writing and the prompt schedule live in
+`ChunkedVideoPipeline`; this file holds what is LongSANA specific: Gemma-style prompts (with their
+attention mask), a sink-less `ChunkLayout` whose window is whole chunks (or every chunk: LongSANA's
+default), absolute frame positions (refused past the RoPE table) or positions re-based in place to
+stay inside it (`position_mode="relative"`, unbounded length), and LongSANA's re-cache on a prompt
+switch: only the last chunk is rewound and re-run at t = 0 under the new prompt, so its contribution
+to the state is replaced, not added twice.
+
+Example:
+    ```py
+    >>> import torch
+    >>> from rolldiff.defaults import load_pipeline
+
+    >>> pipe = load_pipeline("tiny-bouncing-shapes-sana")  # a LongSanaVideoPipeline
+    >>> video = pipe("a red circle moving left", num_frames=96, generator=torch.Generator().manual_seed(0)).frames
+    >>> for frames in pipe.stream("a blue square moving up", num_frames=960):  # constant memory
+    ...     pass  # (1, 3, 32, 32, 3) per chunk
+    ```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+from diffusers.video_processor import VideoProcessor
+
+from ..caching import RollingKVCache
+from ..caching.layout import POSITION_MODES, ChunkLayout
+from ..models.long_sana import ALL_CHUNKS, LongSanaTransformer3DModel
+from .chunked_video import ChunkedVideoPipeline, ChunkedVideoPipelineOutput, ChunkRun
+from .text_encoding import check_max_sequence_length, encode_prompts
+
+__all__ = ["LongSanaVideoPipeline", "LongSanaVideoPipelineOutput"]
+
+
+@dataclass
+class LongSanaVideoPipelineOutput(ChunkedVideoPipelineOutput):
+    """`frames`: `(batch, frames, height, width, 3)` np in [0, 1], a list of PIL lists, `(batch, frames, 3, H, W)`
+    torch, or latents `(batch, channels, latent_frames, h, w)` for `output_type="latent"`."""
+
+
+def _is_int(value, lowest: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= lowest
+
+
+class LongSanaVideoPipeline(ChunkedVideoPipeline):
+    """Text-to-video for block-causal SANA-Video checkpoints (LongSANA).
+
+    Components: `tokenizer` + `text_encoder` (Gemma-2 style), `transformer` (`LongSanaTransformer3DModel`),
+    `vae` (`AutoencoderKLWan`), `scheduler` (`FlowMatchEulerDiscreteScheduler`; its `shift` warps the
+    denoising steps: LongSANA's [1000, 960, 889, 727] are [1000, 750, 500, 250] under shift 8).
+
+    Cache options (call arguments of `__call__` / `stream`, defaults from the config; the names are the
+    Krea-like pipeline's, so callers drive both families alike):
+        chunk_frames: latent frames generated per chunk (LongSANA: 10).
+        sink_frames: must be 0 (LongSANA has no attention sink).
+        window_frames: latent frames a chunk sees, counting itself, in whole chunks; `None`: every earlier
+            chunk (LongSANA's default; the state is a running sum, so memory stays constant either way).
+        position_mode: "absolute" (frame positions as trained, refused past the RoPE table) or "relative"
+            (the committed state is re-based in place when the table would run out: unbounded length).
+    """
+
+    model_cpu_offload_seq = "text_encoder->transformer->vae"
+    cache_options = ("chunk_frames", "sink_frames", "window_frames", "position_mode")
+    output_class = LongSanaVideoPipelineOutput
+
+    def __init__(
+        self,
+        tokenizer,
+        text_encoder,
+        transformer: LongSanaTransformer3DModel,
+        vae: AutoencoderKLWan,
+        scheduler: FlowMatchEulerDiscreteScheduler,
+        chunk_frames: int = 10,
+        sink_frames: int = 0,
+        window_frames: int | None = None,
+        position_mode: str = "absolute",
+        denoising_steps: list[int] | tuple[int, ...] = (1000, 750, 500, 250),
+        max_sequence_length: int = 300,
+        height: int = 480,
+        width: int = 832,
+    ) -> None:
+        super().__init__()
+        self.register_modules(
+            tokenizer=tokenizer, text_encoder=text_encoder, transformer=transformer, vae=vae, scheduler=scheduler
+        )
+        self.register_to_config(
+            chunk_frames=chunk_frames,
+            sink_frames=sink_frames,
+            window_frames=window_frames,
+            position_mode=position_mode,
+            denoising_steps=list(denoising_steps),
+            max_sequence_length=max_sequence_length,
+            height=height,
+            width=width,
+        )
+        downsample = getattr(vae.config, "temperal_downsample", [False, True, True]) if vae is not None else None
+        self.vae_scale_factor_temporal = 2 ** sum(downsample) if downsample is not None else 4
+        self.vae_scale_factor_spatial = 2 ** len(downsample) if downsample is not None else 8
+        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
+
+    # ---------------------------------------------------------------------------------------- family hooks
+    def encode_prompt(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
+        """Gemma embeddings `(batch, max_sequence_length, text_dim)`, zero past each prompt's end.
+
+        The zeros mark the padding: each step passes `embeds != 0` as the cross-attention mask, as
+        SANA-Video passes its tokenizer's attention mask.
+        """
+        return encode_prompts(
+            self.tokenizer,
+            self.text_encoder,
+            prompts,
+            check_max_sequence_length(max_sequence_length),
+            device=self._execution_device,
+            dtype=self.transformer.dtype,
+        )
+
+    def _make_layout(self, tokens_per_frame: int, options: dict[str, Any]) -> ChunkLayout:
+        chunk, sink, window, mode = (options[k] for k in self.cache_options)
+        if not _is_int(chunk, 1):
+            raise ValueError(f"`chunk_frames` must be a positive int, got {chunk!r}.")
+        if sink != 0:
+            raise ValueError(f"`sink_frames` must be 0: LongSANA has no attention sink, got {sink!r}.")
+        if window is not None and not (_is_int(window, 2 * chunk) and window % chunk == 0):
+            raise ValueError(
+                f"`window_frames` must be None (every earlier chunk) or a multiple of `chunk_frames`={chunk} "
+                f"of at least {2 * chunk} (it counts the chunk itself), got {window!r}."
+            )
+        if mode not in POSITION_MODES:
+            raise ValueError(f"`position_mode` must be one of {POSITION_MODES}, got {mode!r}.")
+        table = self.transformer.config.rope_max_seq_len
+        if mode == "relative" and 2 * chunk > table:
+            raise ValueError(
+                f"`position_mode='relative'` re-bases positions to the middle of the RoPE table ({table} frames): "
+                f"`chunk_frames` must be at most {table // 2}, got {chunk}."
+            )
+        return ChunkLayout(
+            tokens_per_frame,
+            chunk_frames=chunk,
+            sink_frames=0,
+            window_frames=ALL_CHUNKS if window is None else window,
+            position_mode=mode,
+        )
+
+    def _check_length(self, num_latent_frames: int, layout: ChunkLayout) -> None:
+        if layout.position_mode == "absolute":
+            self.transformer.check_frame_budget(num_latent_frames)
+
+    def _transformer_step(self, latents, timestep, embeds, cache: RollingKVCache, run: ChunkRun) -> torch.Tensor:
+        if run.layout.position_mode == "relative":
+            self._keep_positions_in_table(cache, latents.shape[2])
+        text_mask = embeds.abs().amax(dim=-1) > 0  # (batch, text_tokens): False on padding
+        return self.transformer(
+            latents, embeds, timestep, encoder_attention_mask=text_mask, kv_cache=cache, layout=run.layout
+        ).sample
+
+    def _keep_positions_in_table(self, cache: RollingKVCache, chunk_frames: int) -> None:
+        """Re-base the committed state to the middle of the RoPE table when the next chunk would leave it."""
+        committed = cache.slots["conv_state"][0].committed_frames
+        table = self.transformer.config.rope_max_seq_len
+        if committed + chunk_frames > table:
+            self.transformer.rebase_positions(cache, committed - table // 2)
+
+    def _recache_frames(self, layout: ChunkLayout, committed_frames: int) -> int:
+        """LongSANA re-runs only the last chunk on a prompt switch."""
+        return min(layout.chunk_frames, committed_frames)
+
+    def _recache(self, recent: torch.Tensor, embeds: torch.Tensor, cache: RollingKVCache, run: ChunkRun) -> None:
+        """LongSANA's re-cache: rewind the last chunk's state and write it again at t = 0 under the new prompt.
+
+        The linear-attention sums return to what they were before that chunk (exactly: the layer keeps the
+        previous sums), the temporal-conv state to the chunk before it; the chunk is then committed again,
+        so the state holds its new contribution once.
+        """
+        cache.rewind(recent.shape[2] * run.layout.tokens_per_frame)
+        self._context_pass(recent, [embeds], [cache], run)

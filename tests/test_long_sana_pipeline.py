@@ -1,0 +1,197 @@
+"""LongSanaVideoPipeline on tiny random components: the shared chunk loop with LongSANA's cache and re-cache."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from test_long_sana_model import TINY_SANA, TOKENS_PER_FRAME
+from tiny_components import tiny_vae
+
+from rolldiff import LongSanaTransformer3DModel, LongSanaVideoPipeline
+from rolldiff.defaults import load_pipeline, pipeline_class
+from rolldiff.models.long_sana import sana_layout
+from rolldiff.training.sana_components import SanaTinyConfig, build_gemma_text_encoder, build_gemma_tokenizer
+
+PROMPT, OTHER = "a red circle moving left", "a blue square moving up"
+SIZE = dict(height=16, width=16)  # 4x4 latents (VAE factor 4), 4 tokens per frame
+
+
+def tiny_sana_pipeline(rope_max_seq_len: int = 64, **config) -> LongSanaVideoPipeline:
+    torch.manual_seed(0)
+    tokenizer = build_gemma_tokenizer()
+    text_encoder = build_gemma_text_encoder(SanaTinyConfig(text_dim=16), len(tokenizer))
+    torch.manual_seed(0)
+    transformer = LongSanaTransformer3DModel(**{**TINY_SANA, "rope_max_seq_len": rope_max_seq_len}).eval()
+    defaults = dict(chunk_frames=2, window_frames=None, max_sequence_length=8, height=16, width=16)
+    pipe = LongSanaVideoPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        vae=tiny_vae(temporal=False),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        **{**defaults, **config},
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def pipe() -> LongSanaVideoPipeline:
+    return tiny_sana_pipeline()
+
+
+def _seed(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_call_returns_frames_of_the_requested_size(pipe):
+    frames = pipe(PROMPT, num_frames=8, generator=_seed(), **SIZE).frames
+    assert frames.shape == (1, 8, 16, 16, 3) and 0 <= frames.min() and frames.max() <= 1
+
+
+def test_streamed_frames_equal_call_frames(pipe):
+    whole = pipe(PROMPT, num_frames=8, generator=_seed()).frames
+    streamed = np.concatenate(list(pipe.stream(PROMPT, num_frames=8, generator=_seed())), axis=1)
+    np.testing.assert_allclose(streamed, whole, atol=1e-5)
+
+
+def test_same_seed_same_video_other_seed_other_video(pipe):
+    first = pipe(PROMPT, num_frames=6, generator=_seed(1), output_type="latent").frames
+    again = pipe(PROMPT, num_frames=6, generator=_seed(1), output_type="latent").frames
+    other = pipe(PROMPT, num_frames=6, generator=_seed(2), output_type="latent").frames
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
+    assert (other - first).abs().max() > 1e-3
+
+
+def test_prompt_switch_keeps_earlier_frames_and_changes_later_ones(pipe):
+    plain = pipe(PROMPT, num_frames=8, generator=_seed(), output_type="latent").frames
+    switched = pipe(
+        prompt_schedule=[(0, PROMPT), (4, OTHER)], num_frames=8, generator=_seed(), output_type="latent"
+    ).frames
+    torch.testing.assert_close(switched[:, :, :4], plain[:, :, :4], atol=0, rtol=0)
+    assert (switched[:, :, 4:] - plain[:, :, 4:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("window_frames", [None, 4])
+def test_recache_replaces_the_last_chunks_contribution(window_frames, monkeypatch):
+    """After a switch at chunk 2 the state is chunk 0 under the old prompt + chunk 1 under the new one, once."""
+    pipe = tiny_sana_pipeline(window_frames=window_frames)
+    seen = {}
+    original = pipe._recache
+
+    def spy(recent, embeds, cache, run):
+        original(recent, embeds, cache, run)
+        seen["vk"] = [layer.committed_vk.clone() for layer in cache]
+        seen["conv"] = [layer.committed.clone() for layer in cache.slots["conv_state"]]
+        seen["chunks"] = cache[0].committed_chunks
+        seen["recent"] = recent.clone()
+
+    monkeypatch.setattr(pipe, "_recache", spy)
+    clean = pipe(
+        prompt_schedule=[(0, PROMPT), (4, OTHER)], num_frames=6, generator=_seed(), output_type="latent"
+    ).frames
+    torch.testing.assert_close(seen["recent"], clean[:, :, 2:4], atol=0, rtol=0)  # only the last chunk
+    assert seen["chunks"] == 2  # re-written, not added: still two chunks
+    # The same state built by hand: chunk 0 under PROMPT, chunk 1 under OTHER, each committed once.
+    transformer = pipe.transformer
+    context = None if window_frames is None else window_frames // 2 - 1
+    layout = sana_layout(TOKENS_PER_FRAME, chunk_frames=2, context_chunks=context)
+    cache = transformer.make_cache(layout, batch_size=1)
+    with torch.no_grad():
+        for start, prompt in ((0, PROMPT), (2, OTHER)):
+            embeds = pipe.encode_prompt([prompt], 8)
+            transformer.prepare_conditioning(cache, embeds)
+            mask = embeds.abs().amax(-1) > 0
+            zero = torch.zeros(1)
+            transformer(
+                clean[:, :, start : start + 2],
+                embeds,
+                zero,
+                encoder_attention_mask=mask,
+                kv_cache=cache,
+                layout=layout,
+            )
+            cache.commit()
+    for got, expected in zip(seen["vk"], (layer.committed_vk for layer in cache)):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    for got, expected in zip(seen["conv"], (layer.committed for layer in cache.slots["conv_state"])):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+def test_relative_positions_run_past_the_rope_table_as_a_larger_table_would():
+    """`relative` re-bases the state when the 64-frame table would run out; a 128-frame table never needs to."""
+    short = tiny_sana_pipeline(rope_max_seq_len=64, position_mode="relative")
+    long = tiny_sana_pipeline(rope_max_seq_len=128, position_mode="absolute")
+    with pytest.raises(ValueError, match="RoPE table"):
+        short.stream(PROMPT, num_frames=70, position_mode="absolute")
+    arguments = dict(num_frames=70, denoising_steps=[1000, 500], output_type="latent")
+    rebased = short(PROMPT, generator=_seed(), **arguments).frames
+    expected = long(PROMPT, generator=_seed(), **arguments).frames
+    torch.testing.assert_close(rebased, expected, atol=1e-4, rtol=0)
+
+
+def test_guidance_uses_a_separate_cache_and_changes_the_video(pipe):
+    plain = pipe(PROMPT, num_frames=4, generator=_seed(), output_type="latent").frames
+    guided = pipe(PROMPT, num_frames=4, generator=_seed(), guidance_scale=3.0, output_type="latent").frames
+    assert guided.shape == plain.shape and (guided - plain).abs().max() > 1e-3
+
+
+def test_callback_and_batch_of_prompts(pipe):
+    calls = []
+
+    def callback(pipeline, step, timestep, tensors):
+        calls.append((step, tuple(tensors["latents"].shape)))
+        return {}
+
+    frames = pipe([PROMPT, OTHER], num_frames=4, denoising_steps=[1000, 500], callback_on_step_end=callback).frames
+    assert frames.shape[0] == 2 and [c[0] for c in calls] == [0, 1, 2, 3] and calls[0][1] == (2, 4, 2, 4, 4)
+
+
+def test_save_and_load_round_trip_picks_the_class_from_model_index(pipe, tmp_path):
+    pipe.save_pretrained(tmp_path)
+    assert pipeline_class(tmp_path) is LongSanaVideoPipeline
+    loaded = load_pipeline(tmp_path, device="cpu", dtype="float32")
+    loaded.set_progress_bar_config(disable=True)
+    assert isinstance(loaded, LongSanaVideoPipeline) and loaded.config.window_frames is None
+    assert sorted(p.name for p in tmp_path.glob("*/*.safetensors"))
+    np.testing.assert_allclose(
+        loaded(PROMPT, num_frames=4, generator=_seed()).frames,
+        pipe(PROMPT, num_frames=4, generator=_seed()).frames,
+        atol=1e-5,
+    )
+
+
+def test_generate_to_file_streams_an_mp4(pipe, tmp_path):
+    import imageio.v3 as iio
+
+    path = tmp_path / "video.mp4"
+    assert pipe.generate_to_file(str(path), PROMPT, fps=8, num_frames=6, generator=_seed()) == 6
+    assert iio.imread(path).shape == (6, 16, 16, 3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(num_frames=7), "num_frames.*nearest valid values: 6 or 8"),
+        (dict(sink_frames=2), "sink_frames"),
+        (dict(window_frames=3), "window_frames"),
+        (dict(window_frames=2), "window_frames"),
+        (dict(chunk_frames=0), "chunk_frames"),
+        (dict(position_mode="rope"), "position_mode"),
+        (dict(height=15), "height"),
+        (dict(denoising_steps=[250, 500]), "denoising_steps"),
+        (dict(output_type="gif"), "output_type"),
+        (dict(num_frames=66), "RoPE table"),
+    ],
+)
+def test_bad_input_is_refused_before_any_work(pipe, kwargs, message, monkeypatch):
+    def no_work(*args, **kw):
+        raise AssertionError("the model ran before the arguments were checked")
+
+    monkeypatch.setattr(pipe.text_encoder, "forward", no_work)
+    arguments = dict(prompt=PROMPT, num_frames=8, **SIZE)
+    arguments.update(kwargs)
+    with pytest.raises(ValueError, match=message):
+        pipe(**arguments)
+    with pytest.raises(ValueError, match=message):
+        pipe.stream(**arguments)
