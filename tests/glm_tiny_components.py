@@ -65,6 +65,7 @@ def prior_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token="<pad>",
+        padding_side="left",  # batched prompts: generation starts at the same position for every sample
         unk_token="<unk>",
         bos_token=IMAGE_START,
         eos_token=IMAGE_END,

@@ -75,6 +75,25 @@ def test_given_prior_tokens_and_embeddings_equal_diffusers(pipelines):
     assert_same(generate(ours, **kwargs), generate(theirs, **kwargs))
 
 
+def test_references_of_different_sizes_per_prompt_equal_each_prompt_alone(pipelines):
+    """diffusers cannot batch prompts whose references differ in token count; ours masks the gap."""
+    ours, theirs = pipelines
+    prompts, references = ["make it blue"] * 2, [[reference_image(32, 32, seed=1)], [reference_image(64, 32, seed=2)]]
+    prior = ours.generate_prior_tokens(
+        prompts, 32, 32, references, torch.device("cpu"), torch.Generator().manual_seed(0)
+    )
+    latents = torch.randn(2, 4, 4, 4, generator=torch.Generator().manual_seed(3))
+    kwargs = dict(**SIZE, num_inference_steps=2, output_type="np")
+    given = dict(prior_token_ids=prior[0], prior_token_image_ids=prior[1], source_image_grid_thw=prior[2])
+    batch = ours(prompts, image=references, latents=latents, **given, **kwargs).images
+    for s in range(2):
+        alone = {k: v[s : s + 1] for k, v in given.items()}
+        image = ours(prompts[s], image=references[s], latents=latents[s : s + 1], **alone, **kwargs).images
+        np.testing.assert_allclose(batch[s], image[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+        theirs(prompts, image=references, latents=latents, **given, **kwargs)
+
+
 def test_reused_condition_cache_gives_the_same_image(pipelines):
     ours, _ = pipelines
     cache = ConditionKVCache(DECODER_CONFIG["num_layers"])
