@@ -125,6 +125,13 @@ def _host(text: str) -> str:
     return text
 
 
+def _compile_backend(text: str) -> str:
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if text not in backends:
+        raise argparse.ArgumentTypeError(f"expected a torch.compile backend ({', '.join(backends)}), got {text!r}")
+    return text
+
+
 def _device(text: str) -> str:
     try:
         device = torch.device(text)
@@ -183,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--sink-frames", type=int, help="latent frames kept forever at the start of the cache")
     generate.add_argument("--window-frames", type=_positive(int), help="latent frames of the rolling window")
     generate.add_argument("--position-mode", help="RoPE positions: absolute or relative (default: the model's)")
+    generate.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        type=_compile_backend,
+        metavar="BACKEND",
+        help="torch.compile the transformer (fullgraph; default backend inductor): two graphs, no recompiles",
+    )
     generate.set_defaults(run=run_generate)
 
     demo = commands.add_parser("demo", help="serve the Gradio demo", description="Serve the Gradio demo.")
@@ -216,6 +231,8 @@ def run_generate(args: argparse.Namespace) -> int:
     device = args.device or default_device()
     pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
     pipe.set_progress_bar_config(disable=True)  # ours counts chunks of the whole video instead
+    if args.compile:  # one graph while the window fills, one once it is full; compiled at the first chunks
+        pipe.transformer.compile(fullgraph=True, backend=args.compile)
     native_height, native_width = native_size(pipe)
     height, width = args.height or native_height, args.width or native_width
     chunk_frames = args.chunk_frames or pipe.config.chunk_frames
