@@ -70,6 +70,35 @@ def save_sana_components(out: Path, tokenizer, text_encoder, transformer, vae, s
     scheduler.save_pretrained(out / "scheduler")
 
 
+def package_sana_pipeline(components: Path, out: Path, config: SanaTinyConfig | None = None) -> None:
+    """Assemble saved components into a `LongSanaVideoPipeline` folder with the generation settings of `config`.
+
+    Settings: chunk 3, a window of 4 chunks (the chunk and the 3 before it, what training clips show),
+    positions re-based past the RoPE table (`relative`: unbounded length), the trained denoising steps.
+    """
+    from transformers import Gemma2Model, PreTrainedTokenizerFast
+
+    from ..pipelines.long_sana import LongSanaVideoPipeline
+
+    config = config or SanaTinyConfig()
+    pipeline = LongSanaVideoPipeline(
+        tokenizer=PreTrainedTokenizerFast.from_pretrained(components / "tokenizer"),
+        text_encoder=Gemma2Model.from_pretrained(components / "text_encoder").eval(),
+        transformer=LongSanaTransformer3DModel.from_pretrained(components / "transformer").eval(),
+        vae=AutoencoderKLWan.from_pretrained(components / "vae").eval(),
+        scheduler=build_sana_scheduler(config),
+        chunk_frames=config.chunk_frames,
+        sink_frames=0,
+        window_frames=None if config.context_chunks is None else config.chunk_frames * (config.context_chunks + 1),
+        position_mode="relative",
+        denoising_steps=list(config.denoising_steps),
+        max_sequence_length=config.max_sequence_length,
+        height=config.height,
+        width=config.width,
+    )
+    pipeline.save_pretrained(out, safe_serialization=True)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
@@ -83,9 +112,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids thrashing on shared CPUs)")
     parser.add_argument("--videos-per-prompt", type=int, default=12, help="training videos of 97 frames per prompt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--package", type=Path, default=None, help="only assemble this components folder into --out")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     config = SanaTinyConfig()
+    if args.package is not None:
+        package_sana_pipeline(args.package, args.out, config)
+        return
     began = time.perf_counter()
 
     def log(message: str) -> None:
