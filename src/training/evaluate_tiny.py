@@ -22,9 +22,9 @@ from ..toyworld.world import all_prompts
 
 
 def load_pipeline(path: Path):
-    from ..pipelines.krea_realtime import KreaRealtimeVideoPipeline
+    from ..defaults import pipeline_class  # the class named by the folder's model_index.json (either family)
 
-    pipeline = KreaRealtimeVideoPipeline.from_pretrained(path)
+    pipeline = pipeline_class(path).from_pretrained(path)
     pipeline.set_progress_bar_config(disable=True)
     return pipeline
 
