@@ -3,6 +3,10 @@
 Every approach runs the causal-video chunk loop (sink + sliding window counting the pending chunk, as
 Self-Forcing's `local_attn_size`) on the same random K/V, in one process, in this run:
   ours        `SlidingWindowLayer`: ring buffer written in place with `index_copy_`, read through a mask.
+  ours, compiled  the same update under `torch.compile(fullgraph=True)` with a graph-counting eager backend
+              (`CompileCounter`; dynamo only, so it shows breaks and recompiles, not kernel speed); the
+              count is every graph built over the whole run, warm-up included. Its allocations are
+              counted on the same ops run eagerly (dynamo does not trace under a dispatch mode).
   shift-clone Self-Forcing / LongLive / Krea: when full, shift the window left with
               `cache[:, sink:sink+kept] = cache[:, sink+evicted:...].clone()`, then write at the end.
   cat         per-step `torch.cat([window, chunk])` for attention; on commit, cat sink + recent tokens.
@@ -65,7 +69,32 @@ class Ours:
         self.layer.commit()
 
     def held(self):
-        return vars(self.layer).values()
+        return [*self.layer.buffers(), *vars(self.layer).values(), *self.layer._tensors()]
+
+
+class OursCompiled(Ours):
+    name = "ours, torch.compile (eager backend)"
+
+    def __init__(self, sink_tokens: int, window_tokens: int, chunk_tokens: int):
+        from torch._dynamo.testing import CompileCounter
+
+        super().__init__(sink_tokens, window_tokens, chunk_tokens)
+        self.counter = CompileCounter()
+        self._update = torch.compile(self._eager_update, backend=self.counter, fullgraph=True)
+
+    def _eager_update(self, key, value):
+        keys, values = self.layer.update(key, value)
+        return keys, values, self.layer.attention_mask[None]
+
+    def update(self, key, value):
+        return self._update(key, value)
+
+    def uncompiled(self) -> None:
+        """Run the update eagerly from now on (for the allocation counter, a dispatch mode dynamo skips)."""
+        self._update = self._eager_update
+
+    def graphs(self) -> int:
+        return self.counter.frame_count
 
 
 class ShiftClone:
@@ -140,7 +169,7 @@ class Cat:
         return [self.keys, self.values, *(self.pending or ())]
 
 
-APPROACHES = [Ours, ShiftClone, Cat, Roll]
+APPROACHES = [Ours, OursCompiled, ShiftClone, Cat, Roll]
 
 
 # ----------------------------------------------------------------------------------------- measurement
@@ -219,12 +248,17 @@ def measure(args, sizes, warmup_chunks: int) -> dict[str, dict]:
                     results[cache.name]["output"] = out
         for name, times in seconds.items():
             results[name]["attention" if with_attention else "update"] = statistics.median(times) * 1e3
+        for cache in caches:
+            if hasattr(cache, "graphs"):
+                results[cache.name]["graphs"] = max(results[cache.name].get("graphs", 0), cache.graphs())
     # allocations and resident memory, on fresh streams, in steady state
     for approach in APPROACHES:
         cache = approach(*sizes)
         for index in range(warmup_chunks):
             run_chunk(cache, chunk_inputs(args, index), False)
         inputs = chunk_inputs(args, warmup_chunks)
+        if hasattr(cache, "uncompiled"):
+            cache.uncompiled()
         with AllocationCounter() as counter:
             for _, key, value in inputs:
                 cache.update(key, value)
@@ -273,12 +307,14 @@ def main() -> None:
         f"median over {args.chunks} chunks; torch {torch.__version__}, {torch.get_num_threads()} CPU threads."
     )
     print()
-    print("| cache | update ms/step | update + attention ms/step | allocated MiB/step | cache MiB |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| cache | update ms/step | update + attention ms/step | allocated MiB/step | cache MiB | compiled graphs |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, result in results.items():
         attention = f"{result['attention']:.2f}" if args.attention else "-"
+        graphs = result.get("graphs", "-")
         print(
-            f"| {name} | {result['update']:.2f} | {attention} | {result['allocated']:.2f} | {result['memory']:.1f} |"
+            f"| {name} | {result['update']:.2f} | {attention} | {result['allocated']:.2f} | {result['memory']:.1f} "
+            f"| {graphs} |"
         )
 
 

@@ -8,6 +8,10 @@ and no text encoder. Approaches (each in its own spawned process, one after the 
 of one is not the peak of another):
 
   rolling cache (ours)    `make_cache` + cached forward + `commit`, as `KreaRealtimeVideoPipeline` does.
+  ours, compiled          the same with `torch.compile(model, backend=CompileCounter())` (dynamo with the
+                          eager backend: it shows graph breaks and recompiles, not kernel speed);
+                          `fullgraph=True` is tried first. The graph count is every graph dynamo built over
+                          the whole run: a recompile as the video grows would show as a count that grows.
   no eviction             `GrowingLayer` below: every committed chunk is kept (one `torch.cat` per pass)
                           and attended to, at absolute positions (Self-Forcing / CausVid without a window).
   recompute, Krea context Krea Realtime's server loop: no cache survives a chunk. Each chunk builds a fresh
@@ -22,7 +26,8 @@ The baselines stop after `--baseline-budget-s` seconds of chunks (at least 10 + 
 the growing cache stops before the 1024-frame RoPE table; the table says how far each got.
 
 Columns: ms per chunk = wall time of a whole chunk (every pass, cache build, commit), median of the first
-10 and of the last 10 chunks after `--warmup` warm-up chunks; peak RSS = the process's high-water mark
+and of the last window of chunks after `--warmup` warm-up chunks (windows of 50 chunks when 100 or more are
+measured, else 10); peak RSS = the process's high-water mark
 (`getrusage` ru_maxrss) after warm-up and at the end; cache MiB = `cache.memory_bytes()` (self- and
 cross-attention buffers; for recompute, the cache rebuilt every chunk).
 Before the table, the clean latents of the first chunks are compared across approaches where they must
@@ -176,6 +181,8 @@ class Result:
     cache_mib: tuple[float, float] = (0.0, 0.0)
     device_peak_mib: float = 0.0
     stopped: str = ""
+    graphs: int | None = None  # graphs dynamo built (compiled approach)
+    compile_mode: str = ""
     # clean latents of the first chunks, for the agreement check
     first_chunks: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
@@ -227,8 +234,11 @@ class ChunkLoop:
         self.chunk_shape = (1, channels, self.layout.chunk_frames, *setup.latent_hw)
         self.history = torch.zeros(*self.chunk_shape[:2], 0, *setup.latent_hw, dtype=self.dtype, device=self.device)
         self.frames_done = 0
-        if approach == "ours":
+        self.forward = self.model
+        if approach in ("ours", "ours-compiled"):
             self.cache = self.model.make_cache(self.layout, 1, self.dtype, self.device)
+            if approach == "ours-compiled":
+                self.forward, self.counter, self.compile_mode = self._compile()
         elif approach == "growing":
             self.layout = dataclasses.replace(self.layout, position_mode="absolute")  # it has no window to re-index
             blocks = len(self.model.blocks)
@@ -240,9 +250,26 @@ class ChunkLoop:
         else:
             raise ValueError(f"unknown approach {approach!r}")
 
+    def _compile(self, fullgraph: bool = True):
+        """`torch.compile` with a graph-counting eager backend (`CompileCounter`)."""
+        from torch._dynamo.testing import CompileCounter
+
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        mode = "fullgraph=True" if fullgraph else "fullgraph=False"
+        return torch.compile(self.model, backend=counter, fullgraph=fullgraph), counter, mode
+
     def _forward(self, latents: torch.Tensor, sigma: float, cache: RollingKVCache) -> torch.Tensor:
         timestep = torch.full((1,), sigma * 1000.0, device=self.device)
-        return self.model(latents, timestep, self.text, kv_cache=cache, layout=self.layout).sample
+        try:
+            return self.forward(latents, timestep, self.text, kv_cache=cache, layout=self.layout).sample
+        except torch._dynamo.exc.Unsupported:
+            # a graph break under fullgraph=True is raised while tracing, before the step runs (the cache is
+            # untouched): fall back to fullgraph=False, where the breaks show in the graph count
+            if self.approach != "ours-compiled" or self.compile_mode != "fullgraph=True":
+                raise
+            self.forward, self.counter, self.compile_mode = self._compile(fullgraph=False)
+            return self.forward(latents, timestep, self.text, kv_cache=cache, layout=self.layout).sample
 
     def _context_frames(self) -> torch.Tensor:
         """Clean frames a recompute rebuilds its cache from, `(1, C, frames, h, w)`, oldest first."""
@@ -325,13 +352,15 @@ def run_approach(approach: str, setup: Setup) -> Result:
             measure_from = time.perf_counter()
         measured = index + 1 - setup.warmup
         over_budget = time.perf_counter() - measure_from > setup.baseline_budget_s
-        if approach != "ours" and measured >= 2 * SAMPLE and over_budget and index + 1 < chunks:
+        if not approach.startswith("ours") and measured >= 2 * SAMPLE and over_budget and index + 1 < chunks:
             result.stopped = f"time budget ({setup.baseline_budget_s:.0f} s)"
             break
     result.peak_rss_mib = (result.peak_rss_mib[0], peak_rss_mib())
     result.cache_mib = (result.cache_mib[0], loop.last_cache_bytes / MiB)
     if setup.device.startswith("cuda"):
         result.device_peak_mib = torch.cuda.max_memory_allocated() / MiB
+    if approach == "ours-compiled":
+        result.graphs, result.compile_mode = loop.counter.frame_count, loop.compile_mode
     return result
 
 
@@ -341,13 +370,21 @@ def run_in_fresh_process(approach: str, setup: Setup) -> Result:
 
 
 # ----------------------------------------------------------------------------------------- report
+def sample_size(measured: int) -> int:
+    """Chunks per median: 50-chunk windows once 100 are measured (10-chunk medians are too noisy on a shared
+    machine), else 10."""
+    return 50 if measured >= 100 else SAMPLE
+
+
 def first_last(result: Result, warmup: int) -> tuple[float, float]:
     measured = result.chunk_ms[warmup:]
-    return statistics.median(measured[:SAMPLE]), statistics.median(measured[-SAMPLE:])
+    sample = sample_size(len(measured))
+    return statistics.median(measured[:sample]), statistics.median(measured[-sample:])
 
 
 NAMES = {
     "ours": "rolling cache (ours)",
+    "ours-compiled": "rolling cache (ours), torch.compile (eager backend)",
     "growing": "no eviction (growing cache)",
     "recompute-krea": "recompute every chunk, Krea context (1 + 2 frames)",
     "recompute-window": "recompute every chunk, our context (sink + window)",
@@ -372,16 +409,18 @@ def check_agreement(results: dict[str, Result]) -> tuple[float, list[str]]:
 
 def print_table(results: dict[str, Result], setup: Setup) -> None:
     print(
-        "| approach | chunks | first-chunk ms | last-chunk ms | last/first | peak RSS MiB start -> end | cache MiB start -> end |"
+        "| approach | chunks | first-window ms/chunk | last-window ms/chunk | last/first "
+        "| peak RSS MiB start -> end | cache MiB start -> end | compiled graphs |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for approach, result in results.items():
         first, last = first_last(result, setup.warmup)
         chunks = f"{len(result.chunk_ms)}" + (f" (stopped: {result.stopped})" if result.stopped else "")
         rss, cache = result.peak_rss_mib, result.cache_mib
         print(
             f"| {NAMES[approach]} | {chunks} | {first:.1f} | {last:.1f} | {last / first:.2f} "
-            f"| {rss[0]:.0f} -> {rss[1]:.0f} | {cache[0]:.2f} -> {cache[1]:.2f} |"
+            f"| {rss[0]:.0f} -> {rss[1]:.0f} | {cache[0]:.2f} -> {cache[1]:.2f} "
+            f"| {f'{result.graphs} ({result.compile_mode})' if result.graphs is not None else '-'} |"
         )
 
 
@@ -435,10 +474,12 @@ def cpu_main(args: argparse.Namespace) -> int:
         print(f"  clean latents agree with ours where they must (max |diff| {worst:.1e})")
     print()
     print_table(results, setup)
-    if "ours" in results:
-        first, last = first_last(results["ours"], setup.warmup)
-        verdict = "flat" if last / first <= 1.05 else "NOT flat"
-        print(f"\nours: last/first = {last / first:.3f} ({verdict}; bound 1.05)")
+    print()
+    for approach in ("ours", "ours-compiled"):
+        if approach in results:
+            first, last = first_last(results[approach], setup.warmup)
+            verdict = "flat" if last / first <= 1.05 else "NOT flat"
+            print(f"{NAMES[approach]}: last/first = {last / first:.3f} ({verdict}; bound 1.05)")
     return 1 if problems else 0
 
 
