@@ -339,10 +339,11 @@ class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
         ]
         cache = RollingKVCache(layers, [CrossAttentionLayer() for _ in self.blocks])
         if batch_size is not None:
-            heads = self.config.num_attention_heads
-            cache.early_initialization(
-                batch_size, heads, self.config.attention_head_dim, dtype or self.dtype, device or self.device
-            )
+            heads, head_dim = self.config.num_attention_heads, self.config.attention_head_dim
+            for block, layer in zip(self.blocks, cache):
+                # A transformer split across devices (`device_map`): each block's layer lives where the block runs.
+                block_device = device or block.attn1.to_q.weight.device
+                layer.early_initialization(batch_size, heads, head_dim, dtype or self.dtype, block_device)
         return cache
 
     @torch.no_grad()
