@@ -10,6 +10,7 @@ Tolerance: 1e-5 absolute on outputs of order 1 (fp32; the cached path sums state
 import gc
 import os
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -283,6 +284,31 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_the_reference():
         gradients.append(model.transformer_blocks[0].attn1.to_q.weight.grad.clone())
     model.disable_gradient_checkpointing()
     torch.testing.assert_close(gradients[1], gradients[0], atol=1e-6, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_one_model_serves_concurrent_streams_exactly_as_alone(models):
+    """Per-call state is bound per thread, never stored on the model: four streams, one model, same outputs."""
+    _, ours = models
+    layout = sana_layout(TOKENS_PER_FRAME, chunk_frames=2, context_chunks=2)
+    videos = [inputs(frames=8, seed=seed) for seed in range(4)]
+    alone = [run_chunked(ours, latents, text, torch.tensor([300.0]), layout)[0] for latents, text in videos]
+    together: dict[int, torch.Tensor] = {}
+    barrier = threading.Barrier(4)
+
+    def stream(seed: int) -> None:
+        barrier.wait()
+        with torch.no_grad():
+            together[seed] = run_chunked(ours, *videos[seed], torch.tensor([300.0]), layout)[0]
+
+    threads = [threading.Thread(target=stream, args=(seed,)) for seed in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for seed in range(4):
+        assert torch.equal(together[seed], alone[seed])
+    assert ours._call_slot.context is None
 
 
 # ----------------------------------------------------------------------------------------- errors
