@@ -1,4 +1,5 @@
-"""The Gradio demo, served headless and driven with `gradio_client`: streamed chunks, live prompt switch, isolation.
+"""The Gradio demo, served headless and driven with `gradio_client`: streamed chunks, live prompt switch, isolation,
+the per-chunk plots, the Advanced settings, the model menu and the checks of every field.
 
 The tiny random pipeline makes 2 frames per chunk at 16x16; the demo runs at 4 fps so a second is 2 chunks.
 Each chunk is encoded as its own mp4 segment, so equal chunks give byte-equal segments and the decoded videos of
@@ -6,7 +7,6 @@ two runs can be compared exactly.
 """
 
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -15,9 +15,19 @@ import numpy as np
 import pytest
 import torch
 from gradio_client import Client
+from gradio_client.exceptions import AppError
 from tiny_components import tiny_pipeline
 
-from rolldiff.demo import LivePrompt, build_demo, generate_frames, streaming_available
+from rolldiff.defaults import embedded_models, load_pipeline
+from rolldiff.demo import (
+    ChunkSettings,
+    LivePrompt,
+    build_demo,
+    check_address,
+    generate_frames,
+    launch,
+    streaming_available,
+)
 
 FPS = 4
 RED, BLUE, GREEN = "a red circle moving left", "a blue square moving up", "a green triangle moving right"
@@ -40,15 +50,15 @@ def pipe():
     return pipe
 
 
-def _serve(pipe, streaming: bool):
-    demo = build_demo(pipeline=pipe, max_concurrency=2, height=16, width=16, fps=FPS, streaming=streaming)
+def _serve(streaming: bool = False, **kwargs):
+    demo = build_demo(max_concurrency=2, height=16, width=16, fps=FPS, streaming=streaming, **kwargs)
     demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=_free_port(), quiet=True)
     return demo
 
 
 @pytest.fixture(scope="module")
 def server(pipe):
-    demo = _serve(pipe, streaming=False)  # the whole mp4 so far after each chunk: comparable frame by frame
+    demo = _serve(pipeline=pipe)  # the whole mp4 so far after each chunk: comparable frame by frame
     yield demo
     demo.close()
 
@@ -65,6 +75,15 @@ def slow_chunks(pipe):
     handle.remove()
 
 
+@pytest.fixture
+def model_calls(pipe) -> list:
+    """One entry per transformer call: proof that no work was done."""
+    calls = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
+    yield calls
+    handle.remove()
+
+
 def _wait_for_first_chunk(job, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not job.outputs():
@@ -72,24 +91,34 @@ def _wait_for_first_chunk(job, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def _plot_values(plot: dict) -> list[float]:
+    return [value for _, value in plot["data"]]
+
+
+def _as_uint8(chunks) -> np.ndarray:
+    return (np.concatenate([c[0] for c in chunks]) * 255.0).round().clip(0, 255).astype(np.uint8)
+
+
+# ---------------------------------------------------------------------------------------- streaming and switching
 def test_generate_yields_the_video_so_far_after_every_chunk(server):
     job = _client(server).submit(RED, 2, 0, api_name="/generate")  # 2 s at 4 fps: 8 frames, 4 chunks
-    video, details = job.result()
+    video, summary, _, _, details = job.result()
     assert [len(_read(output[0])) for output in job.outputs()] == [2, 4, 6, 8]
     assert _read(video).shape == (8, 16, 16, 3)
     assert details["frames"] == "8 / 8" and details["prompt_schedule"] == [[0, RED]]
+    assert "frames per second" in summary
 
 
 def test_switching_the_prompt_mid_run_changes_the_frames_after_the_switch(server, slow_chunks):
     client = _client(server)
-    plain = _read(client.predict(RED, 3, 0, api_name="/generate")[0])
-    job = client.submit(RED, 3, 0, api_name="/generate")  # 12 frames, 6 chunks
+    plain = _read(client.predict(RED, 2, 0, api_name="/generate")[0])
+    job = client.submit(RED, 2, 0, api_name="/generate")  # 8 frames, 4 chunks
     _wait_for_first_chunk(job)
     assert client.predict(BLUE, api_name="/switch_prompt").startswith("Switching")
-    video, details = job.result()
+    video, *_, details = job.result()
 
     (_, first), (switch_frame, second) = details["prompt_schedule"]
-    assert (first, second) == (RED, BLUE) and 0 < switch_frame < 12
+    assert (first, second) == (RED, BLUE) and 0 < switch_frame < 8
     switched = _read(video)
     np.testing.assert_array_equal(switched[:switch_frame], plain[:switch_frame])
     assert not np.array_equal(switched[switch_frame:], plain[switch_frame:])
@@ -99,7 +128,7 @@ def test_a_switch_only_steers_its_own_session(server, slow_chunks):
     job = _client(server).submit(RED, 2, 0, api_name="/generate")
     _wait_for_first_chunk(job)
     assert _client(server).predict(BLUE, api_name="/switch_prompt").startswith("Nothing is generating")
-    assert job.result()[1]["prompt_schedule"] == [[0, RED]]
+    assert job.result()[-1]["prompt_schedule"] == [[0, RED]]
 
 
 def test_concurrent_sessions_each_get_the_video_they_get_alone(server):
@@ -115,20 +144,19 @@ def test_concurrent_sessions_each_get_the_video_they_get_alone(server):
 def test_live_switch_equals_the_pipelines_prompt_schedule_at_the_recorded_frame(pipe):
     live = LivePrompt(RED)
     chunks = []
-    for frames in generate_frames(pipe, live, 8, 16, 16, seed=0, model_lock=threading.Lock()):
-        chunks.append(frames)
+    for chunk in generate_frames(pipe, live, 8, 16, 16, seed=0):
+        chunks.append(chunk.frames)
         if len(chunks) == 1:
             live.switch(BLUE)
     assert live.applied == [(0, RED), (2, BLUE)]  # taken at the next chunk, which starts at frame 2
 
     expected = pipe.stream(None, 8, 16, 16, prompt_schedule=live.applied, generator=torch.Generator().manual_seed(0))
-    expected = (np.concatenate([c[0] for c in expected]) * 255.0).round().clip(0, 255).astype(np.uint8)
-    np.testing.assert_array_equal(np.concatenate(chunks), expected)
+    np.testing.assert_array_equal(np.concatenate(chunks), _as_uint8(expected))
 
 
 @pytest.mark.skipif(not streaming_available(), reason="Gradio's streaming video output needs ffmpeg and ffprobe")
 def test_streaming_output_sends_one_hls_segment_per_chunk(pipe):
-    demo = _serve(pipe, streaming=True)
+    demo = _serve(pipeline=pipe, streaming=True)
     try:
         job = _client(demo).submit(RED, 2, 0, api_name="/generate")  # 4 chunks of 2 frames at 4 fps
         playlist = Path(job.result()[0]).read_text()
@@ -136,3 +164,163 @@ def test_streaming_output_sends_one_hls_segment_per_chunk(pipe):
         demo.close()
     assert len(job.outputs()) == 4
     assert playlist.count("#EXTINF:0.5") == 4 and playlist.rstrip().endswith("#EXT-X-ENDLIST")
+
+
+# ---------------------------------------------------------------------------------------- the live plots
+def test_each_chunk_plots_its_time_and_a_flat_cache_memory(server):
+    job = _client(server).submit(RED, 4, 0, api_name="/generate")  # 16 frames: 8 chunks, window full after 2
+    _, summary, times, memory, details = job.result()
+    assert [len(output[2]["data"]) for output in job.outputs()] == list(range(1, 9))  # the plots grow live
+    assert [chunk for chunk, _ in times["data"]] == list(range(8))
+    assert all(ms > 0 for ms in _plot_values(times))
+    cache_kib = _plot_values(memory)
+    assert cache_kib[0] > 0 and cache_kib == [cache_kib[0]] * 8  # preallocated ring buffers: a flat line
+    assert round(details["cache_bytes"] / 1024, 2) == cache_kib[0]
+    assert details["frames_per_second"] > 0 and f"{details['frames_per_second']:.1f} frames per second" in summary
+
+
+def test_the_memory_plot_reads_the_running_cache(server):
+    """A longer window (Advanced) holds more tokens: the plotted bytes follow the cache actually used."""
+    client = _client(server)
+    default = client.predict(RED, 2, 0, api_name="/generate")[-1]["cache_bytes"]
+    longer = client.predict(RED, 2, 0, window_frames=6, api_name="/generate")[-1]["cache_bytes"]
+    sink_tokens, window_tokens = 2, 4  # the tiny pipeline's sink and window, in latent frames
+    assert longer > default
+    assert longer - default == pytest.approx(default * 2 / (sink_tokens + window_tokens), rel=0.25)
+
+
+# ---------------------------------------------------------------------------------------- Advanced settings
+def test_advanced_settings_give_the_pipelines_own_video_for_them(pipe):
+    settings = ChunkSettings(
+        chunk_frames=1, sink_frames=1, window_frames=3, denoising_steps=[1000, 500], position_mode="relative"
+    )
+    live = LivePrompt(GREEN)
+    got = [c.frames for c in generate_frames(pipe, live, 6, 16, 16, seed=3, settings=settings)]
+    assert [len(frames) for frames in got] == [1] * 6  # one latent frame per chunk (this VAE has no time factor)
+    kwargs = dict(
+        chunk_frames=1, sink_frames=1, window_frames=3, denoising_steps=[1000, 500], position_mode="relative"
+    )
+    expected = pipe.stream(GREEN, 6, 16, 16, generator=torch.Generator().manual_seed(3), **kwargs)
+    np.testing.assert_array_equal(np.concatenate(got), _as_uint8(expected))
+
+
+def test_advanced_fields_reach_the_generation(server):
+    client = _client(server)
+    job = client.submit(RED, 1, 0, None, 1, 1, 3, "1000, 500", "relative", api_name="/generate")
+    video = job.result()[0]
+    assert [len(_read(output[0])) for output in job.outputs()] == [1, 2, 3, 4]  # chunks of one frame
+    assert not np.array_equal(_read(video), _read(client.predict(RED, 1, 0, api_name="/generate")[0]))
+
+
+# ---------------------------------------------------------------------------------------- every field checked
+BAD_FIELDS = [
+    (dict(seconds="abc"), "Length (seconds): type a number, got 'abc'"),
+    (dict(seconds=-1), "Length (seconds): type a number above 0 and at most 60"),
+    (dict(seconds=0), "Length (seconds)"),
+    (dict(seconds=1e9), "at most 60, got 1000000000"),
+    (dict(seconds="inf"), "Length (seconds): type a finite number"),
+    (dict(seconds="nan"), "Length (seconds): type a finite number"),
+    (dict(seconds=True), "Length (seconds): type a number, got True"),
+    (dict(seed=-1), "Seed: type a whole number from 0 to 4294967295, got -1"),
+    (dict(seed=2.5), "Seed: type a whole number"),
+    (dict(seed="x"), "Seed: type a number"),
+    (dict(seed=2**40), "Seed: type a whole number from 0 to 4294967295"),
+    (dict(prompt="   "), "Prompt: type a prompt first"),
+    (dict(prompt=5), "Prompt: type some words, got 5"),
+    (dict(model="no-such-model"), "Model: choose one of pipeline, got 'no-such-model'"),
+    (dict(chunk_frames=0), "Chunk frames: type a whole number from 1 up, got 0"),
+    (dict(chunk_frames="two"), "Chunk frames: type a number, got 'two'"),
+    (dict(sink_frames=-1), "Sink frames: type a whole number from 0 up, got -1"),
+    (dict(window_frames=2), "`window_frames`=2 must be larger than `chunk_frames`=2"),  # the pipeline's check
+    (dict(denoising_steps="1000, 1000"), "Denoising steps: type strictly decreasing numbers"),
+    (dict(denoising_steps="5000"), "Denoising steps: type a whole number from 1 to 1000, got '5000'"),
+    (dict(denoising_steps="fast"), "Denoising steps: type a number, got 'fast'"),
+    (dict(position_mode="sideways"), "Position mode: choose one of absolute, relative, got 'sideways'"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), BAD_FIELDS, ids=[str(fields) for fields, _ in BAD_FIELDS])
+def test_a_bad_field_is_refused_before_any_work(server, model_calls, fields, message):
+    arguments = {"prompt": RED, "seconds": 1, "seed": 0, **fields}
+    with pytest.raises(AppError) as refused:
+        _client(server).predict(**arguments, api_name="/generate")
+    assert message in str(refused.value)
+    assert model_calls == []
+
+
+@pytest.mark.parametrize(("height", "width"), [(15, 16), (16, 0), (-16, 16), (16, 24.0)])
+def test_a_frame_size_the_model_cannot_make_is_refused_when_the_demo_is_built(pipe, height, width):
+    with pytest.raises(ValueError, match=r"`height`=.*`width`=.*must be a positive multiple of 8"):
+        build_demo(pipeline=pipe, height=height, width=width)
+
+
+@pytest.mark.parametrize("port", [70000, 0, -1, "7860", True, 80.5])
+def test_launch_refuses_a_bad_port_before_starting(port):
+    with pytest.raises(ValueError, match=rf"`port` must be a whole number from 1 to 65535, got {port!r}"):
+        launch(object(), port=port)  # never reaches the (fake) demo
+
+
+@pytest.mark.parametrize(
+    ("host", "message"),
+    [
+        ("999.1.1.1", "`host` '999.1.1.1' is not a valid IPv4 address"),
+        ("", "`host` must be an address of this machine"),
+        (None, "`host` must be an address of this machine"),
+        ("192.0.2.1", "cannot serve on `host` '192.0.2.1'"),  # a documentation address, not this machine's
+    ],
+)
+def test_launch_refuses_a_host_it_cannot_serve_on(host, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        launch(object(), host=host, port=_free_port())
+
+
+def test_a_port_in_use_is_named_before_starting():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(
+            ValueError, match=f"cannot serve on `host` '127.0.0.1' `port` {port}: Address already in use"
+        ):
+            check_address("127.0.0.1", port)
+    check_address("127.0.0.1", _free_port())
+
+
+# ---------------------------------------------------------------------------------------- models
+def test_the_model_menu_switches_between_models(pipe):
+    other = tiny_pipeline(chunk_frames=1, window_frames=3, denoising_steps=[1000, 500])
+    demo = _serve(models={"first": pipe, "other": other})
+    try:
+        client = _client(demo)
+        info, chunk, sink, window, steps, mode = client.predict("other", api_name="/select_model")
+        assert "KreaRealtimeVideoPipeline, 16x16" in info
+        job = client.submit(RED, 1, 0, "other", api_name="/generate")
+        video, *_, details = job.result()
+        first = client.predict(RED, 1, 0, "first", api_name="/generate")
+    finally:
+        demo.close()
+    assert details["model"] == "other"
+    assert [len(_read(output[0])) for output in job.outputs()] == [1, 2, 3, 4]  # `other`'s one-frame chunks
+    assert first[-1]["model"] == "first" and not np.array_equal(_read(video), _read(first[0]))
+
+
+@pytest.fixture(scope="module")
+def embedded_server():
+    demo = build_demo(fps=FPS, streaming=False)  # every embedded model, each loaded when first chosen
+    demo.launch(prevent_thread_lock=True, server_name="127.0.0.1", server_port=_free_port(), quiet=True)
+    yield demo
+    demo.close()
+
+
+@pytest.mark.parametrize("name", list(embedded_models()))
+def test_each_embedded_model_can_be_chosen_and_generates(embedded_server, name):
+    client = _client(embedded_server)
+    info, *placeholders = client.predict(name, api_name="/select_model")
+    assert f"{type(load_pipeline(name, device='cpu')).__name__}, 32x32" in info
+    video, *_, details = client.predict(RED, 1, 0, name, api_name="/generate")
+    assert details["model"] == name and _read(video).shape[1:] == (32, 32, 3)
+
+
+def test_the_default_model_comes_first_in_the_menu(embedded_server):
+    assert list(embedded_models())[0] == "tiny-bouncing-shapes"
+    assert _client(embedded_server).predict(RED, 1, 0, api_name="/generate")[-1]["model"] == "tiny-bouncing-shapes"
