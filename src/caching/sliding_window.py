@@ -317,7 +317,10 @@ class SlidingWindowLayer(CacheLayer):
         for name, scale_name, chunk in (("keys", "key_scales", key), ("values", "value_scales", value)):
             codes = view(names["quant_codes"], chunk.shape)  # (B, T, H, D)
             scales = view(names["quant_scales"], (*chunk.shape[:3], 1))  # (B, T, H, 1)
-            quantize_into(chunk, codes, scales, view(names["quant_work"], chunk.shape), self.quantization)
+            work = view(names["quant_work"], chunk.shape)
+            quantize_into(
+                chunk.detach(), codes, scales, work, self.quantization
+            )  # storage carries no autograd history
             as_bits(storage[name]).index_copy_(1, slots, as_bits(codes))
             storage[scale_name].index_copy_(1, slots, scales)
             self._stage(name, codes)

@@ -1,0 +1,126 @@
+"""Specification of export and state: the cache is the exported program's mutable state.
+
+A chunk step that holds the cache as a submodule exports (`export_chunk`) with every cache tensor as
+a BUFFER input mutated in place; running the exported program chunk after chunk equals eager exactly.
+Layers are `nn.Module`s: `state_dict()` saves with safetensors and loads into a fresh cache that then
+continues the stream identically.
+"""
+
+import copy
+
+import pytest
+import torch
+from cache_helpers import sdpa
+from safetensors.torch import load_file, save_file
+from tiny_components import tiny_transformer
+from torch import nn
+
+from rolldiff.caching import RollingKVCache, SlidingWindowLayer
+from rolldiff.caching.export import export_chunk, sync_host_counters
+from rolldiff.models import ChunkLayout
+
+
+class ToyChunk(nn.Module):
+    """Two denoising steps through a two-block cached attention stack, then commit: one chunk."""
+
+    def __init__(self, cache: RollingKVCache):
+        super().__init__()
+        self.cache = cache
+        self.project = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, tokens, heads, 8)
+        for _step in range(2):
+            hidden = x
+            for layer in self.cache:
+                query, key, value = self.project(hidden).chunk(3, dim=-1)
+                hidden = hidden + sdpa(query, *layer.update(key, value), layer.attention_mask)
+            x = 0.5 * (x + hidden)
+        self.cache.commit()
+        return x
+
+
+def toy_cache(quantization=None) -> RollingKVCache:
+    cache = RollingKVCache([SlidingWindowLayer(2, 6, 2, quantization=quantization) for _ in range(2)])
+    cache.early_initialization(1, 2, 8, torch.float32, "cpu")
+    return cache
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_exported_chunks_carry_the_cache_like_eager(quantization):
+    torch.manual_seed(0)
+    step = ToyChunk(toy_cache(quantization))
+    eager = copy.deepcopy(step)
+    program = export_chunk(step, (torch.randn(1, 2, 2, 8),))
+    buffers = set(program.graph_signature.buffers)
+    for i in range(2):
+        names = ("keys", "values", "slot_positions", "committed_tokens")
+        assert {f"cache.layers.{i}.{name}" for name in names} <= buffers
+    if quantization is None:  # the functional form names the mutated buffers (torch 2.13 cannot decompose the
+        # in-place writes into the quantized layers' shared workspace views; the program itself runs, below)
+        mutated = set(program.run_decompositions().graph_signature.buffers_to_mutate.values())
+        assert {"cache.layers.0.keys", "cache.layers.1.committed_tokens"} <= mutated
+    assert step.cache[0]._committed_count == 0 and step.cache[0].pending_tokens == 0  # the trace left no trace
+    run = program.module()
+    for chunk in range(7):  # past warm-up: the ring wraps
+        x = torch.randn(1, 2, 2, 8)
+        assert torch.equal(run(x), eager(x)), chunk
+    sync_host_counters(step)
+    assert [layer.get_seq_length() for layer in step.cache] == [layer.get_seq_length() for layer in eager.cache]
+    assert all(map(torch.equal, step.cache[1].get(), eager.cache[1].get()))
+
+
+def test_export_needs_an_allocated_cache():
+    step = ToyChunk(RollingKVCache([SlidingWindowLayer(2, 6, 2) for _ in range(2)]))
+    with pytest.raises(RuntimeError, match="early_initialization"):
+        export_chunk(step, (torch.randn(1, 2, 2, 8),))
+    with pytest.raises(ValueError, match="no cache layer"):
+        export_chunk(nn.Linear(2, 2), (torch.randn(1, 2),))
+
+
+def test_state_dict_saves_with_safetensors_and_resumes_the_stream(tmp_path):
+    torch.manual_seed(0)
+    step = ToyChunk(toy_cache("int8"))
+    for _ in range(4):
+        step(torch.randn(1, 2, 2, 8))
+    state = step.cache.state_dict()
+    assert "layers.0.keys" in state and "layers.0.key_scales" in state and not any("workspace" in k for k in state)
+    save_file({name: t.contiguous() for name, t in state.items()}, tmp_path / "cache.safetensors")
+    resumed = ToyChunk(toy_cache("int8"))
+    resumed.project.load_state_dict(step.project.state_dict())
+    resumed.cache.load_state_dict(load_file(tmp_path / "cache.safetensors"))
+    sync_host_counters(resumed)
+    for _ in range(3):
+        x = torch.randn(1, 2, 2, 8)
+        assert torch.equal(resumed(x), step(x))
+
+
+@torch.no_grad()
+def test_exported_model_chunk_equals_eager():
+    """The Krea-like model: two denoising steps + the context pass + commit, exported once, run for 5 chunks."""
+
+    class ModelChunk(nn.Module):
+        def __init__(self, model, cache, layout):
+            super().__init__()
+            self.model, self.cache, self.layout = model, cache, layout
+
+        def forward(self, noisy, clean, text):
+            outputs = []
+            for sigma in (0.8, 0.4):
+                timestep = torch.full((noisy.shape[0],), sigma * 1000.0)
+                outputs.append(self.model(noisy, timestep, text, kv_cache=self.cache, layout=self.layout).sample)
+            self.model(clean, torch.zeros(noisy.shape[0]), text, kv_cache=self.cache, layout=self.layout)
+            self.cache.commit()
+            return torch.stack(outputs)
+
+    torch.manual_seed(0)
+    model = tiny_transformer()
+    layout = ChunkLayout(4, chunk_frames=2, sink_frames=2, window_frames=4, position_mode="relative")
+    text = torch.randn(1, 7, 16)
+    caches = [model.make_cache(layout, batch_size=1, dtype=torch.float32, device="cpu") for _ in range(2)]
+    for cache in caches:
+        model.prepare_conditioning(cache, text)  # the program reads the text K/V from the cache
+    step, eager = ModelChunk(model, caches[0], layout), ModelChunk(model, caches[1], layout)
+    run = export_chunk(step, (torch.randn(1, 4, 2, 4, 4), torch.randn(1, 4, 2, 4, 4), text)).module()
+    for chunk in range(5):
+        noisy, clean = torch.randn(2, 1, 4, 2, 4, 4).unbind(0)
+        assert torch.equal(run(noisy, clean, text), eager(noisy, clean, text)), chunk
