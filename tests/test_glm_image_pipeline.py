@@ -170,6 +170,13 @@ class NoWork:
         raise AssertionError("the prior ran before the input was checked")
 
 
+def allocated_cache(batch_size: int) -> ConditionKVCache:
+    cache = ConditionKVCache(DECODER_CONFIG["num_layers"], max_tokens=64)
+    heads, head_dim = DECODER_CONFIG["num_attention_heads"], DECODER_CONFIG["attention_head_dim"]
+    cache.early_initialization(batch_size, heads, head_dim, torch.float32, "cpu")
+    return cache
+
+
 BAD_INPUTS = {
     "reference batch != prompt batch": (
         dict(prompt=["a cat", "a dog"], image=[[reference_image()]]),
@@ -202,6 +209,11 @@ BAD_INPUTS = {
         dict(prompt="a cat", image=[reference_image(64, 64)], condition_cache=ConditionKVCache(1, max_tokens=16)),
         ValueError,
         "16 condition tokens \\+ 4 current tokens = 20",
+    ),
+    "batch larger than an allocated cache": (
+        dict(prompt="a cat", image=[reference_image()], num_images_per_prompt=3, condition_cache=allocated_cache(2)),
+        ValueError,
+        "batch 3 exceeds the `batch_size`=2",
     ),
 }
 

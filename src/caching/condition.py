@@ -252,8 +252,15 @@ class ConditionKVCache(RollingKVCache):
         """diffusers' name for `reset()`: forget conditions and mode; the buffers are kept for the next call."""
         self.reset()
 
-    def check_fits(self, condition_tokens: list[int], current_tokens: int) -> None:
-        """Raise (before any work) if conditions of these per-sample lengths plus `current_tokens` exceed `max_tokens`."""
+    def check_fits(self, condition_tokens: list[int], current_tokens: int, batch_size: int = 1) -> None:
+        """Raise (before any work) if conditions of these per-sample lengths plus `current_tokens` exceed
+        `max_tokens`, or `batch_size` exceeds the batch the cache was allocated for ahead."""
+        layer = self.layers[0]
+        if layer._fixed_rows and batch_size > layer.keys.shape[0]:
+            raise ValueError(
+                f"batch {batch_size} exceeds the `batch_size`={layer.keys.shape[0]} the condition cache was "
+                "allocated for; allocate it for the largest batch (prompts x num_images_per_prompt)."
+            )
         needed = max(condition_tokens, default=0) + current_tokens
         if self.max_tokens is not None and needed > self.max_tokens:
             raise ValueError(

@@ -393,7 +393,9 @@ class GlmImageCachedPipeline(GlmImagePipeline):
         device = self._execution_device
         cache = condition_cache if condition_cache is not None else self.transformer.make_cache()
         image_tokens = (height // self.token_pixels) * (width // self.token_pixels)
-        cache.check_fits(self.condition_tokens(images), image_tokens)  # the glyph tokens are added below
+        cache.check_fits(
+            self.condition_tokens(images), image_tokens, batch_size * num_images_per_prompt
+        )  # + glyphs below
 
         # 2. Glyph embeddings (cheap), then the exact cache-capacity check before the prior runs
         prompt_embeds, negative_prompt_embeds = self.encode_prompt(
