@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from rolldiff import ConditionKVCache, ConditionLayer, GlmImageCachedTransformer2DModel
+from rolldiff.caching.condition import ConditionWorkspace
 
 TOL = dict(rtol=1e-6, atol=1e-6)
 NUM_LAYERS = 2
@@ -76,12 +77,13 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("shared_workspace", [False, True], ids=["per-block buffers", "shared workspace"])
 @pytest.mark.parametrize("case", CASES)
 @torch.no_grad()
-def test_write_read_skip_equal_diffusers(models, case):
+def test_write_read_skip_equal_diffusers(models, case, shared_workspace):
     ours, reference = models
     samples, batch = CASES[case]
-    our_cache, their_cache = ours.make_cache(), GlmImageKVCache(NUM_LAYERS)
+    our_cache, their_cache = ours.make_cache(shared_workspace=shared_workspace), GlmImageKVCache(NUM_LAYERS)
     write_references(ours, our_cache, samples)
     write_references(reference, their_cache, samples)
     for step, timestep in enumerate((900.0, 500.0)):
@@ -103,13 +105,14 @@ def test_our_model_with_diffusers_cache_is_diffusers(models):
     torch.testing.assert_close(run(ours, caches[0], "read", inputs), run(reference, caches[1], "read", inputs), **TOL)
 
 
+@pytest.mark.parametrize("shared_workspace", [False, True], ids=["per-block buffers", "shared workspace"])
 @pytest.mark.parametrize("rows_per_sample", [1, 2])
 @torch.no_grad()
-def test_per_sample_condition_lengths_equal_each_sample_alone(models, rows_per_sample):
+def test_per_sample_condition_lengths_equal_each_sample_alone(models, rows_per_sample, shared_workspace):
     """diffusers cannot batch samples whose conditions differ in length; ours masks the gap."""
     ours, reference = models
     samples = [[(4, 4)], [(4, 4), (6, 4)]]  # 4 and 10 condition tokens
-    cache = ours.make_cache()
+    cache = ours.make_cache(shared_workspace=shared_workspace)
     write_references(ours, cache, samples)
     assert cache.condition_lengths == [4, 10]
     inputs = decoder_inputs(2 * rows_per_sample, 4, 4, 3, 600.0, seed=5)
@@ -147,9 +150,10 @@ class AllocationCounter(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("workspace", [None, ConditionWorkspace()], ids=["per-block buffer", "shared workspace"])
 @torch.no_grad()
-def test_layer_read_allocates_nothing_and_returns_buffer_views():
-    layer = ConditionLayer()
+def test_layer_read_allocates_nothing_and_returns_buffer_views(workspace):
+    layer = ConditionLayer(workspace=workspace)
     layer.mode = "write"
     for tokens in (6, 4):  # two reference images of one sample
         layer.update(*torch.randn(2, 1, tokens, 2, 8).unbind(0))
@@ -160,7 +164,8 @@ def test_layer_read_allocates_nothing_and_returns_buffer_views():
         with AllocationCounter() as counter:
             keys, values = layer.update(*current)
         assert counter.bytes == 0, counter.ops
-        assert keys.untyped_storage().data_ptr() == layer.keys.untyped_storage().data_ptr()
+        buffer = layer.keys if workspace is None else workspace.keys
+        assert keys.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
         assert keys.shape == (3, 15, 2, 8) and torch.equal(keys[:, 10:], current[0])
 
 
@@ -173,6 +178,7 @@ def test_model_read_step_allocates_no_more_than_a_step_without_conditions(models
     measured = {}
     for name, model, cache in (
         ("ours", ours, ours.make_cache()),
+        ("workspace", ours, ours.make_cache(shared_workspace=True)),
         ("diffusers", reference, GlmImageKVCache(NUM_LAYERS)),
     ):
         write_references(model, cache, samples)
@@ -182,6 +188,7 @@ def test_model_read_step_allocates_no_more_than_a_step_without_conditions(models
                 run(model, cache, mode, inputs)
             measured[name, mode] = counter.bytes
     assert measured["ours", "read"] == measured["ours", "skip"]
+    assert measured["workspace", "read"] == measured["workspace", "skip"]
     conditions, current = 10, 3 + 4
     concatenated = NUM_LAYERS * 2 * batch * (conditions + current) * 2 * 8 * 4  # K and V, fp32
     assert measured["diffusers", "read"] - measured["diffusers", "skip"] >= concatenated
@@ -199,9 +206,10 @@ def test_allocated_ahead_cache_never_allocates(models):
     assert [layer.keys.data_ptr() for layer in cache] == pointers
 
 
-def test_condition_layer_scalar_trace():
+@pytest.mark.parametrize("workspace", [None, ConditionWorkspace()], ids=["per-block buffer", "shared workspace"])
+def test_condition_layer_scalar_trace(workspace):
     """1 head, head_dim 1: sample 0 writes [1, 2] then [3] (append), sample 1 writes [4]; batch 4 reads."""
-    layer = ConditionLayer()
+    layer = ConditionLayer(workspace=workspace)
     layer.mode = "write"
     for values in ([1.0, 2.0], [3.0]):
         layer.update(torch.tensor(values).view(1, -1, 1, 1), -torch.tensor(values).view(1, -1, 1, 1))
@@ -222,7 +230,8 @@ def test_condition_layer_scalar_trace():
     assert attended == [[1, 2, 3, 10, 11], [1, 2, 3, 20, 21], [4, 30, 31], [4, 40, 41]]
     assert torch.equal(values, -keys)
     conditions, _ = layer.get()
-    assert conditions[:, :, 0, 0][mask[:, :3]].tolist() == [1, 2, 3, 1, 2, 3, 4, 4]
+    first_rows = range(0, conditions.shape[0], conditions.shape[0] // 2)  # each sample's first row in the layout
+    assert [conditions[row, :length, 0, 0].tolist() for row, length in zip(first_rows, [3, 1])] == [[1, 2, 3], [4]]
     layer.mode = "skip"
     assert layer.update(current, -current)[0] is current and layer.attention_mask is None
 

@@ -19,6 +19,11 @@ One buffer per block, rows = batch samples, written in place:
 - "skip" (the unconditional CFG branch) and `None`: the layer is not touched.
 `max_tokens` (conditions + current tokens per row) fixes the capacity; a write or read that would
 not fit raises before anything changes. Without it the buffer is sized at first use.
+
+Memory: each block's buffer holds its conditions plus room for the current tokens, on every row. With
+`shared_workspace=True` the blocks keep only their conditions (one row per sample, never repeated)
+and share one `[conditions; current]` buffer into which each block copies its conditions at read
+time (layers run one after another): diffusers' peak memory and copy traffic, still no allocation.
 """
 
 from __future__ import annotations
@@ -37,12 +42,52 @@ def check_mode(mode: str | None) -> str | None:
     return mode
 
 
-class ConditionLayer(CacheLayer):
-    """Args: max_tokens: conditions + current tokens one row holds (None: sized at first use)."""
+def fill_key_mask(mask: torch.Tensor, lengths: list[int], rows_per_sample: int) -> None:
+    """True everywhere except each row's gap between its sample's conditions and the longest sample's."""
+    mask.fill_(True)
+    longest = max(lengths)
+    for sample, length in enumerate(lengths):
+        mask[sample * rows_per_sample : (sample + 1) * rows_per_sample, length:longest] = False
 
-    def __init__(self, max_tokens: int | None = None) -> None:
+
+class ConditionWorkspace:
+    """One `[conditions; current]` K/V buffer (and key mask) shared by all layers of a cache."""
+
+    def __init__(self) -> None:
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.key_mask: torch.Tensor | None = None
+        self.fixed = False  # allocated ahead: never grows
+
+    def reserve(self, rows: int, tokens: int, heads: int, head_dim: int, dtype, device) -> None:
+        if self.keys is not None and rows <= self.keys.shape[0] and tokens <= self.keys.shape[1]:
+            return
+        if self.fixed:
+            raise ValueError(
+                f"the condition cache's workspace was allocated for {tuple(self.keys.shape[:2])} (batch, tokens), "
+                f"a read needs {(rows, tokens)}."
+            )
+        if self.keys is not None:
+            rows, tokens = max(rows, self.keys.shape[0]), max(tokens, self.keys.shape[1])
+        self.keys = torch.zeros(rows, tokens, heads, head_dim, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        self.key_mask = torch.ones(rows, tokens, dtype=torch.bool, device=device)
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.key_mask) if t is not None)
+
+
+class ConditionLayer(CacheLayer):
+    """Args:
+    max_tokens: conditions + current tokens one row holds (None: sized at first use).
+    workspace: a `ConditionWorkspace` shared with the other layers; the layer then keeps only its
+        conditions and reads through the workspace.
+    """
+
+    def __init__(self, max_tokens: int | None = None, workspace: ConditionWorkspace | None = None) -> None:
         super().__init__()
         self.max_tokens = None if max_tokens is None else check_positive("max_tokens", max_tokens)
+        self.workspace = workspace
         self.mode: str | None = None
         self.sample_index = 0  # the sample "write" appends to
         self.condition_lengths: list[int] = []  # tokens per written sample
@@ -63,6 +108,9 @@ class ConditionLayer(CacheLayer):
             )
         self._allocate(batch_size, self.max_tokens, num_heads, head_dim, dtype, torch.device(device))
         self._fixed_rows = True
+        if self.workspace is not None and not self.workspace.fixed:
+            self.workspace.reserve(batch_size, self.max_tokens, num_heads, head_dim, dtype, torch.device(device))
+            self.workspace.fixed = True
 
     def _allocate(self, rows: int, tokens: int, heads: int, head_dim: int, dtype, device) -> None:
         keys = torch.zeros(rows, tokens, heads, head_dim, dtype=dtype, device=device)  # zeros: padding stays finite
@@ -75,13 +123,16 @@ class ConditionLayer(CacheLayer):
         self.key_mask = torch.ones(rows, tokens, dtype=torch.bool, device=device)
         self._mask_lengths = None
 
-    def _reserve(self, key: torch.Tensor, rows: int, tokens: int) -> None:
-        """Make room for `rows` x `tokens` (growing the buffer), or raise before changing anything."""
+    def _check_capacity(self, tokens: int) -> None:
         if self.max_tokens is not None and tokens > self.max_tokens:
             raise ValueError(
                 f"the condition cache needs {tokens} tokens per row (conditions + current tokens) but holds "
                 f"`max_tokens`={self.max_tokens}; build it with a larger `max_tokens` (or None to size it at first use)."
             )
+
+    def _reserve(self, key: torch.Tensor, rows: int, tokens: int) -> None:
+        """Make room for `rows` x `tokens` (growing the buffer), or raise before changing anything."""
+        self._check_capacity(tokens)
         if self.keys is None:
             self._allocate(rows, self.max_tokens or tokens, key.shape[2], key.shape[3], key.dtype, key.device)
             return
@@ -134,6 +185,8 @@ class ConditionLayer(CacheLayer):
                 f"Cannot match {samples} cached samples to batch size {batch}: "
                 "the batch must be a multiple of the number of samples written."
             )
+        if self.workspace is not None:
+            return self._read_through_workspace(key, value)
         self._reserve(key, rows=max(batch, samples * self.rows_per_sample), tokens=longest + tokens)
         self._spread(batch // samples)
         end = longest + tokens
@@ -143,6 +196,24 @@ class ConditionLayer(CacheLayer):
             self._build_mask()
             self.attention_mask = self.key_mask[:batch, :end]
         return self.keys[:batch, :end], self.values[:batch, :end]
+
+    def _read_through_workspace(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy this layer's conditions (sample s -> rows s*k .. s*k+k-1) and the current K/V into the workspace."""
+        batch, tokens, heads, head_dim = key.shape
+        samples, longest = len(self.condition_lengths), self._longest()
+        end = longest + tokens
+        self._check_capacity(end)
+        check_matches_buffer("key", key[:1], self.keys[:1])
+        workspace = self.workspace
+        workspace.reserve(batch, end, heads, head_dim, key.dtype, key.device)
+        for buffer, conditions, current in ((workspace.keys, self.keys, key), (workspace.values, self.values, value)):
+            rows = buffer[:batch, :longest].unflatten(0, (samples, batch // samples))  # (S, k, C, H, D) view
+            rows.copy_(conditions[:samples, None, :longest])  # broadcast over k: no repeated copy is allocated
+            buffer[:batch, longest:end] = current
+        if len(set(self.condition_lengths)) > 1:
+            fill_key_mask(workspace.key_mask[:batch], self.condition_lengths, batch // samples)
+            self.attention_mask = workspace.key_mask[:batch, :end]
+        return workspace.keys[:batch, :end], workspace.values[:batch, :end]
 
     def _spread(self, rows_per_sample: int) -> None:
         """Lay sample s on rows s*k .. s*k + k - 1 (k = rows_per_sample), moving rows in place."""
@@ -168,11 +239,7 @@ class ConditionLayer(CacheLayer):
         layout = (self.rows_per_sample, *self.condition_lengths)
         if self._mask_lengths == layout:
             return
-        self.key_mask.fill_(True)
-        longest = self._longest()
-        for sample, length in enumerate(self.condition_lengths):
-            rows = slice(sample * self.rows_per_sample, (sample + 1) * self.rows_per_sample)
-            self.key_mask[rows, length:longest] = False
+        fill_key_mask(self.key_mask, self.condition_lengths, self.rows_per_sample)
         self._mask_lengths = layout
 
     # ------------------------------------------------------------------------------------ the contract
@@ -218,9 +285,13 @@ class ConditionKVCache(RollingKVCache):
     everything `RollingKVCache` offers (`reset`, `early_initialization`, `memory_bytes`, ...).
     """
 
-    def __init__(self, num_layers: int, max_tokens: int | None = None) -> None:
+    def __init__(self, num_layers: int, max_tokens: int | None = None, shared_workspace: bool = False) -> None:
         check_positive("num_layers", num_layers)
-        super().__init__([ConditionLayer(max_tokens) for _ in range(num_layers)])
+        self.workspace = ConditionWorkspace() if shared_workspace else None
+        super().__init__([ConditionLayer(max_tokens, self.workspace) for _ in range(num_layers)])
+
+    def memory_bytes(self) -> int:
+        return super().memory_bytes() + (self.workspace.memory_bytes() if self.workspace is not None else 0)
 
     @property
     def num_layers(self) -> int:

@@ -158,13 +158,16 @@ class GlmImageCachedTransformer2DModel(GlmImageTransformer2DModel):
         batch_size: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        shared_workspace: bool = False,
     ) -> ConditionKVCache:
         """The condition cache for one generation call (reusable across calls: `clear()` keeps its buffers).
 
         `max_tokens`: conditions + current (glyph + image) tokens per sample; None sizes the buffers at
         first use. With `batch_size` too, they are allocated now (model dtype/device unless given).
+        `shared_workspace`: blocks keep only their conditions and read through one shared buffer
+        (diffusers' peak memory; for batches that repeat a sample, e.g. `num_images_per_prompt` > 1).
         """
-        cache = ConditionKVCache(self.config.num_layers, max_tokens)
+        cache = ConditionKVCache(self.config.num_layers, max_tokens, shared_workspace)
         if batch_size is not None:
             if max_tokens is None:
                 raise ValueError("`make_cache(batch_size=...)` allocates ahead and needs `max_tokens` too.")

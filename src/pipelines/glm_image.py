@@ -391,7 +391,9 @@ class GlmImageCachedPipeline(GlmImagePipeline):
         self._current_timestep = None
         self._interrupt = False
         device = self._execution_device
-        cache = condition_cache if condition_cache is not None else self.transformer.make_cache()
+        if condition_cache is None:  # rows that repeat a sample would repeat its conditions in every block
+            condition_cache = self.transformer.make_cache(shared_workspace=num_images_per_prompt > 1)
+        cache = condition_cache
         image_tokens = (height // self.token_pixels) * (width // self.token_pixels)
         cache.check_fits(
             self.condition_tokens(images), image_tokens, batch_size * num_images_per_prompt
