@@ -21,7 +21,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from . import __version__ as rolldiff_version
 from .defaults import (
@@ -33,9 +32,9 @@ from .defaults import (
     load_pipeline,
     native_size,
 )
-from .pipelines import StreamingVideoWriter
+from .pipelines.resume import ResumeError, load_state, state_path_for
 from .pipelines.text_encoding import PromptWarning
-from .pipelines.video_writer import check_output_path
+from .pipelines.video_writer import check_output_path, count_frames, partial_path_for
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -89,6 +88,16 @@ def _positive(kind, maximum: float = math.inf):
 
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def _non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
 
 
 def _seed(text: str) -> int:
@@ -191,6 +200,19 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--window-frames", type=_positive(int), help="latent frames of the rolling window")
     generate.add_argument("--position-mode", help="RoPE positions: absolute or relative (default: the model's)")
     generate.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an interrupted run of the same command from its last saved chunk (the video equals an "
+        "uninterrupted one)",
+    )
+    generate.add_argument(
+        "--state-every",
+        type=_non_negative_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="save the resume state after a chunk at most this often (0: every chunk; default 60)",
+    )
+    generate.add_argument(
         "--compile",
         nargs="?",
         const="inductor",
@@ -237,52 +259,66 @@ def run_generate(args: argparse.Namespace) -> int:
     height, width = args.height or native_height, args.width or native_width
     chunk_frames = args.chunk_frames or pipe.config.chunk_frames
     num_frames = frames_for_seconds(pipe, args.seconds, args.fps, chunk_frames)
+    options = dict(
+        prompt_schedule=sorted(args.prompt_at) or None,
+        denoising_steps=args.steps,
+        chunk_frames=args.chunk_frames,
+        sink_frames=args.sink_frames,
+        window_frames=args.window_frames,
+        position_mode=args.position_mode,
+    )
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PromptWarning)
-            chunks = pipe.stream(  # checks every argument before any model work; names the bad one
-                args.prompt,
-                num_frames,
-                height,
-                width,
-                prompt_schedule=sorted(args.prompt_at) or None,
-                denoising_steps=args.steps,
-                generator=torch.Generator("cpu").manual_seed(args.seed),
-                chunk_frames=args.chunk_frames,
-                sink_frames=args.sink_frames,
-                window_frames=args.window_frames,
-                position_mode=args.position_mode,
-            )
+            # Checks every argument and names the bad one; nothing runs until the stream is iterated.
+            pipe.stream(args.prompt, num_frames, height, width, **options)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
     _report_warnings(caught)
-    num_chunks = pipe._frames_to_latent(num_frames) // chunk_frames
     rounded = " (rounded up to whole chunks)" if num_frames != round(args.seconds * args.fps) else ""
     duration = num_frames / args.fps
     print(f"Generating {num_frames} frames{rounded}: {duration:.2f} s at {args.fps} fps, {height}x{width}, {device}")
 
+    pipe.set_progress_bar_config(disable=False, unit="chunk")
     start = time.perf_counter()
-    writer = StreamingVideoWriter(args.out, fps=args.fps)  # a temporary file beside --out until the end
     try:
-        with _sigterm_as_interrupt(), writer, tqdm(total=num_chunks, unit="chunk") as progress:
-            for frames in chunks:  # (1, frames, height, width, 3) in [0, 1]
-                writer.write((frames[0] * 255.0).round().clip(0, 255).astype("uint8"))
-                progress.update()
+        with _sigterm_as_interrupt(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", PromptWarning)  # reported above
+            frames = pipe.generate_to_file(  # a temporary file beside --out until the end; resume states beside it
+                args.out,
+                args.prompt,
+                fps=args.fps,
+                num_frames=num_frames,
+                height=height,
+                width=width,
+                generator=torch.Generator("cpu").manual_seed(args.seed),
+                resume=args.resume,
+                state_every_s=args.state_every,
+                **options,
+            )
     except KeyboardInterrupt:
-        print(f"rolldiff: interrupted; {_kept(writer)}", file=sys.stderr)
+        print(f"rolldiff: interrupted; {_kept(args.out)}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except ResumeError as exc:
+        raise UsageError(f"--resume: {exc}") from exc
+    except FloatingPointError as exc:  # NaN or infinite values in a chunk: the run stopped there
+        print(f"rolldiff: error: {exc} {_kept(args.out)}", file=sys.stderr)
+        return EXIT_FAILED
     elapsed = time.perf_counter() - start
-    print(f"Wrote {writer.frames_written} frames to {args.out.resolve()}")
-    print(f"{writer.frames_written / elapsed:.1f} frames per second ({elapsed:.1f} s for the whole video)")
+    print(f"Wrote {frames} frames to {args.out.resolve()}")
+    print(f"{frames / elapsed:.1f} frames per second ({elapsed:.1f} s for the whole video)")
     return 0
 
 
-def _kept(writer: StreamingVideoWriter) -> str:
-    """What a failed run left: the partial file (if any frame was made) and the untouched target."""
-    target = str(writer.path)
-    if writer.partial_path is None:
-        return f"no frame was finished; {target} was not touched."
-    return f"the {writer.frames_written} frames made are kept in {writer.partial_path}; {target} was not touched."
+def _kept(out: Path) -> str:
+    """What a failed run left: the partial file (if any frame was made), the untouched target, how to resume."""
+    partial, state = partial_path_for(out), state_path_for(out)
+    if not partial.exists():
+        return f"no frame was finished; {out} was not touched."
+    message = f"the {count_frames(partial)} frames made are kept in {partial}; {out} was not touched."
+    if state.exists():
+        message += f" Run the same command with --resume to continue from frame {load_state(state).frames_written}."
+    return message
 
 
 def _report_warnings(caught: list[warnings.WarningMessage]) -> None:

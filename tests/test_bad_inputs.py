@@ -11,10 +11,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import imageio.v3 as iio
 import numpy as np
 import pytest
 import torch
@@ -241,6 +244,13 @@ def test_loader_refuses_weights_that_do_not_match_the_config(tmp_path, changes, 
     assert _files(folder) == before
 
 
+def test_pipeline_loader_refuses_a_transformer_that_does_not_match_its_config(model_dir, tmp_path):
+    folder = shutil.copytree(model_dir, tmp_path / "pipeline")
+    _saved_transformer(folder / "transformer", num_layers=2)
+    with pytest.raises(ValueError, match=r"blocks\.2\."):
+        load_pipeline(folder, device="cpu", dtype="float32")
+
+
 def test_matching_weights_pass_the_check(model_dir):
     check_weights_match_config(KreaRealtimeTransformer3DModel, model_dir / "transformer")
     check_weights_match_config(AutoencoderKLWan, model_dir / "vae")
@@ -397,6 +407,27 @@ API_CASES = {
         {"callback_on_step_end": lambda *a: {}, "callback_on_step_end_tensor_inputs": ["noise"]},
         "callback_on_step_end_tensor_inputs",
     ),
+    "guidance-nan": ApiCase({"guidance_scale": float("nan")}, "guidance_scale"),
+    "guidance-inf": ApiCase({"guidance_scale": float("inf")}, "guidance_scale"),
+    "guidance-text": ApiCase({"guidance_scale": "2"}, "guidance_scale"),
+    "latents-nan": ApiCase({"latents": torch.full((1, 4, 4, 2, 2), float("nan"))}, "latents"),
+    "latents-list": ApiCase({"latents": [[0.0]]}, "latents"),
+    "generator-int": ApiCase({"generator": 42}, "generator", TypeError),
+    "generators-3-for-batch-2": ApiCase(
+        {"prompt": [RED, RED], "generator": [torch.Generator() for _ in range(3)]}, "generator"
+    ),
+    "max-sequence-length-1e6": ApiCase({"max_sequence_length": 10**6}, "max_sequence_length"),
+    "max-sequence-length-zero": ApiCase({"max_sequence_length": 0}, "max_sequence_length"),
+    "max-sequence-length-text": ApiCase({"max_sequence_length": "8"}, "max_sequence_length"),
+    "schedule-frame-text": ApiCase({"prompt_schedule": [("2", RED)]}, "prompt_schedule"),
+    "schedule-frame-float": ApiCase({"prompt_schedule": [(2.0, RED)]}, "prompt_schedule"),
+    "schedule-after-last-chunk-start": ApiCase({"prompt_schedule": [(3, RED)]}, "prompt_schedule"),
+    "prompt-no-known-word": ApiCase({"prompt": "un cercle rouge"}, "prompt"),
+    "schedule-prompt-no-known-word": ApiCase({"prompt_schedule": [(2, "zebra")]}, "prompt_schedule"),
+    "unknown-cache-option": ApiCase({"window_size": 3}, "window_size", TypeError),
+    "state-object": ApiCase({"state": object()}, "state"),
+    "to-file-state-every-negative": ApiCase({"state_every_s": -1}, "state_every_s", to_file=True),
+    "to-file-batch-of-two": ApiCase({"prompt": [RED, RED]}, "prompt", to_file=True),
     "to-file-output-type": ApiCase({"output_type": "pt"}, "output_type", to_file=True),
     "to-file-folder": ApiCase({"path": "."}, "path", to_file=True),
     "to-file-gif": ApiCase({"path": "v.gif"}, "path", to_file=True),
@@ -414,6 +445,41 @@ def test_pipeline_refuses_before_any_work(pipe, work_counter, existing_video, mo
             pipe.generate_to_file(path, fps=8, **kwargs)
         else:
             next(iter(pipe.stream(**kwargs)))
-    assert f"`{case.names}`" in str(raised.value), str(raised.value)
+    assert re.search(f"[`'\"]{case.names}[`'\"]", str(raised.value)), str(raised.value)  # named, quoted
     assert work_counter == {"text_encoder": 0, "transformer": 0, "vae": 0}
     assert _files(existing_video.parent) == before
+
+
+# ---------------------------------------------------------------------------------------- found during the run
+def _to_file_failing_in_chunk(pipe, path: Path, chunk: int, callback_result) -> BaseException:
+    """Run `generate_to_file` (3 chunks of 2 frames) with a callback that returns `callback_result(tensors)`
+    from the last step of `chunk` on; returns the error raised."""
+    steps = len(pipe.config.denoising_steps)
+
+    def callback(pipe_, step, timestep, tensors):
+        return callback_result(tensors) if step >= (chunk + 1) * steps - 1 else tensors
+
+    with pytest.raises(Exception) as raised:
+        pipe.generate_to_file(path, RED, fps=8, num_frames=6, height=16, width=16, callback_on_step_end=callback)
+    return raised.value
+
+
+@pytest.mark.parametrize(
+    "result, error, message",
+    [
+        (lambda tensors: [tensors["latents"]], TypeError, "`callback_on_step_end` must return a dict"),
+        (lambda tensors: {"latents": tensors["latents"][:, :1]}, ValueError, "`callback_on_step_end` returned"),
+        (lambda tensors: {"latents": tensors["latents"] * float("nan")}, FloatingPointError, "Chunk 1 produced NaN"),
+    ],
+    ids=["callback-returns-list", "callback-returns-wrong-shape", "nan-in-chunk-1"],
+)
+def test_errors_found_during_the_run_keep_the_old_file_and_the_frames_done(
+    pipe, existing_video, result, error, message
+):
+    before = existing_video.read_bytes()
+    raised = _to_file_failing_in_chunk(pipe, existing_video, 1, result)
+    assert isinstance(raised, error) and message in str(raised), repr(raised)
+    partial = existing_video.with_name("existing.partial.mp4")
+    assert existing_video.read_bytes() == before
+    assert iio.imread(partial, plugin="FFMPEG", index=None).shape[0] == 2  # chunk 0's frames
+    assert any(str(partial) in note for note in raised.__notes__)

@@ -184,4 +184,14 @@ def test_interrupted_run_keeps_the_old_video_and_the_frames_made(model_dir, tmp_
     assert f"the 4 frames made are kept in {partial}" in err and "was not touched" in err
     assert out.read_bytes() == before
     assert _read(partial).shape == (4, 16, 16, 3)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4", "v.partial.mp4"]
+    assert "--resume to continue from frame 2" in err  # the state saved after the first chunk
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4", "v.partial.mp4", "v.resume.safetensors"]
+
+
+def test_unknown_words_are_reported_one_line_each(model_dir, tmp_path, capsys):
+    assert (
+        _generate(model_dir, tmp_path / "v.mp4", "--prompt", "a red circle moving left quickly", "--seconds", "0.25")
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "rolldiff: warning: `prompt` 'a red circle moving left quickly'" in err and "'quickly'" in err

@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "StrictWeightsMixin",
     "WeightsMismatchError",
+    "check_pipeline_weights",
     "check_weights_match_config",
     "convert_original_wan_state_dict",
     "infer_wan_config",
@@ -372,3 +373,26 @@ class StrictWeightsMixin:
         if folder.is_dir() and kwargs.get("variant") is None:
             check_weights_match_config(cls, folder)
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+
+def check_pipeline_weights(folder: str | os.PathLike) -> None:
+    """`check_weights_match_config` for every diffusers model of a saved pipeline folder (its `model_index.json`
+    names each component's library and class); tokenizers, schedulers and transformers models are skipped."""
+    import importlib
+
+    from diffusers import ModelMixin
+
+    folder = Path(folder)
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return
+    for name, entry in json.loads(index.read_text()).items():
+        if name.startswith("_") or not (isinstance(entry, list) and len(entry) == 2 and all(entry)):
+            continue
+        library, class_name = entry
+        try:
+            model_class = getattr(importlib.import_module(library), class_name)
+        except (ImportError, AttributeError):
+            continue  # from_pretrained reports a component it cannot import
+        if isinstance(model_class, type) and issubclass(model_class, ModelMixin) and (folder / name).is_dir():
+            check_weights_match_config(model_class, folder / name)

@@ -23,6 +23,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,9 +33,10 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..models.wan_conversion import check_pipeline_weights
 from .prompt_schedule import PromptSchedule
 from .streaming_decode import StreamingWanDecoder, denormalize_wan_latents
-from .video_writer import StreamingVideoWriter
+from .text_encoding import check_max_sequence_length, check_prompts
 
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 
@@ -71,14 +73,22 @@ class ChunkRun:
 
 @dataclass
 class StreamState:
-    """The loop's state at a chunk boundary: what a resumed run needs besides the caches' tensors."""
+    """The loop's state at a chunk boundary: what a resumed run needs besides the caches' tensors.
 
-    caches: list  # one RollingKVCache per guidance branch (conditional first)
-    embeds: list[torch.Tensor]  # text embeddings per branch
+    Pass an empty `StreamState()` as `stream(..., state=)` to hold the live state of that stream (its
+    caches, decoder, position); `on_start(state, run)` runs once the caches exist, before the first chunk
+    (a resume restores them there, see `rolldiff.pipelines.resume`).
+    """
+
+    caches: list = field(default_factory=list)  # one RollingKVCache per guidance branch (conditional first)
+    embeds: list[torch.Tensor] = field(default_factory=list)  # text embeddings per branch
     active_prompt: int = 0  # index into the prompt schedule
     next_chunk: int = 0
     recent: torch.Tensor | None = None  # clean latents a re-cache re-runs after a prompt switch
     scheduler: FlowMatchEulerDiscreteScheduler | None = field(default=None, repr=False)
+    run: ChunkRun | None = field(default=None, repr=False)  # set by `stream` once the arguments are checked
+    decoder: StreamingWanDecoder | None = field(default=None, repr=False)
+    on_start: Callable | None = field(default=None, repr=False)
 
 
 def _is_number(value) -> bool:
@@ -95,6 +105,15 @@ class ChunkedVideoPipeline(DiffusionPipeline):
 
     cache_options: tuple[str, ...] = ()
     _callback_tensor_inputs = ["latents", "prompt_embeds"]
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """diffusers' loader, after refusing a local folder whose model weights do not match their config.json
+        (diffusers would only warn and leave layers random or drop weights)."""
+        folder = Path(str(pretrained_model_name_or_path)).expanduser()
+        if folder.is_dir():
+            check_pipeline_weights(folder)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @property
     def interrupt(self) -> bool:
@@ -124,7 +143,9 @@ class ChunkedVideoPipeline(DiffusionPipeline):
 
     # ---------------------------------------------------------------------------------------- validation
     def _resolve_options(self, options: dict[str, Any]) -> dict[str, Any]:
-        unknown = sorted(set(options) - set(self.cache_options))
+        unknown = sorted(
+            name for name, value in options.items() if name not in self.cache_options and value is not None
+        )
         if unknown:
             raise TypeError(
                 f"{type(self).__name__} got unexpected argument(s) {unknown}; its cache options are "
@@ -199,8 +220,12 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         if prompt_embeds is not None:
             self._check_embeds("prompt_embeds", prompt_embeds)
             schedule_prompt = ["<prompt_embeds>"] * prompt_embeds.shape[0]  # stands for the embeds at frame 0
-        schedule = PromptSchedule.build(schedule_prompt, prompt_schedule, num_frames)
+        last_chunk_start = self._latent_to_pixel_start(latent_frames - chunk_frames)
+        schedule = PromptSchedule.build(schedule_prompt, prompt_schedule, num_frames, last_chunk_start)
         batch_size = schedule.batch_size
+        max_sequence_length = check_max_sequence_length(
+            config.max_sequence_length if max_sequence_length is None else max_sequence_length
+        )
         negatives = None
         if guidance_scale > 1.0 and negative_prompt_embeds is None:
             negatives = (
@@ -210,6 +235,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
                 raise ValueError(f"`negative_prompt` has {len(negatives)} entries, expected {batch_size}.")
         if negative_prompt_embeds is not None:
             self._check_embeds("negative_prompt_embeds", negative_prompt_embeds, batch_size)
+        self._check_prompt_text(schedule, negatives, max_sequence_length, prompt_embeds is not None, prompt is None)
         channels = self.transformer.config.in_channels
         latent_shape = (batch_size, channels, latent_frames, height // spatial, width // spatial)
         if latents is not None:
@@ -227,11 +253,24 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             denoising_steps=[float(s) for s in steps],
             guidance_scale=float(guidance_scale),
             negative_prompt=negatives,
-            max_sequence_length=max_sequence_length or config.max_sequence_length,
+            max_sequence_length=max_sequence_length,
             options=options,
             prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds,
         )
+
+    def _check_prompt_text(self, schedule, negatives, max_sequence_length, first_is_embeds, from_schedule) -> None:
+        """Unknown words and truncation warned about, prompts with no known word refused (`check_prompts`)."""
+        tokenizer = getattr(self, "tokenizer", None)
+        if tokenizer is None:
+            return
+        for index, (_, prompts) in enumerate(schedule.entries):
+            if index == 0 and first_is_embeds:
+                continue
+            name = "prompt_schedule" if index > 0 or from_schedule else "prompt"
+            check_prompts(tokenizer, prompts, max_sequence_length, name)
+        if negatives:
+            check_prompts(tokenizer, negatives, max_sequence_length, "negative_prompt", require_known_word=False)
 
     def _check_embeds(self, name: str, embeds, batch_size: int | None = None) -> None:
         if not isinstance(embeds, torch.Tensor) or embeds.ndim != 3:
@@ -260,7 +299,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             return run.prompt_embeds.to(device=self._execution_device, dtype=self.transformer.dtype)
         return self.encode_prompt(run.schedule.prompts(prompt_index), run.max_sequence_length)
 
-    def _start_stream(self, run: ChunkRun) -> StreamState:
+    def _start_stream(self, run: ChunkRun, state: StreamState | None = None) -> StreamState:
+        """Encode the prompts and make the caches, into `state` when one is given (the caller holds it)."""
         device, dtype = self._execution_device, self.transformer.dtype
         embeds = [self._branch_embeds(run, 0)]
         if run.guidance_scale > 1.0:
@@ -273,7 +313,12 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             self._set_conditioning(cache, branch_embeds)
         keeps_recent = len(run.schedule.entries) > 1  # only a prompt switch re-runs recent frames
         recent = torch.zeros((*run.chunk_shape[:2], 0, *run.chunk_shape[3:]), device=device, dtype=dtype)
-        return StreamState(caches, embeds, recent=recent if keeps_recent else None, scheduler=self._run_scheduler())
+        state = StreamState() if state is None else state
+        state.caches, state.embeds, state.run = caches, embeds, run
+        state.recent, state.scheduler = (recent if keeps_recent else None), self._run_scheduler()
+        if state.on_start is not None:
+            state.on_start(state, run)
+        return state
 
     def _set_conditioning(self, cache, embeds: torch.Tensor) -> None:
         """Tell the cache the prompt changed; fill the text K/V now unless offload hooks move the model per call."""
@@ -306,17 +351,24 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             cache.commit()
 
     def _generate_latents(
-        self, run: ChunkRun, generator, latents: torch.Tensor | None, callback: Callable | None, tensor_inputs
+        self,
+        run: ChunkRun,
+        generator,
+        latents: torch.Tensor | None,
+        callback: Callable | None,
+        tensor_inputs,
+        state: StreamState | None = None,
     ) -> Iterator[torch.Tensor]:
         """Yield each chunk's clean latents `(batch, channels, chunk_frames, h, w)` in the model's dtype."""
         device, dtype = self._execution_device, self.transformer.dtype
-        state = self._start_stream(run)
+        state = self._start_stream(run, state)
         scheduler = state.scheduler
         chunk_frames = run.chunk_shape[2]
-        step_index = 0
+        step_index = state.next_chunk * len(run.denoising_steps)  # a resumed stream counts on
         self._interrupt = False
         with self.progress_bar(total=run.num_chunks) as progress:
-            for chunk_index in range(run.num_chunks):
+            progress.update(state.next_chunk)  # a resumed stream starts part-way
+            for chunk_index in range(state.next_chunk, run.num_chunks):
                 start = chunk_index * chunk_frames
                 now_active = run.schedule.active_index(self._latent_to_pixel_start(start))
                 if now_active != state.active_prompt:
@@ -387,6 +439,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         max_sequence_length: int | None = None,
         callback_on_step_end: Callable | None = None,
         callback_on_step_end_tensor_inputs: list[str] | None = None,
+        state: StreamState | None = None,
         **cache_options: Any,
     ) -> Iterator[Any]:
         """Yield each chunk's decoded frames as soon as it is generated.
@@ -394,6 +447,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         Takes `__call__`'s arguments (except `return_dict`). Each item is what `__call__` would return for
         those frames: `(batch, frames, H, W, 3)` np in [0, 1] for "np", PIL lists, `(batch, frames, 3, H, W)`
         torch for "pt", or the chunk's latents for "latent". Every argument is checked before any work.
+        `state`: an empty `StreamState()` the stream fills and keeps current (caches, decoder, next chunk).
         """
         run = self._prepare_run(
             prompt, prompt_schedule, negative_prompt, num_frames, height, width, denoising_steps, guidance_scale,
@@ -401,7 +455,11 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         )  # fmt: skip
         tensor_inputs = self._check_callback_inputs(callback_on_step_end_tensor_inputs)
         self._check_generator(generator, run.batch_size)
-        return self._stream_chunks(run, generator, latents, output_type, callback_on_step_end, tensor_inputs)
+        if state is not None:
+            if not isinstance(state, StreamState) or state.caches:
+                raise ValueError("`state` must be a new, empty StreamState(); a stream fills it.")
+            state.run = run
+        return self._stream_chunks(run, generator, latents, output_type, callback_on_step_end, tensor_inputs, state)
 
     @staticmethod
     def _check_generator(generator, batch_size: int) -> None:
@@ -419,9 +477,10 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             )
 
     @torch.no_grad()
-    def _stream_chunks(self, run: ChunkRun, generator, latents, output_type: str, callback, tensor_inputs):
-        decoder = StreamingWanDecoder(self.vae) if output_type != "latent" else None
-        for clean in self._generate_latents(run, generator, latents, callback, tensor_inputs):
+    def _stream_chunks(self, run: ChunkRun, generator, latents, output_type: str, callback, tensor_inputs, state=None):
+        state = StreamState() if state is None else state
+        decoder = state.decoder = StreamingWanDecoder(self.vae) if output_type != "latent" else None
+        for clean in self._generate_latents(run, generator, latents, callback, tensor_inputs, state):
             if decoder is None:
                 yield clean
                 continue
@@ -486,23 +545,27 @@ class ChunkedVideoPipeline(DiffusionPipeline):
 
     output_class = ChunkedVideoPipelineOutput
 
-    def generate_to_file(self, path: str, prompt: str | None = None, fps: int = 16, **kwargs: Any) -> int:
-        """Stream a video straight into an mp4 at `path` in constant memory; returns the frames written.
+    def generate_to_file(
+        self,
+        path: str,
+        prompt: str | None = None,
+        fps: int = 16,
+        *,
+        resume: bool = False,
+        state_every_s: float = 60.0,
+        **kwargs: Any,
+    ) -> int:
+        """Stream a video straight into an mp4 at `path` in constant memory; returns the frames in the file.
 
         Takes the arguments of `stream` (batch size 1). The file appears at `path` only when generation
-        succeeds; a failed or interrupted run keeps the frames done as a separate partial file and never
-        touches an existing file at `path`.
+        succeeds; a failed or interrupted run keeps the frames done as `path`'s partial file (`video.partial.mp4`)
+        and never touches an existing file at `path`. Every `state_every_s` seconds (0: every chunk) the run's
+        state is saved beside it (`video.resume.safetensors`); `resume=True` continues from there, and the
+        resumed video equals an uninterrupted one. See `rolldiff.pipelines.resume.write_video`.
         """
-        if kwargs.get("output_type", "np") != "np":
-            raise ValueError("`generate_to_file` writes frames itself; do not pass `output_type`.")
-        kwargs["output_type"] = "np"
-        chunks = self.stream(prompt, **kwargs)  # validates every argument before the file is opened
-        with StreamingVideoWriter(path, fps=fps) as writer:
-            for frames in chunks:
-                if frames.shape[0] != 1:
-                    raise ValueError(f"`generate_to_file` writes one video; got a batch of {frames.shape[0]}.")
-                writer.write((frames[0] * 255.0).round().clip(0, 255).astype(np.uint8))
-            return writer.frames_written
+        from .resume import write_video  # resume imports this module
+
+        return write_video(self, path, prompt, fps, resume=resume, state_every_s=state_every_s, **kwargs)
 
     # ---------------------------------------------------------------------------------------- family hooks
     def encode_prompt(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:

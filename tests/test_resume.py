@@ -1,0 +1,205 @@
+"""Resumable long runs: a generation stopped part-way continues from its last saved chunk, and the resumed video
+equals an uninterrupted one frame for frame.
+
+"Frame for frame" is checked on the frames the pipeline hands the writer (uint8, exact) and on the files: the
+resumed file has the same frame count, its frames before the cut decode bit for bit like the uninterrupted
+file's (the partial is joined by stream copy), and the frames after it differ only by H.264 (each part is
+encoded on its own). The tiny pipeline uses classifier-free guidance (two caches) and a prompt switch (the
+active prompt and the re-cache latents are state too).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import imageio.v3 as iio
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from tiny_components import tiny_pipeline
+
+from rolldiff.cli import main
+from rolldiff.pipelines.resume import ResumeError, load_state, state_path_for
+from rolldiff.pipelines.video_writer import StreamingVideoWriter, partial_path_for
+
+RED, BLUE = "a red circle moving left", "a blue square moving up"
+STEPS = 4  # the tiny pipeline's denoising steps per chunk (its config default)
+RUN = dict(num_frames=10, height=16, width=16, guidance_scale=2.0, prompt_schedule=[(4, BLUE)])  # 5 chunks of 2
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = tiny_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture
+def written(monkeypatch) -> list[np.ndarray]:
+    """Every chunk of frames handed to a writer, as written (uint8)."""
+    chunks: list[np.ndarray] = []
+    real_write = StreamingVideoWriter.write
+
+    def record(self, frames):
+        chunks.append(frames.copy())
+        real_write(self, frames)
+
+    monkeypatch.setattr(StreamingVideoWriter, "write", record)
+    return chunks
+
+
+def _generate(pipe, path, **extra) -> int:
+    return pipe.generate_to_file(path, RED, fps=8, generator=torch.Generator().manual_seed(3), **RUN, **extra)
+
+
+def _interrupt_at_step(step: int):
+    """A callback that stops the run like Ctrl-C at the `step`-th denoising step (counted over the whole run)."""
+    calls = {"n": 0}
+
+    def callback(pipe, index, timestep, tensors):
+        calls["n"] += 1
+        if calls["n"] == step:
+            raise KeyboardInterrupt
+        return tensors
+
+    return callback
+
+
+def _read(path) -> np.ndarray:
+    return iio.imread(path, plugin="FFMPEG", index=None)  # (frames, height, width, 3) uint8
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(pipe, tmp_path_factory):
+    """The reference: the same run in one go, its written frames and its file."""
+    folder = tmp_path_factory.mktemp("reference")
+    frames: list[np.ndarray] = []
+    real_write = StreamingVideoWriter.write
+    StreamingVideoWriter.write = lambda self, f: (frames.append(f.copy()), real_write(self, f))[1]
+    try:
+        assert _generate(pipe, folder / "full.mp4") == 10
+    finally:
+        StreamingVideoWriter.write = real_write
+    return np.concatenate(frames), _read(folder / "full.mp4")
+
+
+@pytest.mark.parametrize("stop_in_chunk", [1, 3])  # before and after the prompt switch (chunk 2 starts at frame 4)
+def test_interrupted_then_resumed_equals_uninterrupted(pipe, uninterrupted, written, tmp_path, stop_in_chunk):
+    full_frames, full_file = uninterrupted
+    path = tmp_path / "video.mp4"
+    with pytest.raises(KeyboardInterrupt):
+        _generate(pipe, path, state_every_s=0, callback_on_step_end=_interrupt_at_step(stop_in_chunk * STEPS + 2))
+    assert not path.exists()
+    saved = load_state(state_path_for(path))
+    assert saved.next_chunk == stop_in_chunk and saved.frames_written == 2 * stop_in_chunk
+    first_run = np.concatenate(written)
+    written.clear()
+
+    assert _generate(pipe, path, state_every_s=0, resume=True) == 10
+    second_run = np.concatenate(written)
+    assert second_run.shape[0] == 10 - saved.frames_written  # only the missing chunks were made
+    np.testing.assert_array_equal(np.concatenate([first_run[: saved.frames_written], second_run]), full_frames)
+
+    video = _read(path)
+    assert video.shape == full_file.shape
+    np.testing.assert_array_equal(video[: saved.frames_written], full_file[: saved.frames_written])
+    assert np.abs(video.astype(int) - full_file.astype(int)).mean() < 3  # re-encoded part: H.264 differences only
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["video.mp4"]  # state and partial removed
+
+
+def test_a_state_saved_before_the_last_written_chunk_cuts_the_partial(pipe, uninterrupted, written, tmp_path):
+    """Killed after writing a chunk but before its state was saved: the resume keeps only the frames vouched for."""
+    path = tmp_path / "video.mp4"
+    with pytest.raises(KeyboardInterrupt):  # states are saved only at the first boundary (huge interval)
+        _generate(pipe, path, state_every_s=3600, callback_on_step_end=_interrupt_at_step(3 * STEPS + 1))
+    assert load_state(state_path_for(path)).frames_written == 2
+    assert _read(partial_path_for(path)).shape[0] == 6  # 3 chunks were written
+    written.clear()
+    assert _generate(pipe, path, state_every_s=0, resume=True) == 10
+    np.testing.assert_array_equal(np.concatenate(written), uninterrupted[0][2:])
+
+
+def test_state_file_is_safetensors_with_json_metadata(pipe, tmp_path):
+    path = tmp_path / "video.mp4"
+    with pytest.raises(KeyboardInterrupt):
+        _generate(pipe, path, state_every_s=0, callback_on_step_end=_interrupt_at_step(2 * STEPS + 1))
+    with safe_open(str(state_path_for(path)), framework="pt") as file:
+        header = json.loads(file.metadata()["rolldiff_state"])
+        names = list(file.keys())
+    assert header["format"] == "rolldiff-resume-1" and header["next_chunk"] == 2
+    assert header["values"]["active_prompt"] == 0
+    assert any(name.startswith("cache0.layers.0.") for name in names)  # conditional branch
+    assert any(name.startswith("cache1.layers.0.") for name in names)  # guidance branch
+    assert any(name.startswith("decoder._feat_map.") for name in names)
+    assert "generator.0" in names and "recent" in names
+    assert not any("_cross_modules" in name for name in names)  # text K/V are recomputed, not saved
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [({"guidance_scale": 3.0}, "guidance_scale"), ({"prompt_schedule": [(6, BLUE)]}, "schedule")],
+)
+def test_resume_with_other_arguments_is_refused_before_work(pipe, tmp_path, change, named):
+    path = tmp_path / "video.mp4"
+    with pytest.raises(KeyboardInterrupt):
+        _generate(pipe, path, state_every_s=0, callback_on_step_end=_interrupt_at_step(STEPS + 1))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(ResumeError, match=named):
+        pipe.generate_to_file(path, RED, fps=8, generator=torch.Generator().manual_seed(3), resume=True,
+                              **{**RUN, **change})  # fmt: skip
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_resume_without_the_partial_is_refused(pipe, tmp_path):
+    path = tmp_path / "video.mp4"
+    with pytest.raises(KeyboardInterrupt):
+        _generate(pipe, path, state_every_s=0, callback_on_step_end=_interrupt_at_step(STEPS + 1))
+    partial_path_for(path).unlink()
+    with pytest.raises(ResumeError, match="partial"):
+        _generate(pipe, path, resume=True)
+
+
+def test_resume_without_a_state_starts_over_with_a_warning(pipe, uninterrupted, tmp_path):
+    path = tmp_path / "video.mp4"
+    with StreamingVideoWriter(partial_path_for(path), fps=8) as writer:
+        writer.write(np.zeros((2, 16, 16, 3), dtype=np.uint8))
+    with pytest.warns(UserWarning, match="no saved state"):
+        assert _generate(pipe, path, resume=True) == 10
+    assert _read(path).shape == uninterrupted[1].shape
+
+
+def test_the_command_resumes_a_killed_run(tmp_path, pipe):
+    """`rolldiff generate` in a child process, killed (SIGTERM, as `kill` sends) once it has saved a state,
+    then `--resume`: the same video as one uninterrupted run of the command."""
+    model = tmp_path / "model"
+    pipe.save_pretrained(model)
+    out = tmp_path / "video.mp4"
+    argv = ["generate", "--model", str(model), "--out", str(out), "--height", "16", "--width", "16", "--fps", "8",
+            "--seed", "3", "--seconds", "1.25", "--prompt", RED, "--state-every", "0"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    child = subprocess.Popen([sys.executable, "-m", "rolldiff", *argv], env=env, stderr=subprocess.PIPE, text=True)
+    state = state_path_for(out)
+    deadline = time.monotonic() + 120
+    while not state.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child.send_signal(signal.SIGTERM)
+    err = child.communicate(timeout=60)[1]
+    if child.returncode == 0:  # the whole run finished before the signal arrived: nothing to resume
+        pytest.fail(f"the child finished before it could be killed; make the run longer\n{err}")
+    assert child.returncode == 130, err
+    assert "--resume" in err and not out.exists()
+    saved = load_state(state)
+
+    assert main([*argv, "--resume"]) == 0
+    reference = tmp_path / "reference.mp4"
+    assert main([*argv[:4], str(reference), *argv[5:]]) == 0
+    video, expected = _read(out), _read(reference)
+    assert video.shape == expected.shape == (10, 16, 16, 3)
+    np.testing.assert_array_equal(video[: saved.frames_written], expected[: saved.frames_written])
+    assert np.abs(video.astype(int) - expected.astype(int)).mean() < 3
