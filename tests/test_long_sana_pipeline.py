@@ -176,6 +176,20 @@ def test_generate_to_file_streams_an_mp4(pipe, tmp_path):
     assert iio.imread(path).shape == (6, 16, 16, 3)
 
 
+def test_rolldiff_generate_runs_a_saved_sana_pipeline(pipe, tmp_path, capsys):
+    import imageio.v3 as iio
+
+    from rolldiff.cli import main
+
+    pipe.save_pretrained(tmp_path / "sana")
+    out = tmp_path / "video.mp4"
+    argv = ["generate", "--model", str(tmp_path / "sana"), "--prompt", PROMPT, "--seconds", "0.5", "--fps", "8"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert iio.imread(out, plugin="FFMPEG", index=None).shape == (4, 16, 16, 3)
+    assert main([*argv, "--out", str(tmp_path / "bad.mp4"), "--sink-frames", "2"]) == 2  # no sink in LongSANA
+    assert "sink_frames" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
