@@ -124,3 +124,30 @@ def test_exported_model_chunk_equals_eager():
     for chunk in range(5):
         noisy, clean = torch.randn(2, 1, 4, 2, 4, 4).unbind(0)
         assert torch.equal(run(noisy, clean, text), eager(noisy, clean, text)), chunk
+
+
+@torch.no_grad()
+def test_a_saved_model_cache_resumes_the_stream(tmp_path):
+    """docs/cache.md's recipe: save with safetensors, load into a fresh cache, refill the text K/V, continue."""
+    model = tiny_transformer()
+    layout = ChunkLayout(4, chunk_frames=2, sink_frames=2, window_frames=4, position_mode="relative")
+    text = torch.randn(1, 7, 16, generator=torch.Generator().manual_seed(1))
+    cache = model.make_cache(layout, batch_size=1, dtype=torch.float32, device="cpu")
+    generator = torch.Generator().manual_seed(2)
+
+    def chunk(kv_cache, latents):
+        out = model(latents, torch.tensor([500.0]), text, kv_cache=kv_cache, layout=layout).sample
+        model(latents, torch.tensor([0.0]), text, kv_cache=kv_cache, layout=layout)
+        kv_cache.commit()
+        return out
+
+    for _ in range(4):
+        chunk(cache, torch.randn(1, 4, 2, 4, 4, generator=generator))
+    save_file({k: v.contiguous() for k, v in cache.state_dict().items()}, tmp_path / "cache.safetensors")
+    fresh = model.make_cache(layout, batch_size=1, dtype=torch.float32, device="cpu")
+    fresh.load_state_dict(load_file(tmp_path / "cache.safetensors"), strict=False)
+    sync_host_counters(fresh)
+    assert [layer.get_seq_length() for layer in fresh] == [layer.get_seq_length() for layer in cache]
+    for _ in range(2):
+        latents = torch.randn(1, 4, 2, 4, 4, generator=generator)
+        assert torch.equal(chunk(fresh, latents), chunk(cache, latents))

@@ -5,12 +5,15 @@ from .condition import ConditionKVCache, ConditionLayer
 from .container import RollingKVCache
 from .conv_state import ConvStateLayer
 from .cross_attention import CrossAttentionLayer
+from .export import export_chunk, sync_host_counters
 from .linear_attention import LinearAttentionLayer, chunk_state
 from .sliding_window import SlidingWindowLayer
 from .static import StaticLayer
+from .workspace import CacheWorkspace
 
 __all__ = [
     "CacheLayer",
+    "CacheWorkspace",
     "ConvStateLayer",
     "ConditionKVCache",
     "ConditionLayer",
@@ -20,4 +23,6 @@ __all__ = [
     "SlidingWindowLayer",
     "StaticLayer",
     "chunk_state",
+    "export_chunk",
+    "sync_host_counters",
 ]
