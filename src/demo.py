@@ -42,6 +42,7 @@ from .caching.layout import POSITION_MODES
 from .defaults import embedded_models, frames_for_seconds, load_pipeline, native_size
 from .pipelines import StreamingVideoWriter
 from .pipelines.chunked_video import StreamState
+from .pipelines.text_encoding import check_prompts
 
 EXAMPLE_PROMPTS = [
     "a red circle moving left",
@@ -112,6 +113,18 @@ def parse_steps(value: Any) -> list[int] | None:
     return steps
 
 
+def prompt_notes(pipe, prompt: str, name: str = "prompt") -> list[str]:
+    """What the model's tokenizer will not read in `prompt`, as the pipeline reports it (unknown words, truncation).
+
+    Raises:
+        ValueError: the tokenizer knows no word of `prompt` (the pipeline would refuse it too).
+    """
+    tokenizer = getattr(pipe, "tokenizer", None)
+    if tokenizer is None:
+        return []
+    return check_prompts(tokenizer, [prompt], pipe.config.max_sequence_length, name)
+
+
 # The Advanced fields: the pipeline's cache option each one sets, and its label.
 CACHE_FIELDS = {"chunk_frames": "Chunk frames", "sink_frames": "Sink frames", "window_frames": "Window frames"}
 
@@ -176,10 +189,12 @@ class LivePrompt:
         self._prompts = [prompt]
         self._active = 0
         self.applied: list[tuple[int, str]] = [(0, prompt)]
+        self.notes: list[str] = []  # what the tokenizer did not read in the prompts switched to
 
-    def switch(self, prompt: str) -> None:
+    def switch(self, prompt: str, notes: list[str] = ()) -> None:
         with self._lock:
             self._prompts.append(prompt)
+            self.notes.extend(notes)
 
     def active_index(self, frame: int) -> int:
         """Called by the chunk loop with the pixel frame each chunk starts at: the latest prompt wins."""
@@ -211,9 +226,10 @@ class Chunk:
 
 @dataclass
 class DemoSession:
-    """What one browser session owns: the prompt of its running generation, if any."""
+    """What one browser session owns: the prompt of its running generation and its pipeline, if any."""
 
     live: LivePrompt | None = None
+    pipe: Any = None
 
 
 def generate_frames(
@@ -408,13 +424,16 @@ def build_demo(
             seed = parse_whole_number("Seed", 0 if seed is None else seed, 0, MAX_SEED)
             settings = ChunkSettings.parse(chunk_frames, sink_frames, window_frames, denoising_steps, position_mode)
             pipe = shelf.get(model_name)
+            notes = prompt_notes(pipe, prompt)
             run_height, run_width = frame_size(pipe)
             num_frames = frames_for_seconds(pipe, seconds, fps, settings.chunk_frames)
             live = LivePrompt(prompt)
             chunks = generate_frames(pipe, live, num_frames, run_height, run_width, seed, settings)
         except ValueError as exc:  # ours and the pipeline's: each names the field or argument
-            raise gr.Error(str(exc)) from exc
-        session.live = live
+            raise _refusal(gr, exc) from exc
+        for note in notes:  # unknown words are ignored: say so where the person looks
+            gr.Warning(note)
+        session.live, session.pipe = live, pipe
         workdir = Path(tempfile.mkdtemp(prefix="rolldiff-demo-"))
         segments: list[Path] = []
         done: list[Chunk] = []
@@ -436,28 +455,35 @@ def build_demo(
                     "frames_per_second": round(frames_per_second, 2),
                     "cache_bytes": chunk_out.cache_bytes,
                     "prompt_schedule": [[frame, text] for frame, text in live.applied],
+                    "prompt_notes": notes + live.notes,
                 }
                 times, memory = _stats_tables(done)
                 summary = (
                     f"**{frames_per_second:.1f} frames per second** · chunk {index + 1} took "
                     f"{chunk_out.seconds * 1000:.0f} ms · cache {chunk_out.cache_bytes / 1024:.1f} KiB"
                 )
+                memory = gr.LinePlot(memory, y_lim=[0, 1.5 * float(memory["KiB"].max())])  # the flat line mid-plot
                 yield video, summary, times, memory, details
                 if not streaming:  # Gradio copied it into its cache before asking for the next chunk
                     video.unlink()
         finally:
             if session.live is live:
-                session.live = None
+                session.live, session.pipe = None, None
             shutil.rmtree(workdir, ignore_errors=True)
 
     def switch_prompt(prompt: str, session: DemoSession) -> str:
         prompt = (prompt or "").strip()
         if not prompt:
             return "Type the prompt to switch to."
-        if session.live is None:
+        live, pipe = session.live, session.pipe
+        if live is None:
             return "Nothing is generating: press Generate first."
-        session.live.switch(prompt)
-        return f"Switching to “{prompt}” at the next chunk."
+        try:
+            notes = prompt_notes(pipe, prompt, "switch prompt")
+        except ValueError as exc:  # no word the model knows: keep the current prompt
+            return f"Not switching: {exc}"
+        live.switch(prompt, notes)
+        return " ".join([f"Switching to “{prompt}” at the next chunk.", *notes])
 
     def model_defaults(model_name: str):
         """Show the chosen model's own settings as the Advanced fields' placeholders (empty = the model's)."""
@@ -465,7 +491,7 @@ def build_demo(
             pipe = shelf.get(model_name)
             size = frame_size(pipe)
         except ValueError as exc:
-            raise gr.Error(str(exc)) from exc
+            raise _refusal(gr, exc) from exc
         fields = _advanced_fields(pipe)
         return (
             _model_info(pipe, size),
@@ -564,6 +590,11 @@ def _advanced_fields(pipe) -> dict[str, dict[str, Any]]:
 
 def _loader(name: str, device: str | None, dtype: str | None) -> Callable[[], Any]:
     return lambda: load_pipeline(name, device=device, dtype=dtype)
+
+
+def _refusal(gr, exc: Exception):
+    """A field the person must change: the message stays until closed, and the server log is not a traceback."""
+    return gr.Error(str(exc), duration=None, print_exception=False)
 
 
 def _reported(chunks: Iterator[Chunk], gr) -> Iterator[Chunk]:

@@ -91,8 +91,13 @@ def _wait_for_first_chunk(job, timeout: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def _plot_data(plot: dict) -> list[list[float]]:
+    """`[[chunk, value], ...]` of a plot output (sent bare, or inside an update that also sets its y range)."""
+    return plot.get("value", plot)["data"]
+
+
 def _plot_values(plot: dict) -> list[float]:
-    return [value for _, value in plot["data"]]
+    return [value for _, value in _plot_data(plot)]
 
 
 def _as_uint8(chunks) -> np.ndarray:
@@ -166,12 +171,29 @@ def test_streaming_output_sends_one_hls_segment_per_chunk(pipe):
     assert playlist.count("#EXTINF:0.5") == 4 and playlist.rstrip().endswith("#EXT-X-ENDLIST")
 
 
+def test_unknown_words_are_reported_with_the_video(server):
+    details = _client(server).predict("a red circle moving zigzag", 1, 0, api_name="/generate")[-1]
+    assert details["prompt_notes"] == [
+        "`prompt` 'a red circle moving zigzag': 1 word(s) unknown to the tokenizer are ignored: 'zigzag'."
+    ]
+
+
+def test_a_switch_to_a_prompt_of_unknown_words_is_refused_and_the_video_goes_on(server, slow_chunks):
+    client = _client(server)
+    job = client.submit(RED, 2, 0, api_name="/generate")
+    _wait_for_first_chunk(job)
+    status = client.predict("xyzzy plugh", api_name="/switch_prompt")
+    assert status.startswith("Not switching: `switch prompt` 'xyzzy plugh' has no word the tokenizer knows")
+    assert job.result()[-1]["prompt_schedule"] == [[0, RED]]
+
+
 # ---------------------------------------------------------------------------------------- the live plots
 def test_each_chunk_plots_its_time_and_a_flat_cache_memory(server):
     job = _client(server).submit(RED, 4, 0, api_name="/generate")  # 16 frames: 8 chunks, window full after 2
     _, summary, times, memory, details = job.result()
-    assert [len(output[2]["data"]) for output in job.outputs()] == list(range(1, 9))  # the plots grow live
-    assert [chunk for chunk, _ in times["data"]] == list(range(8))
+    assert [len(_plot_data(output[2])) for output in job.outputs()] == list(range(1, 9))  # the plots grow live
+    assert [len(_plot_data(output[3])) for output in job.outputs()] == list(range(1, 9))
+    assert [chunk for chunk, _ in _plot_data(times)] == list(range(8))
     assert all(ms > 0 for ms in _plot_values(times))
     cache_kib = _plot_values(memory)
     assert cache_kib[0] > 0 and cache_kib == [cache_kib[0]] * 8  # preallocated ring buffers: a flat line
@@ -227,6 +249,7 @@ BAD_FIELDS = [
     (dict(seed=2**40), "Seed: type a whole number from 0 to 4294967295"),
     (dict(prompt="   "), "Prompt: type a prompt first"),
     (dict(prompt=5), "Prompt: type some words, got 5"),
+    (dict(prompt="xyzzy plugh"), "`prompt` 'xyzzy plugh' has no word the tokenizer knows"),  # the pipeline's words
     (dict(model="no-such-model"), "Model: choose one of pipeline, got 'no-such-model'"),
     (dict(chunk_frames=0), "Chunk frames: type a whole number from 1 up, got 0"),
     (dict(chunk_frames="two"), "Chunk frames: type a number, got 'two'"),
