@@ -110,6 +110,7 @@ class GrowingLayer(CacheLayer):
     """
 
     is_sliding = False
+    window_full = False  # nothing is evicted, so the mask is always read
 
     def __init__(self) -> None:
         super().__init__()
@@ -237,6 +238,8 @@ class ChunkLoop:
         self.forward = self.model
         if approach in ("ours", "ours-compiled"):
             self.cache = self.model.make_cache(self.layout, 1, self.dtype, self.device)
+            with torch.inference_mode():  # the text K/V, before the first step, as the pipeline does
+                self.model.prepare_conditioning(self.cache, self.text)
             if approach == "ours-compiled":
                 self.forward, self.counter, self.compile_mode = self._compile()
         elif approach == "growing":
@@ -245,6 +248,8 @@ class ChunkLoop:
             self.cache = RollingKVCache(
                 [GrowingLayer() for _ in range(blocks)], [CrossAttentionLayer() for _ in range(blocks)]
             )
+            with torch.inference_mode():
+                self.model.prepare_conditioning(self.cache, self.text)
         elif approach in ("recompute-krea", "recompute-window"):
             self.cache = None  # built afresh every chunk
         else:
@@ -301,6 +306,7 @@ class ChunkLoop:
         cache = self.cache
         if cache is None:  # Krea's server loop: rebuild the cache from clean frames at t = 0
             cache = self.model.make_cache(self.layout, 1, self.dtype, self.device)
+            self.model.prepare_conditioning(cache, self.text)
             context = self._context_frames()
             for start in range(0, context.shape[2], self.layout.chunk_frames):
                 self._forward(context[:, :, start : start + self.layout.chunk_frames], 0.0, cache)

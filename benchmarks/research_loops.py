@@ -286,6 +286,11 @@ class ChunkLoop:
     def memory_bytes(self) -> int:
         raise NotImplementedError
 
+    def restart(self) -> None:
+        """Start a new stream on the same model (and buffers), same prompt, fresh noise; inside inference mode."""
+        self.frames_done = 0
+        self.noise = torch.Generator(self.device).manual_seed(self.setup.seed + 2)
+
     def timestep(self, sigma: float) -> torch.Tensor:
         return torch.full((1,), sigma * 1000.0, device=self.device, dtype=torch.float32)
 
@@ -310,6 +315,12 @@ class OursLoop(ChunkLoop):
     def __init__(self, setup: Setup) -> None:
         super().__init__(setup)
         self.cache = self.model.make_cache(self.layout, 1, self.dtype, self.device)
+        self.prepare()
+
+    @torch.inference_mode()
+    def prepare(self) -> None:
+        """The text K/V into the cache before the first step, as the pipeline does (the prompt-change signal)."""
+        self.model.prepare_conditioning(self.cache, self.text)
 
     def velocity(self, latents, sigma):
         return self.forward(latents, self.timestep(sigma), self.text, kv_cache=self.cache, layout=self.layout).sample
@@ -320,6 +331,12 @@ class OursLoop(ChunkLoop):
 
     def memory_bytes(self) -> int:
         return self.cache.memory_bytes()
+
+    @torch.inference_mode()
+    def restart(self) -> None:
+        super().restart()
+        self.cache.reset()
+        self.prepare()
 
 
 class _ResearchLoop(ChunkLoop):
@@ -372,6 +389,13 @@ class SelfForcingLoop(_ResearchLoop):
         super().__init__(setup)
         self._dict_cache(setup.sink_frames + setup.window_frames)
 
+    @torch.inference_mode()
+    def restart(self) -> None:
+        super().restart()
+        for layer in self.call.kv_cache:
+            layer["global_end_index"].zero_()
+            layer["local_end_index"].zero_()
+
     def velocity(self, latents, sigma):
         return self.run(latents, sigma, self.frames_done)
 
@@ -390,6 +414,11 @@ class KreaRecomputeLoop(_ResearchLoop):
         self.first = None  # (1, C, sink, h, w) clean latents of the first frames
         self.recent = None  # (1, C, <= recent, h, w) the last clean latent frames
         self.start_frame = 0
+
+    @torch.inference_mode()
+    def restart(self) -> None:
+        super().restart()
+        self.first = self.recent = None
 
     def before_chunk(self):
         for layer in self.call.kv_cache:  # a fresh cache: Krea re-initialises it every chunk
@@ -437,6 +466,12 @@ class CatLoop(_ResearchLoop):
             block.attn1.set_processor(CatSelfAttn(index, self.call))
         self.sink_tokens = setup.sink_frames * self.tokens_per_frame
         self.recent_tokens = (setup.window_frames - setup.chunk_frames) * self.tokens_per_frame
+
+    @torch.inference_mode()
+    def restart(self) -> None:
+        super().restart()
+        for layer in self.call.kv_cache:
+            layer.update(k=None, v=None, pending=None)
 
     def run(self, latents, sigma, start_frame):
         grid = (latents.shape[2], *self.grid_hw)

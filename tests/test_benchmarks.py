@@ -1,0 +1,124 @@
+"""The benchmark scripts run and print their tables; the research-loop baselines compute what ours computes.
+
+No timing is asserted: these check that the scripts work (argument parsing, the GPU script's CPU dry run)
+and that the re-implemented Self-Forcing, `torch.cat` and Krea loops generate the same stream as rolldiff's
+cache where they must, so the benchmark compares like with like.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import gpu_fps  # noqa: E402
+from _common import window_medians  # noqa: E402
+from research_loops import Setup, make_loop  # noqa: E402
+
+
+# ----------------------------------------------------------------------------------------- gpu_fps arguments
+def test_gpu_fps_dry_run_defaults_are_tiny():
+    args = gpu_fps.parse_args(["--dry-run"])
+    assert (args.height, args.width, args.layers, args.chunks, args.warmup) == (64, 64, 1, 4, 1)
+    assert args.compile and args.baseline and args.vae
+
+
+def test_gpu_fps_explicit_values_override_the_defaults():
+    args = gpu_fps.parse_args(["--dry-run", "--chunks", "7", "--height", "96", "--no-compile", "--no-vae"])
+    assert (args.chunks, args.height, args.width) == (7, 96, 64)
+    assert not args.compile and not args.vae and args.baseline
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_fps_without_cuda_refuses_and_names_the_dry_run(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_fps.parse_args([])
+    assert exit_info.value.code == 2
+    assert "--dry-run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--dry-run", "--height", "70"], "--height"),
+        (["--dry-run", "--chunks", "0"], "--chunks"),
+        (["--dry-run", "--warmup", "-1"], "--warmup"),
+        (["--dry-run", "--compile-mode", "fast"], "--compile-mode"),
+    ],
+)
+def test_gpu_fps_bad_arguments_name_the_argument(argv, named, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_fps.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_gpu_fps_dry_run_prints_one_table_and_exits_zero():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_fps.py"), "--dry-run"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| row | FPS | time to first frame s |")
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table[2:]}
+    for name in ("ours, eager", "ours, torch.compile (eager backend)", "Self-Forcing loop, eager (measured here)"):
+        fps = float(rows[name][0])  # a number, not FAILED
+        assert fps > 0
+    assert rows["ours, torch.compile (eager backend)"][6].endswith("(fullgraph)")
+    assert float(rows["Self-Forcing 1.3B (published, H100)"][0]) == 17.0
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def test_window_medians_spread_windows_from_start_to_end():
+    values = list(range(100))
+    assert window_medians(values, 50, 3) == [(0, 24.5), (25, 49.5), (50, 74.5)]
+    with pytest.raises(ValueError, match="window=50"):
+        window_medians(values[:10], 50)
+
+
+# ----------------------------------------------------------------------------------------- baselines are faithful
+def tiny_setup() -> Setup:
+    return Setup(model_config=dict(gpu_fps.TINY_MODEL, in_channels=4, out_channels=4), latent_hw=(4, 4), text_tokens=4)
+
+
+def stream(approach: str, chunks: int) -> list[torch.Tensor]:
+    loop = make_loop(approach, tiny_setup())
+    return [loop.chunk() for _ in range(chunks)]
+
+
+@pytest.fixture(scope="module")
+def ours_stream():
+    return stream("ours", 5)  # sink 1 + window 5 with chunks of 3: frames are evicted from chunk 2 on
+
+
+@pytest.mark.parametrize("approach", ["self-forcing", "cat"])
+def test_cached_baselines_generate_our_stream(approach, ours_stream):
+    """Same frames, same absolute positions: eviction by shift-with-clone or by concatenation changes nothing."""
+    for index, (theirs, ours) in enumerate(zip(stream(approach, 5), ours_stream)):
+        torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=1e-4, msg=f"chunk {index}")
+
+
+def test_krea_recompute_agrees_until_its_context_drops_a_frame(ours_stream):
+    """Chunks 0 and 1 see the same frames at the same positions; from chunk 2 Krea re-indexes its context."""
+    theirs = stream("krea-recompute", 3)
+    torch.testing.assert_close(theirs[0], ours_stream[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(theirs[1], ours_stream[1], atol=1e-4, rtol=1e-4)
+    assert (theirs[2] - ours_stream[2]).abs().max() > 1e-3
+
+
+def test_self_forcing_loop_shifts_its_window_with_a_clone_once_full():
+    """Its buffer holds sink + window frames; after eviction the sink is kept and the window shifted."""
+    loop = make_loop("self-forcing", tiny_setup())
+    for _ in range(4):
+        loop.chunk()
+    layer = loop.call.kv_cache[0]
+    tokens_per_frame = loop.tokens_per_frame
+    assert layer["k"].shape[1] == 6 * tokens_per_frame  # sink 1 + window 5
+    assert layer["local_end_index"].item() == 6 * tokens_per_frame
+    assert layer["global_end_index"].item() == 12 * tokens_per_frame
