@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 from tiny_components import tiny_pipeline
+from torch import nn
 
 from rolldiff.pipelines.chunked_video import StreamState
 
@@ -30,7 +31,7 @@ def live_storages() -> dict[int, int]:
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
-        if issubclass(type(obj), torch.Tensor) and not obj.is_meta:  # type(): no __class__ lookups on proxies
+        if type(obj) in (torch.Tensor, nn.Parameter) and not obj.is_meta:  # real tensors (not fakes left by compile)
             storage = obj.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return storages

@@ -92,6 +92,7 @@ class SlidingWindowLayer(CacheLayer):
         self._prefetched_batch: int | None = None
         self._staged: dict[str, torch.Tensor] = {}  # offload: the pending chunk in host memory
         self._stage_event = None
+        self._cropped = False  # `crop` emptied slots: the mask is needed even when the window is full
 
     def _set_chunk_tokens(self, chunk_tokens: int) -> None:
         check_positive("chunk_tokens", chunk_tokens)
@@ -236,7 +237,7 @@ class SlidingWindowLayer(CacheLayer):
         self._window_full_flag = (
             self.chunk_tokens is not None
             and self._committed_count >= self.capacity - self.chunk_tokens
-            and not getattr(self, "_cropped", False)
+            and not self._cropped
         )
 
     def _refresh_mask(self, num_pending: int) -> None:
