@@ -75,8 +75,8 @@ class RollingKVCache(nn.Module):
         if len({id(layer) for layer in seen}) != len(seen):
             raise ValueError("Each cache layer object may appear once in a cache (one per block and kind).")
         self.layers = nn.ModuleList(layers)
-        self.cross_layers = _registered(cross)  # state_dict names: cross_layers.3.keys
-        self.slot_layers = nn.ModuleDict({name: _registered(slot) for name, slot in named_slots.items()})
+        self._cross_modules = _registered(cross)  # state_dict names: _cross_modules.3.keys (resume.py skips them)
+        self._slot_modules = nn.ModuleDict({name: _registered(slot) for name, slot in named_slots.items()})
         self.cross: list[CacheLayer | None] = cross  # plain list, `None` where a block has none
         self.slots: dict[str, list[CacheLayer | None]] = named_slots
         self.workspace = CacheWorkspace()
