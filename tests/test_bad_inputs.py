@@ -35,7 +35,7 @@ from rolldiff.models.wan_conversion import (
     infer_wan_config,
     load_original_wan_checkpoint,
 )
-from rolldiff.pipelines.text_encoding import check_max_sequence_length
+from rolldiff.pipelines.text_encoding import PromptWarning, check_max_sequence_length
 from rolldiff.pipelines.video_writer import StreamingVideoWriter
 
 RED = "a red circle moving left"
@@ -423,6 +423,8 @@ API_CASES = {
     "schedule-frame-float": ApiCase({"prompt_schedule": [(2.0, RED)]}, "prompt_schedule"),
     "schedule-after-last-chunk-start": ApiCase({"prompt_schedule": [(3, RED)]}, "prompt_schedule"),
     "prompt-no-known-word": ApiCase({"prompt": "un cercle rouge"}, "prompt"),
+    "prompt-non-ascii": ApiCase({"prompt": "一个红色的圆向左移动"}, "prompt"),
+    "prompt-punctuation-only": ApiCase({"prompt": "!!!"}, "prompt"),
     "schedule-prompt-no-known-word": ApiCase({"prompt_schedule": [(2, "zebra")]}, "prompt_schedule"),
     "unknown-cache-option": ApiCase({"window_size": 3}, "window_size", TypeError),
     "state-object": ApiCase({"state": object()}, "state"),
@@ -483,3 +485,39 @@ def test_errors_found_during_the_run_keep_the_old_file_and_the_frames_done(
     assert existing_video.read_bytes() == before
     assert iio.imread(partial, plugin="FFMPEG", index=None).shape[0] == 2  # chunk 0's frames
     assert any(str(partial) in note for note in raised.__notes__)
+
+
+# ---------------------------------------------------------------------------------------- prompts read in part
+def test_unknown_words_and_truncation_are_warned_about_by_name(pipe, work_counter):
+    with pytest.warns(PromptWarning) as caught:
+        pipe.stream("a red circle moving left quickly and very smoothly", num_frames=4, height=16, width=16)
+    messages = [str(w.message) for w in caught]
+    assert any("'quickly'" in m and "'smoothly'" in m for m in messages), messages
+    assert any("only the first 8 (`max_sequence_length`)" in m and "'smoothly'" in m for m in messages), messages
+    assert work_counter == {"text_encoder": 0, "transformer": 0, "vae": 0}
+
+
+def test_numpy_integer_schedule_frames_are_accepted(pipe):
+    plain = pipe.stream(RED, 6, 16, 16, prompt_schedule=[(2, "a blue square moving up")])
+    numpy = pipe.stream(RED, 6, 16, 16, prompt_schedule=[(np.int64(2), "a blue square moving up")])
+    assert next(iter(numpy)).shape == next(iter(plain)).shape
+
+
+def test_embedded_tokenizer_reads_case_and_punctuation_and_keeps_the_known_prompts():
+    from transformers import AutoTokenizer
+
+    from rolldiff.defaults import default_model_path
+    from rolldiff.training.tiny_components import COLOURS, DIRECTIONS, SHAPES, toy_vocabulary
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path() / "tokenizer")
+    vocabulary = tokenizer.get_vocab()
+    assert set(toy_vocabulary()) <= set(vocabulary)
+    for colour in COLOURS:  # every training prompt tokenizes exactly as word lookups + </s>, as before
+        for shape in SHAPES:
+            for direction in DIRECTIONS:
+                prompt = f"a {colour} {shape} moving {direction}"
+                expected = [vocabulary[word] for word in prompt.split()] + [tokenizer.eos_token_id]
+                assert tokenizer(prompt).input_ids == expected
+    plain = tokenizer("a red circle moving left").input_ids
+    assert tokenizer("A Red Circle, Moving LEFT.").input_ids == plain
+    assert tokenizer("  a réd circle moving left!  ").input_ids == plain
