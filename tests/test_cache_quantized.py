@@ -8,9 +8,11 @@ unit-variance K/V (head_dim 64 and 128, fp32): attention output max |error| <= 0
 
 import pytest
 import torch
-from cache_helpers import GraphCounter, NewStorageCounter, attend
+from cache_helpers import GraphCounter, NewStorageCounter, attend, with_options
+from tiny_components import tiny_transformer
 
 from rolldiff.caching import RollingKVCache, SlidingWindowLayer
+from rolldiff.models import ChunkLayout
 
 FORMATS = ["int8", "fp8"]
 ATTENTION_BOUND = {"int8": 0.03, "fp8": 0.15}
@@ -126,3 +128,23 @@ def test_compiles_once_and_matches_eager(quantization):
 def test_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization.*'int4'"):
         SlidingWindowLayer(1, 4, 2, quantization="int4")
+
+
+@pytest.mark.parametrize("quantization, bound", [("int8", 0.005), ("fp8", 0.02)])
+@torch.no_grad()
+def test_model_output_with_a_quantized_cache_is_within_its_bound(quantization, bound):
+    """The Krea-like model over 5 chunks: max |output - unquantized output| (outputs reach ~2; measured 9e-4, 3e-3)."""
+    model = tiny_transformer()
+    layout = ChunkLayout(4, chunk_frames=2, sink_frames=2, window_frames=4, position_mode="relative")
+    text = torch.randn(1, 7, 16, generator=torch.Generator().manual_seed(1))
+    plain = model.make_cache(layout)
+    quantized = with_options(plain, quantization=quantization)
+    generator, worst = torch.Generator().manual_seed(2), 0.0
+    for _chunk in range(5):
+        for sigma in (0.8, 0.3, 0.0):
+            latents, timestep = torch.randn(1, 4, 2, 4, 4, generator=generator), torch.tensor([sigma * 1000.0])
+            outputs = [model(latents, timestep, text, kv_cache=c, layout=layout).sample for c in (plain, quantized)]
+            worst = max(worst, (outputs[0] - outputs[1]).abs().max().item())
+        plain.commit()
+        quantized.commit()
+    assert 0 < worst <= bound
