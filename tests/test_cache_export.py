@@ -151,3 +151,16 @@ def test_a_saved_model_cache_resumes_the_stream(tmp_path):
     for _ in range(2):
         latents = torch.randn(1, 4, 2, 4, 4, generator=generator)
         assert torch.equal(chunk(fresh, latents), chunk(cache, latents))
+
+
+def test_to_moves_and_casts_the_whole_cache():
+    cache = toy_cache()
+    layer = cache[0]
+    layer.update(*torch.randn(2, 1, 2, 2, 8).unbind(0))
+    layer.commit()
+    cache.to(torch.float64)
+    assert layer.keys.dtype == torch.float64 and layer.committed_tokens.dtype == torch.long
+    keys, _ = layer.update(*torch.randn(2, 1, 2, 2, 8, dtype=torch.float64).unbind(0))
+    assert keys.dtype == torch.float64 and layer.get_seq_length() == 2
+    with pytest.raises(TypeError, match="float32 but the cache holds torch.float64"):
+        layer.update(*torch.randn(2, 1, 2, 2, 8).unbind(0))

@@ -82,7 +82,7 @@ class SlidingWindowLayer(CacheLayer):
             self.register_buffer(name, None)
         # committed_tokens: 0-dim long on the compute device; slot_positions: (capacity,) token index per slot, -1 empty
         self.workspace = CacheWorkspace()  # scratch of quantized / offloaded layers; a container shares one
-        self.compute_dtype: torch.dtype | None = None
+        self._compute_dtype: torch.dtype | None = None  # what a quantized layer dequantizes to
         self._committed_count = 0  # host mirror, read only outside the attention step
         self._stream_batch: int | None = None  # rows the stream uses since the last reset (eager updates)
         self._workspace_names: dict[str, str] = {}
@@ -132,7 +132,7 @@ class SlidingWindowLayer(CacheLayer):
             self._allocate(batch_size, num_heads, head_dim, dtype, device)
 
     def _allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.compute_dtype = dtype
+        self._compute_dtype = dtype
         home = _HOME if self.offload else device
         stored = dtype if self.quantization is None else storage_dtype(self.quantization)
         pin = self.offload and torch.cuda.is_available()  # pinned host memory: asynchronous copies to the GPU
@@ -169,6 +169,14 @@ class SlidingWindowLayer(CacheLayer):
         self._sync_window_full()
         self._prefetch_event = None
         self._reserve_workspace()
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype K/V arrive and are read in: the buffers' own (they follow `.to(dtype)`), or, quantized, the
+        dtype given at allocation."""
+        if self.keys is None:
+            return None
+        return self.keys.dtype if self.quantization is None else self._compute_dtype
 
     def _home(self) -> dict[str, torch.Tensor]:
         """The stored K/V (codes and scales when quantized): on the compute device, or in CPU memory if offloaded."""
