@@ -148,3 +148,36 @@ def test_model_output_with_a_quantized_cache_is_within_its_bound(quantization, b
         plain.commit()
         quantized.commit()
     assert 0 < worst <= bound
+
+
+@torch.no_grad()
+def test_model_step_with_an_int8_cache_compiles_into_two_graphs():
+    """Window filling, then full: the quantized storage adds no graph and no recompile as the stream grows."""
+    model = tiny_transformer()
+    layout = ChunkLayout(4, chunk_frames=1, sink_frames=1, window_frames=3, position_mode="relative")
+    text = torch.randn(1, 7, 16, generator=torch.Generator().manual_seed(1))
+    caches = []
+    for _ in range(2):
+        cache = with_options(model.make_cache(layout), quantization="int8")
+        cache.early_initialization(
+            1, model.config.num_attention_heads, model.config.attention_head_dim, torch.float32, "cpu"
+        )
+        model.prepare_conditioning(cache, text)
+        caches.append(cache)
+    counter = GraphCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for _chunk in range(12):
+            noisy = torch.randn(1, 4, 1, 4, 4, generator=generator)
+            for sigma in (1.0, 0.5, 0.0):
+                timestep = torch.tensor([sigma * 1000.0])
+                got = compiled(noisy, timestep, text, kv_cache=caches[0], layout=layout).sample
+                expected = model(noisy, timestep, text, kv_cache=caches[1], layout=layout).sample
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+            for cache in caches:
+                cache.commit()
+    finally:
+        torch._dynamo.reset()
+    assert len(counter.graphs) == 2
