@@ -207,6 +207,8 @@ CLI_AFTER_LOAD = {
     "position-mode": (["--prompt", RED, "--position-mode", "sideways"], "position_mode"),
     "prompt-at-past-end": (["--prompt", RED, "--prompt-at", "100:a blue square moving up"], "prompt_schedule"),
     "missing-model": (["--prompt", RED, "--model", "/no/such/pipeline"], "--model"),
+    "prompt-no-known-word": (["--prompt", "un cercle rouge"], "prompt"),
+    "state-every-negative": (["--prompt", RED, "--state-every", "-1"], "--state-every"),
 }
 
 

@@ -113,7 +113,8 @@ def test_bad_arguments_exit_2_with_one_line_on_stderr(model_dir, tmp_path, capsy
 
 
 @pytest.mark.parametrize("model", ["/no/such/pipeline", "not a hub id!", ".", "rolldiff-test/no-such-pipeline"])
-def test_missing_model_exits_2(tmp_path, capsys, model):
+def test_missing_model_exits_2(tmp_path, capsys, monkeypatch, model):
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # no network in tests: the Hub id fails fast
     assert main(["generate", "--model", model, "--prompt", RED, "--out", str(tmp_path / "v.mp4")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("rolldiff: error: --model") and err.count("\n") == 1
