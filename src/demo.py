@@ -169,7 +169,7 @@ class ChunkSettings:
 
     @classmethod
     def of_model(cls, pipe) -> ChunkSettings:
-        """The model's own values, from its registered config (`None` for options it does not have)."""
+        """The model's own values, from its registered config (`None`: it has no such option, or it is unbounded)."""
         own = {name: pipe.config[name] for name in (*CACHE_FIELDS, "position_mode") if name in pipe.cache_options}
         return cls(denoising_steps=list(pipe.config.denoising_steps), **own)
 
@@ -188,17 +188,24 @@ class LivePrompt:
         self._lock = threading.Lock()
         self._prompts = [prompt]
         self._active = 0
+        self._asked_frame = -1  # the start frame of the latest chunk the loop asked about
+        self.last_chunk_start: int | None = None  # pixel frame the video's last chunk starts at, once known
         self.applied: list[tuple[int, str]] = [(0, prompt)]
         self.notes: list[str] = []  # what the tokenizer did not read in the prompts switched to
 
-    def switch(self, prompt: str, notes: list[str] = ()) -> None:
+    def switch(self, prompt: str, notes: list[str] = ()) -> bool:
+        """Take `prompt` at the next chunk; False (and nothing changes) if the last chunk has already started."""
         with self._lock:
+            if self.last_chunk_start is not None and self._asked_frame >= self.last_chunk_start:
+                return False
             self._prompts.append(prompt)
             self.notes.extend(notes)
+            return True
 
     def active_index(self, frame: int) -> int:
         """Called by the chunk loop with the pixel frame each chunk starts at: the latest prompt wins."""
         with self._lock:
+            self._asked_frame = frame
             latest = len(self._prompts) - 1
             if latest != self._active:
                 self._active = latest
@@ -253,6 +260,7 @@ def generate_frames(
         **settings.cache_options(pipe),
     )  # fmt: skip
     state.run.schedule = live  # the chunk loop asks it for the active prompt at every chunk boundary
+    live.last_chunk_start = pipe._latent_to_pixel_start(state.run.num_latent_frames - state.run.chunk_shape[2])
     return _timed(chunks, state)
 
 
@@ -482,7 +490,8 @@ def build_demo(
             notes = prompt_notes(pipe, prompt, "switch prompt")
         except ValueError as exc:  # no word the model knows: keep the current prompt
             return f"Not switching: {exc}"
-        live.switch(prompt, notes)
+        if not live.switch(prompt, notes):
+            return "Too late to switch: the last chunk is being made. Press Generate to start with it."
         return " ".join([f"Switching to “{prompt}” at the next chunk.", *notes])
 
     def model_defaults(model_name: str):
@@ -578,13 +587,15 @@ def _model_info(pipe, size: tuple[int, int]) -> str:
 def _advanced_fields(pipe) -> dict[str, dict[str, Any]]:
     """Each Advanced field's placeholder (the model's own value) and visibility (whether the model has it)."""
     own = ChunkSettings.of_model(pipe)
-    fields = {
-        name: dict(placeholder=f"{getattr(own, name)} (the model's)", visible=getattr(own, name) is not None)
-        for name in CACHE_FIELDS
-    }
+
+    def shown(name: str) -> str:
+        value = getattr(own, name)
+        return f"{'every earlier frame' if value is None else value} (the model's)"  # None: an unbounded window
+
+    fields = {name: dict(placeholder=shown(name), visible=name in pipe.cache_options) for name in CACHE_FIELDS}
     fields["denoising_steps"] = dict(placeholder=", ".join(map(str, own.denoising_steps)) + " (the model's)")
     choices = [(f"the model's ({own.position_mode})", ""), *((mode, mode) for mode in POSITION_MODES)]
-    fields["position_mode"] = dict(choices=choices, visible=own.position_mode is not None)
+    fields["position_mode"] = dict(choices=choices, visible="position_mode" in pipe.cache_options)
     return fields
 
 

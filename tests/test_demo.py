@@ -16,6 +16,7 @@ import pytest
 import torch
 from gradio_client import Client
 from gradio_client.exceptions import AppError
+from test_long_sana_pipeline import tiny_sana_pipeline
 from tiny_components import tiny_pipeline
 
 from rolldiff.defaults import embedded_models, load_pipeline
@@ -48,6 +49,11 @@ def pipe():
     pipe = tiny_pipeline()
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+@pytest.fixture(scope="module")
+def sana_pipe():
+    return tiny_sana_pipeline()  # the SANA-like family: linear-attention state, every earlier chunk seen
 
 
 def _serve(streaming: bool = False, **kwargs):
@@ -146,7 +152,9 @@ def test_concurrent_sessions_each_get_the_video_they_get_alone(server):
         np.testing.assert_array_equal(got, expected)
 
 
-def test_live_switch_equals_the_pipelines_prompt_schedule_at_the_recorded_frame(pipe):
+@pytest.mark.parametrize("family", ["pipe", "sana_pipe"])
+def test_live_switch_equals_the_pipelines_prompt_schedule_at_the_recorded_frame(family, request):
+    pipe = request.getfixturevalue(family)
     live = LivePrompt(RED)
     chunks = []
     for chunk in generate_frames(pipe, live, 8, 16, 16, seed=0):
@@ -157,6 +165,19 @@ def test_live_switch_equals_the_pipelines_prompt_schedule_at_the_recorded_frame(
 
     expected = pipe.stream(None, 8, 16, 16, prompt_schedule=live.applied, generator=torch.Generator().manual_seed(0))
     np.testing.assert_array_equal(np.concatenate(chunks), _as_uint8(expected))
+    unswitched = pipe.stream(RED, 8, 16, 16, generator=torch.Generator().manual_seed(0))
+    assert not np.array_equal(np.concatenate(chunks), _as_uint8(unswitched))  # the switch did something
+
+
+def test_a_switch_once_the_last_chunk_has_started_is_refused(pipe):
+    live = LivePrompt(RED)
+    chunks = generate_frames(pipe, live, 8, 16, 16, seed=0)  # 4 chunks, the last one starts at frame 6
+    for _ in range(3):
+        next(chunks)
+    assert live.switch(BLUE)  # the loop has not asked for chunk 4 yet: it lands there
+    next(chunks)
+    assert not live.switch(GREEN)  # nothing left to steer
+    assert next(chunks, None) is None and live.applied == [(0, RED), (6, BLUE)]
 
 
 @pytest.mark.skipif(not streaming_available(), reason="Gradio's streaming video output needs ffmpeg and ffprobe")
@@ -189,14 +210,14 @@ def test_a_switch_to_a_prompt_of_unknown_words_is_refused_and_the_video_goes_on(
 
 # ---------------------------------------------------------------------------------------- the live plots
 def test_each_chunk_plots_its_time_and_a_flat_cache_memory(server):
-    job = _client(server).submit(RED, 4, 0, api_name="/generate")  # 16 frames: 8 chunks, window full after 2
+    job = _client(server).submit(RED, 3, 0, api_name="/generate")  # 12 frames: 6 chunks, window full after 2
     _, summary, times, memory, details = job.result()
-    assert [len(_plot_data(output[2])) for output in job.outputs()] == list(range(1, 9))  # the plots grow live
-    assert [len(_plot_data(output[3])) for output in job.outputs()] == list(range(1, 9))
-    assert [chunk for chunk, _ in _plot_data(times)] == list(range(8))
+    assert [len(_plot_data(output[2])) for output in job.outputs()] == list(range(1, 7))  # the plots grow live
+    assert [len(_plot_data(output[3])) for output in job.outputs()] == list(range(1, 7))
+    assert [chunk for chunk, _ in _plot_data(times)] == list(range(6))
     assert all(ms > 0 for ms in _plot_values(times))
     cache_kib = _plot_values(memory)
-    assert cache_kib[0] > 0 and cache_kib == [cache_kib[0]] * 8  # preallocated ring buffers: a flat line
+    assert cache_kib[0] > 0 and cache_kib == [cache_kib[0]] * 6  # preallocated ring buffers: a flat line
     assert round(details["cache_bytes"] / 1024, 2) == cache_kib[0]
     assert details["frames_per_second"] > 0 and f"{details['frames_per_second']:.1f} frames per second" in summary
 
@@ -204,8 +225,8 @@ def test_each_chunk_plots_its_time_and_a_flat_cache_memory(server):
 def test_the_memory_plot_reads_the_running_cache(server):
     """A longer window (Advanced) holds more tokens: the plotted bytes follow the cache actually used."""
     client = _client(server)
-    default = client.predict(RED, 2, 0, api_name="/generate")[-1]["cache_bytes"]
-    longer = client.predict(RED, 2, 0, window_frames=6, api_name="/generate")[-1]["cache_bytes"]
+    default = client.predict(RED, 1, 0, api_name="/generate")[-1]["cache_bytes"]
+    longer = client.predict(RED, 1, 0, window_frames=6, api_name="/generate")[-1]["cache_bytes"]
     sink_tokens, window_tokens = 2, 4  # the tiny pipeline's sink and window, in latent frames
     assert longer > default
     assert longer - default == pytest.approx(default * 2 / (sink_tokens + window_tokens), rel=0.25)
@@ -310,21 +331,21 @@ def test_a_port_in_use_is_named_before_starting():
 
 
 # ---------------------------------------------------------------------------------------- models
-def test_the_model_menu_switches_between_models(pipe):
-    other = tiny_pipeline(chunk_frames=1, window_frames=3, denoising_steps=[1000, 500])
-    demo = _serve(models={"first": pipe, "other": other})
+def test_the_model_menu_switches_between_model_families(pipe, sana_pipe):
+    demo = _serve(models={"krea": pipe, "sana": sana_pipe})
     try:
         client = _client(demo)
-        info, chunk, sink, window, steps, mode = client.predict("other", api_name="/select_model")
-        assert "KreaRealtimeVideoPipeline, 16x16" in info
-        job = client.submit(RED, 1, 0, "other", api_name="/generate")
+        info, chunk, sink, window, steps, mode = client.predict("sana", api_name="/select_model")
+        job = client.submit(RED, 1, 0, "sana", api_name="/generate")
         video, *_, details = job.result()
-        first = client.predict(RED, 1, 0, "first", api_name="/generate")
+        krea = client.predict(RED, 1, 0, "krea", api_name="/generate")
     finally:
         demo.close()
-    assert details["model"] == "other"
-    assert [len(_read(output[0])) for output in job.outputs()] == [1, 2, 3, 4]  # `other`'s one-frame chunks
-    assert first[-1]["model"] == "first" and not np.array_equal(_read(video), _read(first[0]))
+    assert info == "LongSanaVideoPipeline, 16x16 pixels"
+    assert window["placeholder"] == "every earlier frame (the model's)"  # LongSANA's unbounded window
+    assert details["model"] == "sana" and krea[-1]["model"] == "krea"
+    assert [len(_read(output[0])) for output in job.outputs()] == [2, 4]
+    assert not np.array_equal(_read(video), _read(krea[0]))
 
 
 @pytest.fixture(scope="module")
