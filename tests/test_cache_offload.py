@@ -8,7 +8,7 @@ Outputs are identical with and without offload, and home only changes at `commit
 
 import pytest
 import torch
-from cache_helpers import attend, with_options
+from cache_helpers import NewStorageCounter, attend, with_options
 from tiny_components import tiny_transformer
 
 from rolldiff.caching import RollingKVCache, SlidingWindowLayer
@@ -121,3 +121,16 @@ def test_cuda_home_is_pinned_and_the_next_block_is_prefetched():
     query, key, value = torch.randn(3, 2, 2, 2, 8, device="cuda").unbind(0)
     attend(cache[0], query, key, value)
     assert cache[1]._prefetch_event is not None  # block 1's K/V are on their way while block 0 computes
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_steady_state_allocates_nothing(quantization):
+    layer = SlidingWindowLayer(4, 12, 4, quantization=quantization, offload=True)
+    layer.early_initialization(1, 2, 8, torch.float32, "cpu")
+    for chunk in range(6):
+        key, value = torch.randn(2, 1, 4, 2, 8).unbind(0)
+        with NewStorageCounter() as counter:
+            for _step in range(3):
+                layer.update(key, value)
+            layer.commit()
+        assert counter.allocations == [], chunk

@@ -165,6 +165,11 @@ class SlidingWindowLayer(CacheLayer):
                 name: zeros(batch, self.chunk_tokens, heads, tensor.shape[-1], dtype=tensor.dtype, where=_HOME)
                 for name, tensor in self._home().items()
             }
+            # host twins of the index scratch: the home slots of a commit, computed without allocating
+            self._home_index = torch.zeros(
+                4, self.chunk_tokens, dtype=torch.long
+            )  # offsets, positions, slots, scratch
+            torch.arange(self.chunk_tokens, out=self._home_index[0])
         self._committed_count, self.pending_tokens, self._stream_batch = 0, 0, None
         self._sync_window_full()
         self._prefetch_event = None
@@ -387,8 +392,8 @@ class SlidingWindowLayer(CacheLayer):
             torch.cuda.synchronize(self.slot_positions.device)  # staged copies landed; no copy still reads home
         self._prefetch_event = None  # a prefetched copy predates this commit
         start, batch = self._committed_count, self._stream_batch or self.keys.shape[0]
-        positions = range(start, start + self.pending_tokens)
-        slots = torch.tensor([self._slot_of(p) for p in positions], dtype=torch.long)
+        offsets, positions, slots, scratch = self._home_index[:, : self.pending_tokens]
+        slots = self._slots_for(torch.add(offsets, start, out=positions), slots, scratch)
         staged = {name: t[:batch, : self.pending_tokens] for name, t in self._staged.items()}
         offloading.write_home(self._home(), staged, slots)
 
