@@ -412,6 +412,9 @@ API_CASES = {
     "guidance-nan": ApiCase({"guidance_scale": float("nan")}, "guidance_scale"),
     "guidance-inf": ApiCase({"guidance_scale": float("inf")}, "guidance_scale"),
     "guidance-text": ApiCase({"guidance_scale": "2"}, "guidance_scale"),
+    "attention-bias-nan": ApiCase({"attention_bias": float("nan")}, "attention_bias"),
+    "steps-nan": ApiCase({"denoising_steps": [float("nan"), 500]}, "denoising_steps"),
+    "to-file-fps-nan": ApiCase({"fps": float("nan")}, "fps", to_file=True),
     "latents-nan": ApiCase({"latents": torch.full((1, 4, 4, 2, 2), float("nan"))}, "latents"),
     "latents-list": ApiCase({"latents": [[0.0]]}, "latents"),
     "generator-int": ApiCase({"generator": 42}, "generator", TypeError),
@@ -446,7 +449,7 @@ def test_pipeline_refuses_before_any_work(pipe, work_counter, existing_video, mo
     with pytest.raises(case.error) as raised:
         if case.to_file:
             path = kwargs.pop("path", str(existing_video))
-            pipe.generate_to_file(path, fps=8, **kwargs)
+            pipe.generate_to_file(path, **{"fps": 8, **kwargs})
         else:
             next(iter(pipe.stream(**kwargs)))
     assert re.search(f"[`'\"]{case.names}[`'\"]", str(raised.value)), str(raised.value)  # named, quoted
