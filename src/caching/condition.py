@@ -32,6 +32,7 @@ import torch
 
 from .base import CacheLayer, check_allocation_sizes, check_key_value, check_matches_buffer, check_positive
 from .container import RollingKVCache
+from .workspace import CacheWorkspace
 
 CONDITION_MODES = ("write", "read", "skip")
 
@@ -50,49 +51,23 @@ def fill_key_mask(mask: torch.Tensor, lengths: list[int], rows_per_sample: int) 
         mask[sample * rows_per_sample : (sample + 1) * rows_per_sample, length:longest] = False
 
 
-class ConditionWorkspace:
-    """One `[conditions; current]` K/V buffer (and key mask) shared by all layers of a cache."""
-
-    def __init__(self) -> None:
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.key_mask: torch.Tensor | None = None
-        self.fixed = False  # allocated ahead: never grows
-
-    def reserve(self, rows: int, tokens: int, heads: int, head_dim: int, dtype, device) -> None:
-        if self.keys is not None and rows <= self.keys.shape[0] and tokens <= self.keys.shape[1]:
-            return
-        if self.fixed:
-            raise ValueError(
-                f"the condition cache's workspace was allocated for {tuple(self.keys.shape[:2])} (batch, tokens), "
-                f"a read needs {(rows, tokens)}."
-            )
-        if self.keys is not None:
-            rows, tokens = max(rows, self.keys.shape[0]), max(tokens, self.keys.shape[1])
-        self.keys = torch.zeros(rows, tokens, heads, head_dim, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        self.key_mask = torch.ones(rows, tokens, dtype=torch.bool, device=device)
-
-    def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.key_mask) if t is not None)
-
-
 class ConditionLayer(CacheLayer):
     """Args:
     max_tokens: conditions + current tokens one row holds (None: sized at first use).
-    workspace: a `ConditionWorkspace` shared with the other layers; the layer then keeps only its
-        conditions and reads through the workspace.
+    shared_workspace: keep only the conditions and read through the container's `CacheWorkspace`
+        (shared by all layers of the cache; set by `RollingKVCache` via `share_workspace`).
     """
 
-    def __init__(self, max_tokens: int | None = None, workspace: ConditionWorkspace | None = None) -> None:
+    def __init__(self, max_tokens: int | None = None, shared_workspace: bool = False) -> None:
         super().__init__()
         self.max_tokens = None if max_tokens is None else check_positive("max_tokens", max_tokens)
-        self.workspace = workspace
+        self.shared_workspace = shared_workspace
+        self.workspace: CacheWorkspace | None = None  # the container's, when `shared_workspace`
+        self.register_buffer("key_mask", None, persistent=False)  # (rows, capacity) bool, True = attend
         self.mode: str | None = None
         self.sample_index = 0  # the sample "write" appends to
         self.condition_lengths: list[int] = []  # tokens per written sample
         self.rows_per_sample = 1  # current layout of the buffer's rows
-        self.key_mask: torch.Tensor | None = None  # (rows, capacity) bool, True = attend
         self.attention_mask: torch.Tensor | None = None  # (N, C + T) after a read with unequal lengths, else None
         self._mask_lengths: tuple[int, ...] | None = None  # layout the mask was built for
         self._fixed_rows = False  # early_initialization fixes the batch
@@ -108,9 +83,19 @@ class ConditionLayer(CacheLayer):
             )
         self._allocate(batch_size, self.max_tokens, num_heads, head_dim, dtype, torch.device(device))
         self._fixed_rows = True
-        if self.workspace is not None and not self.workspace.fixed:
-            self.workspace.reserve(batch_size, self.max_tokens, num_heads, head_dim, dtype, torch.device(device))
-            self.workspace.fixed = True
+        if self.workspace is not None:
+            self._reserve_workspace(batch_size, self.max_tokens, num_heads, head_dim, dtype, torch.device(device))
+
+    def share_workspace(self, workspace: CacheWorkspace, work_parity: int = 0) -> None:
+        """The container's scratch, used only by a layer built with `shared_workspace=True`."""
+        if self.shared_workspace:
+            self.workspace = workspace
+
+    def _reserve_workspace(self, rows: int, tokens: int, heads: int, head_dim: int, dtype, device) -> None:
+        """Grow the shared `[conditions; current]` K/V and key-mask buffers if this read needs more."""
+        for role in ("condition_keys", "condition_values"):
+            self.workspace.reserve(role, (rows, tokens, heads, head_dim), dtype, device)
+        self.workspace.reserve("condition_mask", (rows, tokens), torch.bool, device)
 
     def _allocate(self, rows: int, tokens: int, heads: int, head_dim: int, dtype, device) -> None:
         keys = torch.zeros(rows, tokens, heads, head_dim, dtype=dtype, device=device)  # zeros: padding stays finite
@@ -120,7 +105,8 @@ class ConditionLayer(CacheLayer):
             keys[:old_rows, :old_tokens] = self.keys
             values[:old_rows, :old_tokens] = self.values
         self.keys, self.values = keys, values
-        self.key_mask = torch.ones(rows, tokens, dtype=torch.bool, device=device)
+        if not self.shared_workspace:  # the shared workspace holds the mask of a read
+            self.key_mask = torch.ones(rows, tokens, dtype=torch.bool, device=device)
         self._mask_lengths = None
 
     def _check_capacity(self, tokens: int) -> None:
@@ -185,7 +171,7 @@ class ConditionLayer(CacheLayer):
                 f"Cannot match {samples} cached samples to batch size {batch}: "
                 "the batch must be a multiple of the number of samples written."
             )
-        if self.workspace is not None:
+        if self.shared_workspace:
             return self._read_through_workspace(key, value)
         self._reserve(key, rows=max(batch, samples * self.rows_per_sample), tokens=longest + tokens)
         self._spread(batch // samples)
@@ -203,17 +189,25 @@ class ConditionLayer(CacheLayer):
         samples, longest = len(self.condition_lengths), self._longest()
         end = longest + tokens
         self._check_capacity(end)
+        if self.workspace is None:
+            raise RuntimeError(
+                "a ConditionLayer with `shared_workspace=True` reads through its container's workspace; "
+                "build it inside a ConditionKVCache (or call `share_workspace(CacheWorkspace())`)."
+            )
         check_matches_buffer("key", key[:1], self.keys[:1])
-        workspace = self.workspace
-        workspace.reserve(batch, end, heads, head_dim, key.dtype, key.device)
-        for buffer, conditions, current in ((workspace.keys, self.keys, key), (workspace.values, self.values, value)):
-            rows = buffer[:batch, :longest].unflatten(0, (samples, batch // samples))  # (S, k, C, H, D) view
+        self._reserve_workspace(batch, end, heads, head_dim, key.dtype, key.device)
+        shape = (batch, end, heads, head_dim)
+        keys = self.workspace.view("condition_keys", shape, key.dtype, key.device)  # contiguous prefix views
+        values = self.workspace.view("condition_values", shape, key.dtype, key.device)
+        for buffer, conditions, current in ((keys, self.keys, key), (values, self.values, value)):
+            rows = buffer[:, :longest].unflatten(0, (samples, batch // samples))  # (S, k, C, H, D) view
             rows.copy_(conditions[:samples, None, :longest])  # broadcast over k: no repeated copy is allocated
-            buffer[:batch, longest:end] = current
+            buffer[:, longest:] = current
         if len(set(self.condition_lengths)) > 1:
-            fill_key_mask(workspace.key_mask[:batch], self.condition_lengths, batch // samples)
-            self.attention_mask = workspace.key_mask[:batch, :end]
-        return workspace.keys[:batch, :end], workspace.values[:batch, :end]
+            mask = self.workspace.view("condition_mask", (batch, end), torch.bool, key.device)
+            fill_key_mask(mask, self.condition_lengths, batch // samples)
+            self.attention_mask = mask
+        return keys, values
 
     def _spread(self, rows_per_sample: int) -> None:
         """Lay sample s on rows s*k .. s*k + k - 1 (k = rows_per_sample), moving rows in place."""
@@ -254,11 +248,11 @@ class ConditionLayer(CacheLayer):
         )
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Views of the conditions, one row per batch row of the current layout (padding included)."""
+        """A copy of the conditions, one row per buffer row of the current layout (padding included)."""
         if self._longest() == 0:
             return None
         rows = len(self.condition_lengths) * self.rows_per_sample
-        return self.keys[:rows, : self._longest()], self.values[:rows, : self._longest()]
+        return self.keys[:rows, : self._longest()].clone(), self.values[:rows, : self._longest()].clone()
 
     def reset(self) -> None:
         """Forget the conditions and the mode, keeping the buffers (same `data_ptr`)."""
@@ -287,11 +281,7 @@ class ConditionKVCache(RollingKVCache):
 
     def __init__(self, num_layers: int, max_tokens: int | None = None, shared_workspace: bool = False) -> None:
         check_positive("num_layers", num_layers)
-        self.workspace = ConditionWorkspace() if shared_workspace else None
-        super().__init__([ConditionLayer(max_tokens, self.workspace) for _ in range(num_layers)])
-
-    def memory_bytes(self) -> int:
-        return super().memory_bytes() + (self.workspace.memory_bytes() if self.workspace is not None else 0)
+        super().__init__([ConditionLayer(max_tokens, shared_workspace) for _ in range(num_layers)])
 
     @property
     def num_layers(self) -> int:
