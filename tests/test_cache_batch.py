@@ -106,3 +106,38 @@ def test_model_cache_for_three_serves_a_batch_of_two():
         big.commit()
         exact.commit()
     assert big[0].keys.data_ptr() == pointer and isinstance(big.cross[0], CrossAttentionLayer)
+
+
+@torch.no_grad()
+def test_compiled_model_serves_batches_one_to_three_from_one_cache_without_recompiling():
+    """After one round of batches (3, 2, 1) the compiled step never recompiles: each class of batch (the first,
+    dynamic b >= 2, b = 1) x window state (filling, full) is one graph, all on the one allocation."""
+    model = tiny_transformer()
+    layout = ChunkLayout(4, chunk_frames=1, sink_frames=1, window_frames=3, position_mode="relative")
+    compiled_cache = model.make_cache(layout, batch_size=3, dtype=torch.float32, device="cpu")
+    eager_cache = model.make_cache(layout, batch_size=3, dtype=torch.float32, device="cpu")
+    pointer = compiled_cache[0].keys.data_ptr()
+    counter = GraphCounter()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    counts = []
+    try:
+        for batch in (3, 2, 1, 3, 2, 1):
+            text = torch.randn(batch, 7, 16, generator=torch.Generator().manual_seed(batch))
+            for cache in (compiled_cache, eager_cache):
+                cache.reset()
+                model.prepare_conditioning(cache, text)
+            for _chunk in range(4):
+                noisy, timestep = torch.randn(batch, 4, 1, 4, 4), torch.full((batch,), 500.0)
+                for tensor in (noisy, timestep, text):
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                got = compiled(noisy, timestep, text, kv_cache=compiled_cache, layout=layout).sample
+                expected = model(noisy, timestep, text, kv_cache=eager_cache, layout=layout).sample
+                torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+                compiled_cache.commit()
+                eager_cache.commit()
+            counts.append(len(counter.graphs))
+    finally:
+        torch._dynamo.reset()
+    assert counts[2] == counts[-1] <= 6, counts  # the second round of batches compiled nothing
+    assert compiled_cache[0].keys.data_ptr() == pointer

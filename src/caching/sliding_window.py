@@ -91,7 +91,6 @@ class SlidingWindowLayer(CacheLayer):
         self._prefetch_event = None
         self._prefetched_batch: int | None = None
         self._staged: dict[str, torch.Tensor] = {}  # offload: the pending chunk in host memory
-        self._stage_event = None
         self._cropped = False  # `crop` emptied slots: the mask is needed even when the window is full
 
     def _set_chunk_tokens(self, chunk_tokens: int) -> None:
@@ -367,9 +366,6 @@ class SlidingWindowLayer(CacheLayer):
         if not self.offload:
             return
         self._staged[name][: chunk.shape[0], : chunk.shape[1]].copy_(chunk, non_blocking=chunk.is_cuda)
-        if chunk.is_cuda:
-            self._stage_event = torch.cuda.Event()
-            self._stage_event.record()
 
     def _prefetch_next(self, batch: int) -> None:
         """On CUDA, start copying the next offloaded block's K/V to the device while this block computes."""
