@@ -31,7 +31,7 @@ ROOT = HERE.parent
 # name -> (arguments for the full run, arguments for --quick: a smoke run of the same code)
 PLAN = {
     "real_shapes": (
-        ["--chunks", "110", "--window", "50", "--points", "3", "--threads", "2"],
+        ["--chunks", "100", "--window", "50", "--points", "3", "--threads", "2"],
         ["--chunks", "8", "--window", "3", "--warmup", "2", "--height", "32", "--width", "48", "--text-tokens", "16"],
     ),
     "limit": (
@@ -43,6 +43,8 @@ PLAN = {
         ["--chunks", "25", "--baseline-budget-s", "1", "--approaches", "ours", "ours-compiled", "recompute-krea"],
     ),
     "cache_bench": (["--threads", "1"], ["--threads", "1", "--chunks", "2", "--tokens-per-frame", "16"]),
+    "sana_state": ([], ["--chunks", "4", "--window", "2", "--warmup", "1", "--height", "16", "--width", "16"]),
+    "glm_image_bench": (["--size", "256"], ["--size", "256", "--references", "1"]),
     "gpu_fps": (["--dry-run"], ["--dry-run", "--no-compile"]),
 }
 JSON_OUTPUT = {"real_shapes", "limit", "soak"}
@@ -119,6 +121,9 @@ def soak_section(result: dict) -> str:
 
 def write_page(results: dict, machine_before: dict, load_after, out: Path, soak_source: str, total_s: float) -> str:
     real, limit = results["real_shapes"], results["limit"]
+    real_args = (real["data"] or {}).get("args", {})
+    size = f"{real_args.get('height', '?')}x{real_args.get('width', '?')}"
+    tokens = (real["data"] or {}).get("tokens_per_frame", "?")
     lines = [
         "# Benchmarks",
         "",
@@ -141,8 +146,9 @@ def write_page(results: dict, machine_before: dict, load_after, out: Path, soak_
         "",
         f"`{real['command']}` ({real['seconds']:.0f} s)",
         "",
-        "What runs: Wan 2.1 1.3B's block (12 heads x 128, ffn 8960, text 512 x 4096 projected every forward",
-        "as diffusers does) with random weights, fp32, one block. Each approach generates the same stream",
+        "What runs: Wan 2.1 1.3B's block (12 heads x 128, ffn 8960, text embeddings of width 4096) with",
+        f"random weights, fp32, {real_args.get('layers', '?')} block(s), at {size} pixels ({tokens} tokens per frame).",
+        "Each approach generates the same stream",
         "(same weights, noise and text) chunk by chunk: 3 latent frames per chunk, 4 denoising steps and a",
         "context pass. All see the same context, Krea Realtime's: the first latent frame plus the 2 most",
         "recent frames plus the chunk (sink 1, window 5). The approaches (`benchmarks/research_loops.py`) are",
@@ -160,10 +166,12 @@ def write_page(results: dict, machine_before: dict, load_after, out: Path, soak_
         "Self-Forcing and `cat` loops are checked against ours on every chunk; Krea's only until its rebuilt",
         "context first drops a frame (its K/V then differ by design).",
         "",
-        "Why 128x208 and one block, not 240x416: at 240x416 a chunk of one block costs about 0.7 TFLOP, about",
-        "8 s on one core of this CPU. Four approaches over 100+ chunks would take about an hour, not 15",
-        "minutes. The layer shapes are the real ones. Frame size and depth scale every approach's matmuls",
-        "alike; the section after this one measures a step at 240x416.",
+        f"Why {size} and {real_args.get('text_tokens', '?')} text tokens rather than 240x416 and 512: at 240x416",
+        "one block costs about 0.7 TFLOP per chunk, about 8 s on one core of this CPU. Four approaches over",
+        "100 chunks would take about an hour, not 15 minutes. The layer shapes are the real ones. Frame size",
+        "scales every approach's matmuls alike. diffusers projects the text in every forward: at 512 tokens",
+        "that fixed cost is 25% of a one-block step but 0.3% of the real 30-block step. Fewer text tokens",
+        "keep it near its real share. The next section measures one step at 240x416 with 512 text tokens.",
         "",
         printed_tables(real["stdout"]),
         "",
@@ -199,7 +207,28 @@ def write_page(results: dict, machine_before: dict, load_after, out: Path, soak_
         result = results[name]
         lines += [f"## {title}", "", f"`{result['command']}` ({result['seconds']:.0f} s)", "", note, ""]
         lines += [printed_tables(result["stdout"]), ""]
+    sana, glm = results["sana_state"], results["glm_image_bench"]
     lines += [
+        "## Other families",
+        "",
+        "### SANA-like (LongSANA): state cache against recompute",
+        "",
+        f"`{sana['command']}` ({sana['seconds']:.0f} s)",
+        "",
+        "SANA-Video 2B's block (20 heads x 112, mlp_ratio 3.0) with `LongSanaTransformer3DModel`, chunks of",
+        "10 latent frames, on tiny frames so that 16 chunks of 3 approaches fit the budget. The approaches",
+        "run interleaved in one process.",
+        "",
+        printed_tables(sana["stdout"]),
+        "",
+        "### GLM-Image-like: condition cache against diffusers' `GlmImageKVCache`",
+        "",
+        f"`{glm['command']}` ({glm['seconds']:.0f} s), the GLM-Image helper's benchmark, as it prints:",
+        "",
+        "```text",
+        "\n".join(line for line in glm["stdout"].splitlines() if "should be kept in float32" not in line).strip(),
+        "```",
+        "",
         "## Soak: 10,000 frames with the embedded default",
         "",
         soak_source,
