@@ -139,3 +139,13 @@ def test_one_pipeline_serves_concurrent_streams_exactly_as_alone(pipe):
 def test_unknown_cache_options_are_refused_before_work(pipe):
     with pytest.raises(TypeError, match="cache options"):
         pipe.stream(PROMPT, num_frames=4, window_chunks=3, **SIZE)
+
+
+def test_quantized_and_offloaded_caches_are_pipeline_options(pipe):
+    plain = _latents(pipe, num_frames=8)
+    offloaded = _latents(pipe, num_frames=8, kv_offload=True)
+    torch.testing.assert_close(offloaded, plain, atol=0, rtol=0)  # offload moves bytes, never changes them
+    quantized = _latents(pipe, num_frames=8, kv_quantization="int8")
+    assert (quantized - plain).abs().max() < 0.05  # int8 K/V: small, bounded error (docs/cache.md)
+    with pytest.raises(ValueError, match="kv_quantization"):
+        pipe.stream(PROMPT, num_frames=4, kv_quantization="int4", **SIZE)

@@ -327,14 +327,20 @@ class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         window_frames_per_block: Sequence[int] | None = None,
+        quantization: str | None = None,
+        offload: bool = False,
     ) -> RollingKVCache:
         """One `SlidingWindowLayer` + `CrossAttentionLayer` per block; allocated now if `batch_size` is given.
 
         `window_frames_per_block` gives each block its own window (in latent frames, counting the
         chunk), as hybrid local/global attention does; the sink and chunk stay `layout`'s.
+        `quantization` ("int8" / "fp8") and `offload` (committed K/V in CPU memory, brought to the
+        block's device when it runs) are the `SlidingWindowLayer` options (see docs/cache.md).
         """
         layers = [
-            SlidingWindowLayer(block.sink_tokens, block.window_tokens, block.chunk_tokens)
+            SlidingWindowLayer(
+                block.sink_tokens, block.window_tokens, block.chunk_tokens, quantization=quantization, offload=offload
+            )
             for block in self.block_layouts(layout, window_frames_per_block)
         ]
         cache = RollingKVCache(layers, [CrossAttentionLayer() for _ in self.blocks])

@@ -308,7 +308,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             if negative is None:
                 negative = self.encode_prompt(run.negative_prompt, run.max_sequence_length)
             embeds.append(negative.to(device=device, dtype=dtype))
-        caches = [self._make_cache(run.layout, run.batch_size, dtype, device) for _ in embeds]
+        caches = [self._make_cache(run, dtype, device) for _ in embeds]
         for cache, branch_embeds in zip(caches, embeds):
             self._set_conditioning(cache, branch_embeds)
         keeps_recent = len(run.schedule.entries) > 1  # only a prompt switch re-runs recent frames
@@ -579,8 +579,9 @@ class ChunkedVideoPipeline(DiffusionPipeline):
     def _check_length(self, num_latent_frames: int, layout) -> None:
         """Refuse a video the positions cannot reach (e.g. absolute RoPE past the table)."""
 
-    def _make_cache(self, layout, batch_size: int, dtype: torch.dtype, device: torch.device):
-        return self.transformer.make_cache(layout, batch_size, dtype, device)
+    def _make_cache(self, run: ChunkRun, dtype: torch.dtype, device: torch.device):
+        """One stream's cache for one guidance branch (default: the transformer's `make_cache`)."""
+        return self.transformer.make_cache(run.layout, run.batch_size, dtype, device)
 
     def _transformer_step(self, latents, timestep, embeds, cache, run: ChunkRun) -> torch.Tensor:
         """One forward of the chunk through `cache`; returns the velocity."""

@@ -58,10 +58,20 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         position_mode: "absolute" (keys after RoPE, bounded by the RoPE table) or "relative"
             (keys re-rotated inside sink + window, unbounded length).
         attention_bias: Krea's KV-cache bias, `log(bias)` added to past tokens' scores (1 = off).
+        kv_quantization: None, "int8" or "fp8": store the K/V window quantized (about 0.52x of bf16).
+        kv_offload: keep the committed K/V window in CPU memory; each block's is brought in when it runs.
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
-    cache_options = ("chunk_frames", "sink_frames", "window_frames", "position_mode", "attention_bias")
+    cache_options = (
+        "chunk_frames",
+        "sink_frames",
+        "window_frames",
+        "position_mode",
+        "attention_bias",
+        "kv_quantization",
+        "kv_offload",
+    )
     output_class = KreaRealtimeVideoPipelineOutput
 
     def __init__(
@@ -80,6 +90,8 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         attention_bias: float = 1.0,
         height: int = 480,
         width: int = 832,
+        kv_quantization: str | None = None,
+        kv_offload: bool = False,
     ) -> None:
         super().__init__()
         self.register_modules(
@@ -95,6 +107,8 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             attention_bias=attention_bias,
             height=height,
             width=width,
+            kv_quantization=kv_quantization,
+            kv_offload=kv_offload,
         )
         downsample = getattr(vae.config, "temperal_downsample", [False, True, True]) if vae is not None else None
         self.vae_scale_factor_temporal = 2 ** sum(downsample) if downsample is not None else 4
@@ -117,8 +131,18 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         bias = options["attention_bias"]
         if not _is_number(bias) or not 0 < bias <= 1.0:
             raise ValueError(f"`attention_bias` must be in (0, 1] (1 disables it), got {bias!r}.")
+        if options["kv_quantization"] not in (None, "int8", "fp8"):
+            raise ValueError(f"`kv_quantization` must be None, 'int8' or 'fp8', got {options['kv_quantization']!r}.")
+        if not isinstance(options["kv_offload"], bool):
+            raise ValueError(f"`kv_offload` must be True or False, got {options['kv_offload']!r}.")
         geometry = {name: options[name] for name in ("chunk_frames", "sink_frames", "window_frames", "position_mode")}
         return ChunkLayout(tokens_per_frame=tokens_per_frame, **geometry)
+
+    def _make_cache(self, run: ChunkRun, dtype: torch.dtype, device) -> RollingKVCache:
+        quantization, offload = run.options["kv_quantization"], run.options["kv_offload"]
+        return self.transformer.make_cache(
+            run.layout, run.batch_size, dtype, device, quantization=quantization, offload=bool(offload)
+        )
 
     def _check_length(self, num_latent_frames: int, layout: ChunkLayout) -> None:
         self.transformer.check_frame_budget(num_latent_frames, layout)
