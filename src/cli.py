@@ -200,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--window-frames", type=_positive(int), help="latent frames of the rolling window")
     generate.add_argument("--position-mode", help="RoPE positions: absolute or relative (default: the model's)")
     generate.add_argument(
+        "--kv-quantization", choices=["int8", "fp8"], help="store the K/V window quantized (about half of bf16)"
+    )
+    generate.add_argument(
+        "--kv-offload", action="store_true", default=None, help="keep the K/V window in CPU memory between blocks"
+    )
+    generate.add_argument(
         "--resume",
         action="store_true",
         help="continue an interrupted run of the same command from its last saved chunk (the video equals an "
@@ -266,6 +272,8 @@ def run_generate(args: argparse.Namespace) -> int:
         sink_frames=args.sink_frames,
         window_frames=args.window_frames,
         position_mode=args.position_mode,
+        kv_quantization=args.kv_quantization,
+        kv_offload=args.kv_offload,
     )
     try:
         with warnings.catch_warnings(record=True) as caught:

@@ -41,3 +41,10 @@ def test_unknown_compile_backend_is_a_usage_error(model_dir, tmp_path, capsys):
         code = exit_info.code
     assert code == 2 and not (tmp_path / "v.mp4").exists()
     assert "--compile" in capsys.readouterr().err
+
+
+def test_quantized_and_offloaded_kv_flags_generate(model_dir, tmp_path):
+    out = tmp_path / "int8.mp4"
+    args = ["generate", "--model", str(model_dir), "--out", str(out), "--kv-quantization", "int8", "--kv-offload"]
+    assert main([*args, *ARGS]) == 0
+    assert iio.imread(out, plugin="FFMPEG", index=None).shape[0] == 8
