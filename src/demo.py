@@ -21,6 +21,7 @@ Gradio with a generic "exception". Importing this module starts nothing: `build_
 from __future__ import annotations
 
 import ipaddress
+import json
 import math
 import re
 import shutil
@@ -525,7 +526,10 @@ def build_demo(
                     )  # fmt: skip
                     model_info = gr.Markdown(_model_info(first, frame_size(first)), elem_id="model-info")
                 prompt = gr.Textbox(label="Prompt", value=EXAMPLE_PROMPTS[0], elem_id="prompt")
-                gr.Examples([[text] for text in EXAMPLE_PROMPTS], inputs=[prompt], label="Example prompts")
+                with gr.Row(elem_id="examples"):  # set in the browser: no round trip, so Generate right after uses it
+                    for text in EXAMPLE_PROMPTS:
+                        example = gr.Button(text, size="sm", variant="secondary", min_width=80)
+                        example.click(None, None, prompt, js=f"() => {json.dumps(text)}", api_visibility="private")
                 seconds = gr.Slider(1, max_seconds, value=5, step=1, label="Length (seconds)", elem_id="seconds")
                 seed = gr.Number(value=0, precision=0, label="Seed", minimum=0, maximum=MAX_SEED, elem_id="seed")
                 with gr.Accordion("Advanced", open=False, elem_id="advanced"):
