@@ -318,6 +318,15 @@ LOADER_CALLS: dict[str, tuple[Callable, str]] = {
         "use_ema",
     ),
     "load-unknown-suffix": (lambda tmp: load_original_wan_checkpoint(tmp / "weights.ckpt"), "suffix"),
+    "load-missing-file": (lambda tmp: load_original_wan_checkpoint(tmp / "missing.safetensors"), "`path`"),
+    "convert-use-ema-text": (
+        lambda tmp: convert_original_wan_state_dict(_original_state_dict(), use_ema="yes"),
+        "`use_ema`",
+    ),
+    "infer-head-dim-zero": (
+        lambda tmp: infer_wan_config(_original_state_dict(), attention_head_dim=0),
+        "`attention_head_dim`",
+    ),
     "load-pickled-objects": (lambda tmp: load_original_wan_checkpoint(_pickled_object(tmp)), "ckpt.pt"),
     "infer-head-dim": (
         lambda tmp: infer_wan_config(_original_state_dict(), attention_head_dim=7),

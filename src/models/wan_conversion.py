@@ -182,7 +182,9 @@ def convert_original_wan_state_dict(state_dict: Mapping[str, Tensor], use_ema: b
             has keys that do not map onto the diffusers layout (the message names a few of them).
     """
     if not isinstance(state_dict, Mapping):
-        raise ValueError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}.")
+        raise ValueError(f"`state_dict` must be a mapping of names to tensors, got {type(state_dict).__name__}.")
+    if not isinstance(use_ema, bool):
+        raise ValueError(f"`use_ema` must be True or False, got {use_ema!r}.")
     weights = _select_generator(state_dict, use_ema)
 
     non_tensors = [key for key, value in weights.items() if not isinstance(value, Tensor)]
@@ -234,6 +236,8 @@ def load_original_wan_checkpoint(path: str | os.PathLike, use_ema: bool = True) 
     """
     path = Path(path)
     suffix = path.suffix.lower()
+    if suffix in _SAFETENSORS_SUFFIXES + _TORCH_SUFFIXES and not path.is_file():
+        raise ValueError(f"`path` {str(path)!r} is not a file.")
     if suffix in _SAFETENSORS_SUFFIXES:
         from safetensors.torch import load_file
 
@@ -268,6 +272,8 @@ def infer_wan_config(state_dict: Mapping[str, Tensor], attention_head_dim: int =
     if "scale_shift_table" not in state_dict:
         state_dict = convert_original_wan_state_dict(state_dict)
 
+    if isinstance(attention_head_dim, bool) or not isinstance(attention_head_dim, int) or attention_head_dim < 1:
+        raise ValueError(f"`attention_head_dim` must be a positive int, got {attention_head_dim!r}.")
     patch_weight = state_dict["patch_embedding.weight"]  # (dim, in_channels, p_t, p_h, p_w)
     dim, in_channels = patch_weight.shape[:2]
     patch_size = tuple(patch_weight.shape[2:])
