@@ -14,7 +14,8 @@ commit), timed inside the worker.
 
 Reported: medians over windows of `--window` consecutive chunks at several points of the run, late/early (the
 last window's median over the first's; flat means <= 1.05), each baseline's time over ours (the median of the
-per-chunk ratios, which cancels load that hit a chunk's round), RSS (now and peak) after warm-up and at the end,
+per-chunk ratios, which cancels load that hit a chunk's round); the same two from the worker's CPU time
+(`time.process_time`, all its threads), which other jobs on a shared machine disturb far less than wall time; RSS (now and peak) after warm-up and at the end,
 cache bytes, and GFLOP per chunk counted with `torch.utils.flop_counter.FlopCounterMode`.
 
     python benchmarks/real_shapes.py [--chunks 100] [--window 50] [--height 80 --width 128] [--layers 1]
@@ -52,16 +53,17 @@ def worker(approach: str, setup: Setup, threads: int, connection) -> None:
             break
         count_flops = command == "chunk+flops"
         counter = FlopCounterMode(display=False) if count_flops else None
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if counter is not None:
             with counter:
                 clean = loop.chunk()
         else:
             clean = loop.chunk()
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         connection.send(
             dict(
                 ms=seconds * 1e3,
+                cpu_ms=cpu_seconds * 1e3,
                 rss=rss_mib(),
                 peak_rss=peak_rss_mib(),
                 cache_bytes=loop.memory_bytes(),
@@ -76,6 +78,7 @@ def worker(approach: str, setup: Setup, threads: int, connection) -> None:
 class Series:
     approach: str
     ms: list[float] = dataclasses.field(default_factory=list)
+    cpu_ms: list[float] = dataclasses.field(default_factory=list)  # process CPU time, all threads
     rss: list[float] = dataclasses.field(default_factory=list)
     peak_rss: list[float] = dataclasses.field(default_factory=list)
     cache_bytes: list[int] = dataclasses.field(default_factory=list)
@@ -110,6 +113,7 @@ def run(setup: Setup, approaches: list[str], chunks: int, threads: int, flops_ch
                 reply = pipes[approach].recv()
                 result = series[approach]
                 result.ms.append(reply["ms"])
+                result.cpu_ms.append(reply["cpu_ms"])
                 result.rss.append(reply["rss"])
                 result.peak_rss.append(reply["peak_rss"])
                 result.cache_bytes.append(reply["cache_bytes"])
@@ -153,7 +157,9 @@ def summarise(series: dict[str, Series], warmup: int, window: int, points: int) 
     for approach, result in series.items():
         measured = result.ms[warmup:]
         windows = window_medians(measured, window, points)
+        cpu_windows = window_medians(result.cpu_ms[warmup:], window, points)
         entry = dict(
+            cpu_late_over_early=cpu_windows[-1][1] / cpu_windows[0][1],
             label=LABELS[approach],
             windows=[(start + warmup, median) for start, median in windows],
             late_over_early=windows[-1][1] / windows[0][1],
@@ -171,6 +177,8 @@ def summarise(series: dict[str, Series], warmup: int, window: int, points: int) 
         if ours is not None:
             paired = [b / a for a, b in zip(ours.ms[warmup:], measured)]
             entry["ratio_to_ours"] = statistics.median(paired)
+            paired_cpu = [b / a for a, b in zip(ours.cpu_ms[warmup:], result.cpu_ms[warmup:])]
+            entry["cpu_ratio_to_ours"] = statistics.median(paired_cpu)
             entry["window_ratios"] = [
                 median / ours_median
                 for (_, median), (_, ours_median) in zip(windows, window_medians(ours.ms[warmup:], window, points))
@@ -182,7 +190,14 @@ def summarise(series: dict[str, Series], warmup: int, window: int, points: int) 
 def tables(summary: dict, window: int) -> str:
     any_entry = next(iter(summary.values()))
     starts = [start for start, _ in any_entry["windows"]]
-    header = ["approach", *[f"ms/chunk, chunks {s}-{s + window - 1}" for s in starts], "late/early", "x ours"]
+    header = [
+        "approach",
+        *[f"ms/chunk, chunks {s}-{s + window - 1}" for s in starts],
+        "late/early",
+        "x ours",
+        "CPU time: late/early",
+        "CPU time: x ours",
+    ]
     rows = []
     for entry in summary.values():
         rows.append(
@@ -191,6 +206,8 @@ def tables(summary: dict, window: int) -> str:
                 *[f"{median:.0f}" for _, median in entry["windows"]],
                 f"{entry['late_over_early']:.3f}",
                 f"{entry.get('ratio_to_ours', float('nan')):.3f}",
+                f"{entry['cpu_late_over_early']:.3f}",
+                f"{entry.get('cpu_ratio_to_ours', float('nan')):.3f}",
             ]
         )
     speed = markdown_table(header, rows)
@@ -226,10 +243,14 @@ def verdicts(summary: dict) -> list[str]:
             lines.append(f"MISMATCH {approach}: clean latents differ from ours by {entry['max_diff']:.2e}")
     if "ours" in summary:
         ours = summary["ours"]
-        flat = "flat" if ours["late_over_early"] <= 1.05 else "NOT flat"
-        lines.append(f"ours: late/early {ours['late_over_early']:.3f} ({flat}; bound 1.05)")
-        slower = [a for a, e in summary.items() if a != "ours" and e["ratio_to_ours"] < 1.0]
-        lines.append("ours is the fastest" if not slower else f"faster than ours: {', '.join(slower)}")
+        for kind, key, ratio in (
+            ("wall", "late_over_early", "ratio_to_ours"),
+            ("CPU", "cpu_late_over_early", "cpu_ratio_to_ours"),
+        ):
+            flat = "flat" if ours[key] <= 1.05 else "NOT flat"
+            faster = [a for a, e in summary.items() if a != "ours" and e[ratio] < 1.0]
+            fastest = "ours is the fastest" if not faster else f"faster than ours: {', '.join(faster)}"
+            lines.append(f"ours, {kind} time: late/early {ours[key]:.3f} ({flat}; bound 1.05); {fastest}")
     return lines
 
 

@@ -127,13 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     latent_hw = (args.height // 8, args.width // 8)
     loops = {name: SanaLoop(name, model, latent_hw, text) for name in LABELS}
     ms = {name: [] for name in LABELS}
+    cpu_ms = {name: [] for name in LABELS}
     held = {name: 0 for name in LABELS}
     names = list(LABELS)
     for index in range(args.chunks):
         for name in names if index % 2 == 0 else names[::-1]:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             held[name] = loops[name].chunk()
             ms[name].append((time.perf_counter() - start) * 1e3)
+            cpu_ms[name].append((time.process_time() - cpu_start) * 1e3)
     tokens = model.tokens_per_frame(*latent_hw)
     print(
         f"SANA-Video 2B blocks x {args.layers} (20 heads x 112, mlp 3.0), fp32, {args.threads} thread(s); "
@@ -145,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         windows = window_medians(ms[name][args.warmup :], args.window, 2)
         reference = "state-window" if name == "recompute-window" else name
         paired = statistics.median(b / a for a, b in zip(ms[reference][args.warmup :], ms[name][args.warmup :]))
+        paired_cpu = statistics.median(
+            b / a for a, b in zip(cpu_ms[reference][args.warmup :], cpu_ms[name][args.warmup :])
+        )
+        cpu_windows = window_medians(cpu_ms[name][args.warmup :], args.window, 2)
         rows.append(
             [
                 LABELS[name],
@@ -152,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{windows[-1][1]:.0f}",
                 f"{windows[-1][1] / windows[0][1]:.3f}",
                 f"{paired:.2f}",
+                f"{cpu_windows[-1][1] / cpu_windows[0][1]:.3f}",
+                f"{paired_cpu:.2f}",
                 f"{held[name] / 2**20:.2f}",
             ]
         )
@@ -162,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         f"ms/chunk, chunks {last}-{last + args.window - 1}",
         "late/early",
         "x state cache, same context",
+        "CPU time: late/early",
+        "CPU time: x state cache",
         "cache MiB",
     ]
     print(markdown_table(header, rows))
