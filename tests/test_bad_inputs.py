@@ -29,6 +29,7 @@ from rolldiff import KreaRealtimeTransformer3DModel, KreaRealtimeVideoPipeline
 from rolldiff.cli import main
 from rolldiff.defaults import ModelNotFoundError, load_pipeline
 from rolldiff.models.wan_conversion import (
+    StrictWeightsMixin,
     WeightsMismatchError,
     check_weights_match_config,
     convert_original_wan_state_dict,
@@ -251,6 +252,19 @@ def test_pipeline_loader_refuses_a_transformer_that_does_not_match_its_config(mo
     _saved_transformer(folder / "transformer", num_layers=2)
     with pytest.raises(ValueError, match=r"blocks\.2\."):
         load_pipeline(folder, device="cpu", dtype="float32")
+
+
+def test_strict_mixin_makes_the_model_loader_refuse_too(tmp_path):
+    class StrictTransformer(StrictWeightsMixin, KreaRealtimeTransformer3DModel):
+        pass
+
+    folder = _saved_transformer(tmp_path / "transformer", num_layers=2)
+    with pytest.raises(WeightsMismatchError, match=r"no place for \(in blocks \[2, 3\]\)"):
+        StrictTransformer.from_pretrained(tmp_path, subfolder="transformer")
+    json.loads((folder / "config.json").read_text())  # the folder is left as it was
+    good = tmp_path / "good"
+    tiny_transformer().save_pretrained(good)
+    assert StrictTransformer.from_pretrained(good).config.num_layers == 2
 
 
 def test_matching_weights_pass_the_check(model_dir):

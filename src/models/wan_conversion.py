@@ -323,6 +323,12 @@ def _checkpoint_shapes(folder: Path, weights_name: str) -> dict[str, tuple[int, 
     return shapes
 
 
+def _blocks(keys: list[str]) -> str:
+    """ " in blocks [2, 3]" for keys of numbered blocks: which layers a wrong `num_layers` adds or drops."""
+    indices = sorted({int(match.group(1)) for key in keys if (match := re.match(r"^\w+\.(\d+)\.", key))})
+    return f" (in blocks {indices})" if indices else ""
+
+
 def check_weights_match_config(
     model_class, folder: str | os.PathLike, weights_name: str = "diffusion_pytorch_model.safetensors"
 ) -> None:
@@ -357,9 +363,11 @@ def check_weights_match_config(
         return
     problems = []
     if missing:
-        problems.append(f"missing {len(missing)} weight(s) the config needs: {_preview(missing)}")
+        problems.append(f"missing {len(missing)} weight(s) the config needs{_blocks(missing)}: {_preview(missing)}")
     if unexpected:
-        problems.append(f"{len(unexpected)} weight(s) the config has no place for: {_preview(unexpected)}")
+        problems.append(
+            f"{len(unexpected)} weight(s) the config has no place for{_blocks(unexpected)}: {_preview(unexpected)}"
+        )
     if misshaped:
         problems.append(f"{len(misshaped)} weight(s) of another shape: {', '.join(misshaped[:_NUM_KEYS_IN_ERRORS])}")
     raise WeightsMismatchError(
