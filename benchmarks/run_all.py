@@ -90,15 +90,18 @@ def plot_real_shapes(data: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (time_axis, rss_axis) = plt.subplots(1, 2, figsize=(12, 4.2))
+    figure, (time_axis, cpu_axis, rss_axis) = plt.subplots(1, 3, figsize=(15, 4.2))
     for approach, series in data["series"].items():
         label = data["summary"][approach]["label"].replace("`", "")
         chunks = range(len(series["ms"]))
         time_axis.plot(chunks, series["ms"], label=label, linewidth=1)
+        cpu_axis.plot(chunks, series["cpu_ms"], label=label, linewidth=1)
         rss_axis.plot(chunks, series["rss"], label=label, linewidth=1)
-    time_axis.set(xlabel="chunk", ylabel="ms per chunk", title="time per chunk")
+    time_axis.set(xlabel="chunk", ylabel="ms per chunk", title="wall time per chunk")
+    cpu_axis.set(xlabel="chunk", ylabel="CPU ms per chunk", title="CPU time per chunk (all threads)")
     rss_axis.set(xlabel="chunk", ylabel="RSS MiB (per process)", title="resident memory")
     time_axis.set_ylim(bottom=0)
+    cpu_axis.set_ylim(bottom=0)
     rss_axis.legend(fontsize=7, loc="lower right")
     tokens = data["tokens_per_frame"]
     figure.suptitle(
@@ -162,7 +165,9 @@ def write_page(results: dict, machine_before: dict, load_after, out: Path, soak_
         "",
         "Each approach runs in its own process, so each has its own RSS. The processes take turns, one chunk",
         "each, in a rotating order, and only one computes at a time. `x ours` is the median of the per-chunk",
-        "ratios (baseline chunk time / our chunk time of the same round). The clean latents of the",
+        "ratios (baseline chunk time / our chunk time of the same round). The CPU-time columns repeat both",
+        "measures with each worker's process CPU time, which other jobs on a shared machine disturb far less",
+        "than wall time. The clean latents of the",
         "Self-Forcing and `cat` loops are checked against ours on every chunk; Krea's only until its rebuilt",
         "context first drops a frame (its K/V then differ by design).",
         "",
@@ -272,9 +277,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "docs"), help="folder for benchmarks.md and the plots")
     parser.add_argument("--soak-json", help="results of a finished `soak.py --json` run to include")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the scripts run, not performance")
+    parser.add_argument(
+        "--raw",
+        default=str(Path(tempfile.gettempdir()) / "rolldiff_benchmarks_raw.json"),
+        help="where the raw results are saved (and read from, with --render-only)",
+    )
+    parser.add_argument("--render-only", action="store_true", help="rewrite the page and plots from --raw")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.render_only:
+        raw = json.loads(Path(args.raw).read_text())
+        if raw["results"]["real_shapes"]["data"]:
+            plot_real_shapes(raw["results"]["real_shapes"]["data"], out / "bench_real_shapes.png")
+        write_page(raw["results"], raw["machine"], raw["load_after"], out, raw["soak_source"], raw["total_s"])
+        print(f"wrote {out / 'benchmarks.md'} from {args.raw}")
+        return 0
     began = time.perf_counter()
     machine_before = machine_summary()
     results, failed = {}, []
@@ -287,7 +305,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(results[name]["stderr"][-3000:], file=sys.stderr)
         if args.soak_json:
             soak = json.loads(Path(args.soak_json).read_text())
-            source = f"From a full run of `python benchmarks/soak.py --json ...` ({args.soak_json})."
+            source = (
+                "From a full run of `python benchmarks/soak.py --json soak.json` shortly before this run (in the"
+                " background, at low priority, so its wall times show the machine's load; CPU seconds do not)."
+            )
         else:
             frames = ["--frames", "60", "--every", "30"] if args.quick else ["--frames", "1000", "--every", "250"]
             run = run_benchmark("soak", frames, Path(scratch) / "soak.json")
@@ -296,10 +317,12 @@ def main(argv: list[str] | None = None) -> int:
             soak = run["data"]
             source = f"`{run['command']}` ({run['seconds']:.0f} s): a shortened soak run by `run_all`."
         results["soak"] = soak_section(soak) if soak else "soak failed: no results"
+    total, load_after = time.perf_counter() - began, load_average()
+    raw = dict(results=results, machine=machine_before, load_after=load_after, soak_source=source, total_s=total)
+    Path(args.raw).write_text(json.dumps(raw))
     if results["real_shapes"]["data"]:
         plot_real_shapes(results["real_shapes"]["data"], out / "bench_real_shapes.png")
-    total = time.perf_counter() - began
-    write_page(results, machine_before, load_average(), out, source, total)
+    write_page(results, machine_before, load_after, out, source, total)
     print(f"wrote {out / 'benchmarks.md'} in {total:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
