@@ -203,3 +203,18 @@ def test_the_command_resumes_a_killed_run(tmp_path, pipe):
     assert video.shape == expected.shape == (10, 16, 16, 3)
     np.testing.assert_array_equal(video[: saved.frames_written], expected[: saved.frames_written])
     assert np.abs(video.astype(int) - expected.astype(int)).mean() < 3
+
+
+@pytest.mark.parametrize("options", [{"kv_quantization": "int8"}, {"kv_offload": True}], ids=["int8", "offload"])
+def test_quantized_and_offloaded_caches_resume_exactly(pipe, written, tmp_path, options):
+    """The state captures every layer kind's buffers and counters (scales, host copies), not just K and V."""
+    _generate(pipe, tmp_path / "full.mp4", **options)
+    full = np.concatenate(written)
+    written.clear()
+    path = tmp_path / "video.mp4"
+    with pytest.raises(KeyboardInterrupt):
+        _generate(pipe, path, state_every_s=0, callback_on_step_end=_interrupt_at_step(3 * STEPS + 2), **options)
+    first = np.concatenate(written)[:6]  # chunks 0-2, the frames the state vouches for
+    written.clear()
+    _generate(pipe, path, state_every_s=0, resume=True, **options)
+    np.testing.assert_array_equal(np.concatenate([first, *written]), full)
