@@ -613,11 +613,11 @@ def _refusal(gr, exc: Exception):
 
 
 def _reported(chunks: Iterator[Chunk], gr) -> Iterator[Chunk]:
-    """The chunks, a ValueError raised while making one (an unusable prompt, say) shown as a `gr.Error`."""
+    """The chunks; a ValueError or a NaN chunk (`FloatingPointError`) while making one is shown as a `gr.Error`."""
     while True:
         try:
             chunk = next(chunks, None)
-        except ValueError as exc:
+        except (ValueError, FloatingPointError) as exc:
             raise gr.Error(str(exc)) from exc
         if chunk is None:
             return

@@ -100,6 +100,9 @@ def test_clicking_generate_shows_the_video_and_the_live_plots(page, demo_url, re
     for plot in ("#time-plot", "#memory-plot"):  # Vega draws each plot once it has a chunk
         page.wait_for_selector(f"{plot} canvas, {plot} svg.marks", timeout=30_000)
     chunks_shown = "+(document.querySelector('#summary').innerText.match(/chunk (\\d+) took/) || [0, 0])[1]"
+    page.wait_for_function(f"() => {chunks_shown} >= 2", timeout=60_000)
+    page.click("#switch")  # to the "Switch prompt to" text, at the next chunk
+    page.get_by_text(f"Switching to “{EXAMPLE_PROMPTS[1]}” at the next chunk.").wait_for(timeout=30_000)
     page.wait_for_function(f"() => {chunks_shown} >= 4", timeout=60_000)  # a few points on each line
     assert "frames per second" in page.inner_text("#summary")
     ARTIFACTS.mkdir(exist_ok=True)
