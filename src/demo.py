@@ -316,8 +316,10 @@ class ModelShelf:
 
 
 def _check_size(pipe, height: int, width: int) -> None:
-    """Refuse a frame size this model cannot make: `stream` checks its arguments before any work."""
-    pipe.stream("a", pipe.valid_num_frames(1)[0], height, width)
+    """Refuse a frame size this model cannot make (the pipeline's own rule: multiples of VAE factor x patch)."""
+    _, patch_height, patch_width = pipe.transformer.config.patch_size
+    pipe._check_size("height", height, patch_height)
+    pipe._check_size("width", width, patch_width)
 
 
 # ---------------------------------------------------------------------------------------- serving
