@@ -298,6 +298,14 @@ def test_a_frame_size_the_model_cannot_make_is_refused_when_the_demo_is_built(pi
         build_demo(pipeline=pipe, height=height, width=width)
 
 
+@pytest.mark.parametrize(
+    ("setting", "value"), [("fps", 0), ("fps", 2.5), ("max_seconds", -1), ("max_concurrency", True)]
+)
+def test_a_bad_demo_setting_is_refused_before_a_model_loads(setting, value):
+    with pytest.raises(ValueError, match=rf"`{setting}` must be a positive whole number, got {value!r}"):
+        build_demo(models={"never loaded": lambda: pytest.fail("a model was loaded")}, **{setting: value})
+
+
 @pytest.mark.parametrize("port", [70000, 0, -1, "7860", True, 80.5])
 def test_launch_refuses_a_bad_port_before_starting(port):
     with pytest.raises(ValueError, match=rf"`port` must be a whole number from 1 to 65535, got {port!r}"):
