@@ -102,6 +102,7 @@ def plot_real_shapes(data: dict, path: Path) -> None:
     rss_axis.set(xlabel="chunk", ylabel="RSS MiB (per process)", title="resident memory")
     time_axis.set_ylim(bottom=0)
     cpu_axis.set_ylim(bottom=0)
+    rss_axis.set_ylim(bottom=0)  # from zero: a few MiB of difference must not look like growth
     rss_axis.legend(fontsize=7, loc="lower right")
     tokens = data["tokens_per_frame"]
     figure.suptitle(
