@@ -178,3 +178,17 @@ def test_lora_adapter_scale_applies_to_cached_steps():
     reference.load_state_dict(model.state_dict())
     expected = reference(latents, torch.tensor([500.0]), text, attention_kwargs={"scale": 0.5}).sample
     torch.testing.assert_close(half, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_from_pretrained_refuses_weights_that_do_not_match_the_config(tmp_path):
+    import json
+
+    from rolldiff import KreaRealtimeTransformer3DModel
+
+    tiny_transformer().save_pretrained(tmp_path)
+    assert isinstance(KreaRealtimeTransformer3DModel.from_pretrained(tmp_path), KreaRealtimeTransformer3DModel)
+    config_path = tmp_path / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "num_layers": config["num_layers"] + 1}))
+    with pytest.raises(ValueError, match="missing"):
+        KreaRealtimeTransformer3DModel.from_pretrained(tmp_path)

@@ -42,6 +42,7 @@ from diffusers.models.transformers.transformer_wan import (
 from ..caching import CrossAttentionLayer, RollingKVCache, SlidingWindowLayer
 from ..caching.layout import POSITION_MODES, ChunkLayout
 from .call_context import CallContextSlot, bind_call_context
+from .wan_conversion import StrictWeightsMixin
 
 __all__ = [
     "POSITION_MODES",
@@ -274,11 +275,12 @@ def _bias_mask(mask: torch.Tensor, past: torch.Tensor, bias: float, dtype: torch
 
 
 # ----------------------------------------------------------------------------------------- model
-class KreaRealtimeTransformer3DModel(WanTransformer3DModel):
+class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
     """`WanTransformer3DModel` that generates chunk by chunk from a rolling KV cache.
 
     The config (and so every checkpoint) is exactly Wan 2.1's. Cache geometry and position mode are
-    generation settings, passed to `make_cache` and `forward`.
+    generation settings, passed to `make_cache` and `forward`. `from_pretrained` of a local folder
+    refuses weights that do not match the config (missing, unexpected or mis-shaped keys, by name).
     """
 
     _skip_keys = ["kv_cache"]
