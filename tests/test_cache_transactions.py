@@ -43,14 +43,13 @@ def filled(kind: str):
 
 
 STREAM_KINDS = ["sliding", "sliding_int8", "sliding_offload", "linear", "conv_state"]
-GLM_VIEWS = pytest.mark.xfail(reason="static.py (GLM helper's file) still returns views from get()", strict=False)
 
 
 def storages(layer) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in layer.buffers()}
 
 
-@pytest.mark.parametrize("kind", [*STREAM_KINDS, "cross", pytest.param("static", marks=GLM_VIEWS)])
+@pytest.mark.parametrize("kind", [*STREAM_KINDS, "cross", "static"])
 def test_get_returns_a_copy_in_every_kind(kind):
     layer = filled(kind)
     held = [t for t in layer.get() if t is not None]

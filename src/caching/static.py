@@ -58,7 +58,8 @@ class StaticLayer(CacheLayer):
     def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         if self.keys is None or self.condition_tokens == 0:
             return None
-        return self.keys[:, : self.condition_tokens], self.values[:, : self.condition_tokens]
+        conditions = slice(0, self.condition_tokens)  # a copy, as `get()` is in every kind
+        return self.keys[:, conditions].clone(), self.values[:, conditions].clone()
 
     def reset(self) -> None:
         if self.keys is not None:
