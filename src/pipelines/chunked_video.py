@@ -32,11 +32,12 @@ import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
+from diffusers.video_processor import VideoProcessor
 
 from ..models.wan_conversion import check_pipeline_weights
 from .prompt_schedule import PromptSchedule
 from .streaming_decode import StreamingWanDecoder, denormalize_wan_latents
-from .text_encoding import check_max_sequence_length, check_prompts
+from .text_encoding import check_max_sequence_length, check_prompts, encode_prompts
 
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 
@@ -569,8 +570,23 @@ class ChunkedVideoPipeline(DiffusionPipeline):
 
     # ---------------------------------------------------------------------------------------- family hooks
     def encode_prompt(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
-        """Text embeddings `(batch, tokens, channels)` on the execution device in the transformer's dtype."""
-        raise NotImplementedError
+        """Text embeddings `(batch, max_sequence_length, channels)` on the execution device in the transformer's
+        dtype, zero past each prompt's end (UMT5 and Gemma encoders alike; see `encode_prompts`)."""
+        return encode_prompts(
+            self.tokenizer,
+            self.text_encoder,
+            prompts,
+            check_max_sequence_length(max_sequence_length),
+            device=self._execution_device,
+            dtype=self.transformer.dtype,
+        )
+
+    def _set_vae_factors(self, vae) -> None:
+        """Temporal and spatial compression of the Wan VAE (its `temperal_downsample` flags), and the processor."""
+        downsample = getattr(vae.config, "temperal_downsample", [False, True, True]) if vae is not None else None
+        self.vae_scale_factor_temporal = 2 ** sum(downsample) if downsample is not None else 4
+        self.vae_scale_factor_spatial = 2 ** len(downsample) if downsample is not None else 8
+        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
 
     def _make_layout(self, tokens_per_frame: int, options: dict[str, Any]):
         """The family's cache geometry (with `chunk_frames`) from the resolved cache options; validates them."""

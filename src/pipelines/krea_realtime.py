@@ -25,13 +25,11 @@ from typing import Any
 
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
-from diffusers.video_processor import VideoProcessor
 
 from ..caching import RollingKVCache
 from ..caching.layout import ChunkLayout
 from ..models.krea_realtime import KreaRealtimeTransformer3DModel
 from .chunked_video import ChunkedVideoPipeline, ChunkedVideoPipelineOutput, ChunkRun, _is_number
-from .text_encoding import check_max_sequence_length, encode_prompts
 
 __all__ = ["KreaRealtimeVideoPipeline", "KreaRealtimeVideoPipelineOutput"]
 
@@ -110,23 +108,9 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             kv_quantization=kv_quantization,
             kv_offload=kv_offload,
         )
-        downsample = getattr(vae.config, "temperal_downsample", [False, True, True]) if vae is not None else None
-        self.vae_scale_factor_temporal = 2 ** sum(downsample) if downsample is not None else 4
-        self.vae_scale_factor_spatial = 2 ** len(downsample) if downsample is not None else 8
-        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
+        self._set_vae_factors(vae)
 
     # ---------------------------------------------------------------------------------------- family hooks
-    def encode_prompt(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
-        """UMT5 embeddings `(batch, max_sequence_length, text_dim)`, zero past each prompt's end."""
-        return encode_prompts(
-            self.tokenizer,
-            self.text_encoder,
-            prompts,
-            check_max_sequence_length(max_sequence_length),
-            device=self._execution_device,
-            dtype=self.transformer.dtype,
-        )
-
     def _make_layout(self, tokens_per_frame: int, options: dict[str, Any]) -> ChunkLayout:
         bias = options["attention_bias"]
         if not _is_number(bias) or not 0 < bias <= 1.0:
