@@ -270,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"text tokens (default 64; Wan: {WAN_TEXT_TOKENS}). diffusers projects the text in every forward, a"
         " fixed cost that is 0.3%% of a 30-block step but 25%% of a 1-block step at 512 tokens",
     )
-    parser.add_argument("--threads", type=int, default=2, help="torch threads per worker (default 2)")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads per worker (default 1: CPU time stays honest)"
+    )
     parser.add_argument("--approaches", nargs="+", default=list(APPROACHES), choices=list(APPROACHES))
     parser.add_argument("--json", help="also write the series and the summary to this JSON file")
     args = parser.parse_args(argv)

@@ -31,7 +31,7 @@ ROOT = HERE.parent
 # name -> (arguments for the full run, arguments for --quick: a smoke run of the same code)
 PLAN = {
     "real_shapes": (
-        ["--chunks", "100", "--window", "50", "--points", "3", "--threads", "2"],
+        ["--chunks", "100", "--window", "50", "--points", "3", "--threads", "1"],
         ["--chunks", "8", "--window", "3", "--warmup", "2", "--height", "32", "--width", "48", "--text-tokens", "16"],
     ),
     "limit": (
