@@ -42,6 +42,7 @@ from diffusers.models.transformers.transformer_wan import (
 from ..caching import CrossAttentionLayer, RollingKVCache, SlidingWindowLayer
 from ..caching.layout import POSITION_MODES, ChunkLayout
 from .call_context import CallContextSlot, bind_call_context
+from .patch_grid import tokens_per_latent_frame
 from .wan_conversion import StrictWeightsMixin
 
 __all__ = [
@@ -304,12 +305,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
     # ---------------------------------------------------------------------------------------- cache
     def tokens_per_frame(self, latent_height: int, latent_width: int) -> int:
         """Tokens of one latent frame of `latent_height x latent_width`."""
-        _, p_h, p_w = self.config.patch_size
-        if latent_height % p_h or latent_width % p_w:
-            raise ValueError(
-                f"Latent size {latent_height}x{latent_width} must be divisible by the patch size {p_h}x{p_w}."
-            )
-        return (latent_height // p_h) * (latent_width // p_w)
+        return tokens_per_latent_frame(self.config.patch_size, latent_height, latent_width)
 
     def block_layouts(self, layout: ChunkLayout, window_frames_per_block: Sequence[int] | None) -> list[ChunkLayout]:
         """One layout per block: `layout` everywhere, or with a window of its own per block (local/global mixes)."""
