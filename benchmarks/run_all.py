@@ -7,7 +7,8 @@ the research loops). The soak takes ~10 minutes on its own, so by default a fini
 `--soak-json` (run `python benchmarks/soak.py --json soak.json` first, e.g. in the background); without it a
 1,000-frame soak runs here.
 
-The whole run is sized to finish in under 15 minutes on 2 CPU cores.
+The whole run is sized to finish in under 15 minutes on 2 CPU cores. The plots need matplotlib
+(`pip install ".[bench]"`).
 
     python benchmarks/run_all.py [--soak-json soak.json] [--out docs] [--quick]
 """
