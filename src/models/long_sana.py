@@ -44,6 +44,7 @@ from ..caching import CrossAttentionLayer, LinearAttentionLayer, RollingKVCache
 from ..caching.conv_state import ConvStateLayer, register_state
 from ..caching.layout import ChunkLayout
 from .call_context import CallContextSlot, bind_call_context
+from .patch_grid import tokens_per_latent_frame
 
 ALL_CHUNKS = 2**31 - 1  # `ChunkLayout.window_frames` meaning "every committed chunk" (LongSANA's default)
 LINEAR_ATTENTION_EPS = 1e-15  # diffusers' SanaLinearAttnProcessor3_0
@@ -381,12 +382,7 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
     # ---------------------------------------------------------------------------------------- cache
     def tokens_per_frame(self, latent_height: int, latent_width: int) -> int:
         """Tokens of one latent frame of `latent_height x latent_width`."""
-        _, p_h, p_w = self.config.patch_size
-        if latent_height % p_h or latent_width % p_w:
-            raise ValueError(
-                f"Latent size {latent_height}x{latent_width} must be divisible by the patch size {p_h}x{p_w}."
-            )
-        return (latent_height // p_h) * (latent_width // p_w)
+        return tokens_per_latent_frame(self.config.patch_size, latent_height, latent_width)
 
     def make_cache(
         self, layout: ChunkLayout, batch_size: int | None = None, dtype=None, device=None

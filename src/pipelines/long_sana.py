@@ -27,13 +27,11 @@ from typing import Any
 
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
-from diffusers.video_processor import VideoProcessor
 
 from ..caching import RollingKVCache
 from ..caching.layout import POSITION_MODES, ChunkLayout
 from ..models.long_sana import ALL_CHUNKS, LongSanaTransformer3DModel
 from .chunked_video import ChunkedVideoPipeline, ChunkedVideoPipelineOutput, ChunkRun
-from .text_encoding import check_max_sequence_length, encode_prompts
 
 __all__ = ["LongSanaVideoPipeline", "LongSanaVideoPipelineOutput"]
 
@@ -50,6 +48,10 @@ def _is_int(value, lowest: int) -> bool:
 
 class LongSanaVideoPipeline(ChunkedVideoPipeline):
     """Text-to-video for block-causal SANA-Video checkpoints (LongSANA).
+
+    Prompts are encoded by the shared `encode_prompt`: Gemma embeddings zero past each prompt's end, and
+    the zeros mark the padding (each step passes `embeds != 0` as the cross-attention mask, as SANA-Video
+    passes its tokenizer's attention mask).
 
     Components: `tokenizer` + `text_encoder` (Gemma-2 style), `transformer` (`LongSanaTransformer3DModel`),
     `vae` (`AutoencoderKLWan`), `scheduler` (`FlowMatchEulerDiscreteScheduler`; its `shift` warps the
@@ -99,27 +101,9 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
             height=height,
             width=width,
         )
-        downsample = getattr(vae.config, "temperal_downsample", [False, True, True]) if vae is not None else None
-        self.vae_scale_factor_temporal = 2 ** sum(downsample) if downsample is not None else 4
-        self.vae_scale_factor_spatial = 2 ** len(downsample) if downsample is not None else 8
-        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
+        self._set_vae_factors(vae)
 
     # ---------------------------------------------------------------------------------------- family hooks
-    def encode_prompt(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:
-        """Gemma embeddings `(batch, max_sequence_length, text_dim)`, zero past each prompt's end.
-
-        The zeros mark the padding: each step passes `embeds != 0` as the cross-attention mask, as
-        SANA-Video passes its tokenizer's attention mask.
-        """
-        return encode_prompts(
-            self.tokenizer,
-            self.text_encoder,
-            prompts,
-            check_max_sequence_length(max_sequence_length),
-            device=self._execution_device,
-            dtype=self.transformer.dtype,
-        )
-
     def _make_layout(self, tokens_per_frame: int, options: dict[str, Any]) -> ChunkLayout:
         chunk, sink, window, mode = (options[k] for k in self.cache_options)
         if not _is_int(chunk, 1):
