@@ -51,6 +51,7 @@ import sys
 import time
 
 import torch
+from _common import WAN_1_3B
 
 from rolldiff import ChunkLayout, KreaRealtimeTransformer3DModel
 from rolldiff.caching import CacheLayer, CrossAttentionLayer, RollingKVCache
@@ -65,20 +66,14 @@ SELF_FORCING_FPS_H100 = 17.0
 
 # CPU: Wan's block, patch and latent channels, smaller everywhere else (~20 ms per forward, ~90 ms per chunk
 # of 5 passes on one core shared with other jobs), so 200 chunks of ours take well under a minute.
-CPU_MODEL = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=4,
-    attention_head_dim=32,
-    in_channels=16,
-    out_channels=16,
-    text_dim=128,
-    freq_dim=256,
-    ffn_dim=512,
-    num_layers=2,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    rope_max_seq_len=1024,
-)
+CPU_MODEL = {  # Wan 1.3B's config with narrower heads, FFN and text, and 2 layers
+    **WAN_1_3B,
+    "num_attention_heads": 4,
+    "attention_head_dim": 32,
+    "text_dim": 128,
+    "ffn_dim": 512,
+    "num_layers": 2,
+}
 CPU_LATENT = (16, 16)  # (height, width) -> 8x8 = 64 tokens per frame after the 2x2 patch
 CPU_TEXT_TOKENS = 16
 

@@ -11,8 +11,7 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from cache_helpers import NewStorageCounter
 
 from rolldiff.caching import SlidingWindowLayer
 
@@ -324,23 +323,6 @@ def test_steady_state_keeps_every_buffer():
         layer.commit()
         now = buffer_pointers(layer)
         assert now == pointers
-
-
-class NewStorageCounter(TorchDispatchMode):
-    """Records every ATen op whose output lives in a storage none of its inputs owns (an allocation)."""
-
-    def __init__(self):
-        super().__init__()
-        self.allocations: list[tuple[str, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = tree_flatten((args, kwargs))[0]
-        owned = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in owned:
-                self.allocations.append((str(func), tensor.untyped_storage().nbytes()))
-        return out
 
 
 def test_steady_state_update_and_commit_allocate_nothing():

@@ -19,6 +19,7 @@ from transformers import Gemma2Config, Gemma2Model, PreTrainedTokenizerFast
 
 from ..caching.layout import ChunkLayout
 from ..models.long_sana import LongSanaTransformer3DModel, sana_layout
+from ..models.patch_grid import tokens_per_latent_frame
 from .tiny_components import toy_vocabulary
 
 PAD_TOKEN, EOS_TOKEN, BOS_TOKEN, UNK_TOKEN = "<pad>", "<eos>", "<bos>", "<unk>"
@@ -59,8 +60,7 @@ class SanaTinyConfig:
 
     @property
     def tokens_per_frame(self) -> int:
-        latent_height, latent_width = self.latent_size
-        return (latent_height // self.patch_size[1]) * (latent_width // self.patch_size[2])
+        return tokens_per_latent_frame(self.patch_size, *self.latent_size)
 
     def layout(self) -> ChunkLayout:
         return sana_layout(self.tokens_per_frame, self.chunk_frames, self.context_chunks)

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
 from ..models.krea_realtime import ChunkLayout, KreaRealtimeTransformer3DModel
+from ..models.patch_grid import tokens_per_latent_frame
 from ..toyworld.world import COLOURS, DIRECTIONS, SHAPES
 
 PAD_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "</s>", "<unk>"
@@ -64,8 +65,7 @@ class TinyConfig:
 
     @property
     def tokens_per_frame(self) -> int:
-        latent_height, latent_width = self.latent_size
-        return (latent_height // self.patch_size[1]) * (latent_width // self.patch_size[2])
+        return tokens_per_latent_frame(self.patch_size, *self.latent_size)
 
     def layout(self) -> ChunkLayout:
         return ChunkLayout(
