@@ -217,10 +217,7 @@ class LivePrompt:
         with self._lock:
             return [self._prompts[index]]
 
-    @property
-    def entries(self) -> tuple:
-        """More than one entry: the chunk loop keeps the recent frames a re-cache needs after a switch."""
-        return ((0, tuple(self.prompts(0))), (None, ()))  # the second: switches still to come
+    may_switch = True  # switches can come at any chunk: the chunk loop keeps what a re-cache needs
 
 
 @dataclass

@@ -312,7 +312,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         caches = [self._make_cache(run, dtype, device) for _ in embeds]
         for cache, branch_embeds in zip(caches, embeds):
             self._set_conditioning(cache, branch_embeds)
-        keeps_recent = len(run.schedule.entries) > 1  # only a prompt switch re-runs recent frames
+        keeps_recent = run.schedule.may_switch  # only a prompt switch re-runs recent frames
         recent = torch.zeros((*run.chunk_shape[:2], 0, *run.chunk_shape[3:]), device=device, dtype=dtype)
         state = StreamState() if state is None else state
         state.caches, state.embeds, state.run = caches, embeds, run
