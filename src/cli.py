@@ -135,9 +135,9 @@ def _host(text: str) -> str:
 
 
 def _compile_backend(text: str) -> str:
-    backends = torch._dynamo.list_backends(exclude_tags=())
-    if text not in backends:
-        raise argparse.ArgumentTypeError(f"expected a torch.compile backend ({', '.join(backends)}), got {text!r}")
+    if text not in torch._dynamo.list_backends(exclude_tags=()):  # debug backends (eager) are accepted too
+        usual = sorted({*torch._dynamo.list_backends(), "eager"})
+        raise argparse.ArgumentTypeError(f"expected a torch.compile backend such as {', '.join(usual)}; got {text!r}")
     return text
 
 
