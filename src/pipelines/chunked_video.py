@@ -275,7 +275,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
 
     def _check_embeds(self, name: str, embeds, batch_size: int | None = None) -> None:
         if not isinstance(embeds, torch.Tensor) or embeds.ndim != 3:
-            raise ValueError(f"`{name}` must be a (batch, tokens, channels) tensor, got {type(embeds).__name__}.")
+            got = f"shape {tuple(embeds.shape)}" if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+            raise ValueError(f"`{name}` must be a (batch, tokens, channels) tensor, got {got}.")
         if batch_size is not None and embeds.shape[0] != batch_size:
             raise ValueError(f"`{name}` has batch {embeds.shape[0]}, expected {batch_size}.")
 
@@ -523,7 +524,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             max_sequence_length: text tokens (default from the config).
             callback_on_step_end: `callback(pipe, step, timestep, tensors) -> dict`, called after every
                 denoising step with the next step's input `latents`; returned `latents` replace them.
-                Set `pipe.interrupt = True` to stop before the next step.
+                Set `pipe.interrupt = True` to stop before the next step: the output holds the chunks
+                finished so far (`frames` is None if none finished).
             **cache_options: the family's cache geometry (`cache_options`), defaults from the config.
         """
         if output_type not in OUTPUT_TYPES:
