@@ -90,6 +90,16 @@ def _positive(kind, maximum: float = math.inf):
     return parse
 
 
+def _quality(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 1 <= value <= 10:
+        raise argparse.ArgumentTypeError(f"expected a number from 1 to 10, got {text!r}")
+    return value
+
+
 def _non_negative_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -206,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-offload", action="store_true", default=None, help="keep the K/V window in CPU memory between blocks"
     )
     generate.add_argument(
+        "--quality",
+        type=_quality,
+        default=5.0,
+        help="mp4 encoding, 1 (smallest file) to 10 (lossless); default 5",
+    )
+    generate.add_argument(
         "--resume",
         action="store_true",
         help="continue an interrupted run of the same command from its last saved chunk (the video equals an "
@@ -302,6 +318,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 generator=torch.Generator("cpu").manual_seed(args.seed),
                 resume=args.resume,
                 state_every_s=args.state_every,
+                quality=args.quality,
                 **options,
             )
     except KeyboardInterrupt:

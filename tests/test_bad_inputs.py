@@ -457,6 +457,8 @@ API_CASES = {
     "unknown-cache-option": ApiCase({"window_size": 3}, "window_size", TypeError),
     "state-object": ApiCase({"state": object()}, "state"),
     "to-file-state-every-negative": ApiCase({"state_every_s": -1}, "state_every_s", to_file=True),
+    "to-file-quality-zero": ApiCase({"quality": 0}, "quality", to_file=True),
+    "to-file-quality-text": ApiCase({"quality": "high"}, "quality", to_file=True),
     "to-file-batch-of-two": ApiCase({"prompt": [RED, RED]}, "prompt", to_file=True),
     "to-file-output-type": ApiCase({"output_type": "pt"}, "output_type", to_file=True),
     "to-file-folder": ApiCase({"path": "."}, "path", to_file=True),

@@ -5,10 +5,9 @@ used; `interrupt` stops a run; `prompt_embeds` stand in for a prompt; noise is d
 starting a stream of any length costs the same memory; one pipeline serves concurrent streams.
 """
 
-import threading
-
 import pytest
 import torch
+from concurrency import assert_same_as_alone, run_together
 from tiny_components import tiny_pipeline
 
 from rolldiff.pipelines import chunked_video
@@ -116,24 +115,17 @@ def test_starting_a_very_long_stream_allocates_nothing_the_size_of_the_video(pip
     assert grown < 64 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB starting a {num_frames}-frame stream"
 
 
-def test_one_pipeline_serves_concurrent_streams_exactly_as_alone(pipe):
+def test_one_pipeline_serves_concurrent_streams_as_alone(pipe):
     alone = {seed: pipe(PROMPT, num_frames=6, output_type="latent", generator=_seed(seed), **SIZE).frames
              for seed in range(3)}  # fmt: skip
-    together = {}
-    barrier = threading.Barrier(3)
 
-    def run(seed: int) -> None:
-        barrier.wait()
+    def run(seed: int) -> torch.Tensor:
         chunks = pipe.stream(PROMPT, num_frames=6, output_type="latent", generator=_seed(seed), **SIZE)
-        together[seed] = torch.cat(list(chunks), dim=2)
+        return torch.cat(list(chunks), dim=2)
 
-    threads = [threading.Thread(target=run, args=(seed,)) for seed in range(3)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    together = run_together(run, [(seed,) for seed in range(3)])
     for seed in range(3):
-        assert torch.equal(together[seed], alone[seed])
+        assert_same_as_alone(together[seed], alone[seed])
 
 
 def test_unknown_cache_options_are_refused_before_work(pipe):

@@ -100,6 +100,8 @@ def test_native_size_comes_from_the_pipeline_config_else_480x832(model_dir, tmp_
         (["--prompt", RED, "--position-mode", "sideways"], "`position_mode` must be one of"),
         (["--seconds", "1"], "give --prompt"),
         (["--prompt", RED, "--out", "video.gif"], "--out must end in .mp4"),
+        (["--prompt", RED, "--quality", "11"], "--quality: expected a number from 1 to 10, got '11'"),
+        (["--prompt", RED, "--quality", "best"], "--quality: expected a number from 1 to 10"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_on_stderr(model_dir, tmp_path, capsys, args, message):

@@ -5,10 +5,9 @@ and never recompiles as the video grows; one model instance serves several threa
 caches exactly as it serves one; LoRA, attention backends and gradient checkpointing still work.
 """
 
-import threading
-
 import pytest
 import torch
+from concurrency import assert_same_as_alone, run_together
 from tiny_components import tiny_transformer
 from torch._dynamo.testing import CompileCounter
 
@@ -75,25 +74,15 @@ def test_full_window_attends_without_a_mask_and_matches_the_masked_step():
 
 
 @torch.no_grad()
-def test_one_model_serves_concurrent_streams_exactly_as_alone():
+def test_one_model_serves_concurrent_streams_as_alone():
     model = tiny_transformer()
     layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=4, position_mode="relative")
     alone = [_run_chunks(model, layout, 6, _text(seed), seed=seed) for seed in range(4)]
-    together: dict[int, list] = {}
-    barrier = threading.Barrier(4)
-
-    def stream(seed: int) -> None:
-        barrier.wait()
-        together[seed] = _run_chunks(model, layout, 6, _text(seed), seed=seed)
-
-    threads = [threading.Thread(target=stream, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    together = run_together(
+        lambda seed: _run_chunks(model, layout, 6, _text(seed), seed=seed), [(s,) for s in range(4)]
+    )
     for seed in range(4):
-        for mine, reference in zip(together[seed], alone[seed]):
-            assert torch.equal(mine, reference)
+        assert_same_as_alone(together[seed], alone[seed])
     assert model._call_slot.context is None  # nothing left bound after the calls
 
 

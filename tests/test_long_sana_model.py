@@ -10,11 +10,11 @@ Tolerance: 1e-5 absolute on outputs of order 1 (fp32; the cached path sums state
 import gc
 import os
 import tempfile
-import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
+from concurrency import assert_same_as_alone, run_together
 from diffusers import SanaVideoTransformer3DModel
 
 from rolldiff.caching import ConvStateLayer, CrossAttentionLayer, LinearAttentionLayer
@@ -287,27 +287,16 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_the_reference():
 
 
 @torch.no_grad()
-def test_one_model_serves_concurrent_streams_exactly_as_alone(models):
+def test_one_model_serves_concurrent_streams_as_alone(models):
     """Per-call state is bound per thread, never stored on the model: four streams, one model, same outputs."""
     _, ours = models
     layout = sana_layout(TOKENS_PER_FRAME, chunk_frames=2, context_chunks=2)
     videos = [inputs(frames=8, seed=seed) for seed in range(4)]
     alone = [run_chunked(ours, latents, text, torch.tensor([300.0]), layout)[0] for latents, text in videos]
-    together: dict[int, torch.Tensor] = {}
-    barrier = threading.Barrier(4)
-
-    def stream(seed: int) -> None:
-        barrier.wait()
-        with torch.no_grad():
-            together[seed] = run_chunked(ours, *videos[seed], torch.tensor([300.0]), layout)[0]
-
-    threads = [threading.Thread(target=stream, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    together = run_together(lambda seed: run_chunked(ours, *videos[seed], torch.tensor([300.0]), layout)[0],
+                            [(seed,) for seed in range(4)])  # fmt: skip
     for seed in range(4):
-        assert torch.equal(together[seed], alone[seed])
+        assert_same_as_alone(together[seed], alone[seed])
     assert ours._call_slot.context is None
 
 

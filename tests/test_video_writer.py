@@ -36,6 +36,20 @@ def test_chunks_read_back_with_count_size_and_colours(tmp_path):
         np.testing.assert_allclose(mean_colour, colour, atol=12)
 
 
+def test_a_video_starts_bit_for_bit_like_any_longer_one(tmp_path):
+    """Encoding is causal (no B-frames, no x264 lookahead): what an interrupted run wrote is exactly the start of
+    the uninterrupted video, which is what lets `--resume` keep those frames."""
+    rng = np.random.default_rng(0)
+    start = rng.integers(0, 256, (1, SIZE, SIZE, 3)).astype(np.float32)
+    frames = np.clip(start + np.cumsum(rng.normal(0, 20, (12, SIZE, SIZE, 3)), axis=0), 0, 255).astype(np.uint8)
+    videos = {}
+    for length in (4, 12):
+        with StreamingVideoWriter(tmp_path / f"{length}.mp4", fps=8) as writer:
+            writer.write(frames[:length])
+        videos[length] = read_video(tmp_path / f"{length}.mp4")
+    np.testing.assert_array_equal(videos[4], videos[12][:4])
+
+
 def test_exception_inside_with_leaves_the_written_frames_playable(tmp_path):
     path = tmp_path / "video.mp4"
     with pytest.raises(RuntimeError, match="generation failed"):

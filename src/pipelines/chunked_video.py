@@ -556,6 +556,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         *,
         resume: bool = False,
         state_every_s: float = 60.0,
+        quality: float = 5,
         **kwargs: Any,
     ) -> int:
         """Stream a video straight into an mp4 at `path` in constant memory; returns the frames in the file.
@@ -564,11 +565,14 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         succeeds; a failed or interrupted run keeps the frames done as `path`'s partial file (`video.partial.mp4`)
         and never touches an existing file at `path`. Every `state_every_s` seconds (0: every chunk) the run's
         state is saved beside it (`video.resume.safetensors`); `resume=True` continues from there, and the
-        resumed video equals an uninterrupted one. See `rolldiff.pipelines.resume.write_video`.
+        resumed video equals an uninterrupted one. `quality` is the encoder's, 1 (smallest file) to 10 (lossless
+        with libx264). See `rolldiff.pipelines.resume.write_video`.
         """
         from .resume import write_video  # resume imports this module
 
-        return write_video(self, path, prompt, fps, resume=resume, state_every_s=state_every_s, **kwargs)
+        return write_video(
+            self, path, prompt, fps, resume=resume, state_every_s=state_every_s, quality=quality, **kwargs
+        )
 
     # ---------------------------------------------------------------------------------------- family hooks
     def encode_prompt(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor:

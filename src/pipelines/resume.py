@@ -278,8 +278,9 @@ def _default_generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-def run_fingerprint(pipe, run, fps, generator, latents) -> dict:
-    """What makes two runs the same video: the checked arguments, the model and the output rate."""
+def run_fingerprint(pipe, run, fps, generator, latents, quality: float = 5) -> dict:
+    """What makes two runs the same video: the checked arguments, the model and the output's rate and encoding
+    (parts encoded at different qualities may differ in H.264 profile and cannot be joined by stream copy)."""
     transformer = {k: v for k, v in dict(pipe.transformer.config).items() if not k.startswith("_")}
     return json.loads(
         json.dumps(
@@ -296,6 +297,7 @@ def run_fingerprint(pipe, run, fps, generator, latents) -> dict:
                 "max_sequence_length": run.max_sequence_length,
                 "options": run.options,
                 "fps": float(fps),
+                "quality": float(quality),
                 "seeded": generator is not None,
                 "latents": None if latents is None else float(latents.double().sum()),
                 "prompt_embeds": run.prompt_embeds is not None,
@@ -313,6 +315,7 @@ def write_video(
     *,
     resume: bool = False,
     state_every_s: float = 60.0,
+    quality: float = 5,
     **kwargs: Any,
 ) -> int:
     """`pipe.generate_to_file`: stream a video into `path`, saving a resume state after the first chunk and then
@@ -322,11 +325,16 @@ def write_video(
     file holds the frames it vouches for), before any model work. A failed or interrupted run leaves `path` as
     it was, the frames done in `video.partial.mp4` and the last state in `video.resume.safetensors`; success
     removes both. Returns the frames in the finished file.
+
+    Encoding is causal (see `StreamingVideoWriter`), so the frames kept from the partial are bit for bit those of an
+    uninterrupted run; the continuation starts a new key frame, so with lossy `quality` (< 10) its frames match the
+    uninterrupted run's to the encoder's precision, and exactly at `quality=10` (lossless).
     """
     from .chunked_video import StreamState
-    from .video_writer import StreamingVideoWriter, check_output_path, count_frames, partial_path_for
+    from .video_writer import StreamingVideoWriter, check_output_path, check_quality, count_frames, partial_path_for
 
     path = check_output_path(path)
+    quality = check_quality(quality)
     if isinstance(state_every_s, bool) or not isinstance(state_every_s, (int, float)) or not state_every_s >= 0:
         raise ValueError(f"`state_every_s` must be a number of seconds >= 0 (0: every chunk), got {state_every_s!r}.")
     if kwargs.get("output_type", "np") != "np":
@@ -339,7 +347,7 @@ def write_video(
         raise ValueError(f"`prompt`: `generate_to_file` writes one video; got a batch of {run.batch_size}.")
     generator = kwargs.get("generator")
     state_path, partial = state_path_for(path), partial_path_for(path)
-    fingerprint = run_fingerprint(pipe, run, fps, generator, kwargs.get("latents"))
+    fingerprint = run_fingerprint(pipe, run, fps, generator, kwargs.get("latents"), quality)
     continue_frames = None
     if resume and state_path.exists():
         saved = load_state(state_path)
@@ -359,7 +367,11 @@ def write_video(
         )
 
     writer = StreamingVideoWriter(
-        path, fps=fps, continue_from=partial if continue_frames is not None else None, continue_frames=continue_frames
+        path,
+        fps=fps,
+        quality=quality,
+        continue_from=partial if continue_frames is not None else None,
+        continue_frames=continue_frames,
     )
     with writer:
         last_save = -math.inf  # the first state right after the first chunk, then at most every `state_every_s`

@@ -31,6 +31,13 @@ def partial_path_for(path: str | os.PathLike) -> Path:
     return path.with_name(f"{path.stem}.partial{path.suffix}")
 
 
+def check_quality(quality: float) -> float:
+    """imageio's encoder quality: a number from 1 (smallest file) to 10 (lossless with libx264)."""
+    if isinstance(quality, bool) or not isinstance(quality, numbers.Real) or not 1 <= quality <= 10:
+        raise ValueError(f"`quality` must be a number from 1 to 10, got {quality!r}.")
+    return float(quality)
+
+
 def check_output_path(path: str | os.PathLike, name: str = "path") -> Path:
     """Refuse an output `path` that cannot be written, before any work: not .mp4, a folder, a missing or
     read-only folder. `name` is the argument named in the message (`--out` for the command)."""
@@ -63,6 +70,17 @@ def count_frames(path: str | os.PathLike) -> int:
     if result.returncode != 0 or not counts:
         raise ValueError(f"{str(path)!r} is not a readable video: {result.stderr.strip()[-300:]}")
     return int(counts[-1])
+
+
+def _causal_encoding(codec: str) -> list[str]:
+    """Encoder options under which every frame depends only on earlier ones. No B-frames: parts join by stream
+    copy with clean timestamps (`concat_mp4`). For x264 also no lookahead and no macroblock tree, which otherwise
+    tune a frame's quantisers to the frames after it: the first n frames of a video are then bit for bit those
+    of any longer video with the same start, so a resumed video keeps the interrupted run's frames exactly."""
+    params = ["-bf", "0"]
+    if codec == "libx264":
+        params += ["-x264-params", "rc-lookahead=0:mbtree=0"]
+    return params
 
 
 def _first_frames(path: Path, num_frames: int, out: Path) -> None:
@@ -101,7 +119,8 @@ class StreamingVideoWriter:
     Args:
         path: the `.mp4` file to create. An existing file is replaced only when the writer closes normally.
         fps: frames per second, > 0 (a `Fraction` such as `Fraction(30000, 1001)` is kept exact).
-        quality: 1 (smallest file) to 10 (best), imageio's scale; with libx264 it sets `crf = int((1 - q/10) * 51)`.
+        quality: 1 (smallest file) to 10 (best), imageio's scale; with libx264 it sets `crf = int((1 - q/10) * 51)`,
+            so 10 is lossless (after yuv420p's chroma subsampling).
         codec: the ffmpeg video encoder.
         continue_from: an mp4 written earlier by this writer with the same fps and size (a resumed run's
             partial file); the result is its frames followed by the new ones.
@@ -137,8 +156,7 @@ class StreamingVideoWriter:
             raise ValueError(f"`continue_frames` must be an int >= 0 with `continue_from`, got {continue_frames!r}.")
         if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not (math.isfinite(fps) and fps > 0):
             raise ValueError(f"`fps` must be a finite number > 0, got {fps!r}.")
-        if isinstance(quality, bool) or not isinstance(quality, numbers.Real) or not 1 <= quality <= 10:
-            raise ValueError(f"`quality` must be between 1 and 10, got {quality!r}.")
+        check_quality(quality)
         self.path = path
         self.continue_from = None if continue_from is None else Path(continue_from)
         if continue_from is not None and continue_frames is None:
@@ -201,7 +219,7 @@ class StreamingVideoWriter:
             pix_fmt_in="rgb24",
             pix_fmt_out="yuv420p",
             macro_block_size=1,  # no rescaling; yuv420p's even-size rule is checked in `write`
-            output_params=["-bf", "0"],  # no B-frames: parts join by stream copy with clean timestamps (`concat_mp4`)
+            output_params=_causal_encoding(self.codec),
         )
         self._encoder.send(None)  # run the generator up to its first `yield`
         self.frame_size = (height, width)
