@@ -55,5 +55,7 @@ def test_two_processes_split_the_prompts_and_skip_finished_videos(tmp_path):
     assert f"{out / '0001.mp4'} exists, skipped" in result.stdout
     assert (out / "0001.mp4").read_bytes() == finished
     assert sorted(p.name for p in out.iterdir()) == ["0000.mp4", "0001.mp4", "0002.mp4"]
-    for index in (0, 2):
-        np.testing.assert_array_equal(_read(out / f"{index:04d}.mp4"), references[index])
+    for index in (0, 2):  # other processes: equal up to MKL's alignment-dependent rounding, then H.264's
+        difference = np.abs(_read(out / f"{index:04d}.mp4").astype(int) - references[index].astype(int))
+        assert difference.mean() < 1, difference.mean()
+    assert np.abs(references[0].astype(int) - references[2].astype(int)).mean() > 10  # the bound tells videos apart

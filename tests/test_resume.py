@@ -180,8 +180,10 @@ def test_resume_without_a_state_starts_over_with_a_warning(pipe, uninterrupted, 
 
 def test_the_command_resumes_a_killed_run(tmp_path, pipe):
     """`rolldiff generate` in a child process, killed (SIGTERM, as `kill` sends) once it has saved a state,
-    then `--resume`: the same video as one uninterrupted run of the command, frame for frame (lossless encoding;
-    the lossy case keeps the interrupted run's frames exactly, see test_video_writer)."""
+    then `--resume`: the killed run's frames kept bit for bit, the rest made from its state, and the whole equal to
+    an uninterrupted run of the command. That run is in this process, the killed one was not: MKL may round a
+    matrix product differently with its buffers' alignment, so equal means to one or two levels of 255 here (the
+    in-process tests above are exact); lossless encoding keeps H.264 out of the comparison."""
     model = tmp_path / "model"
     pipe.save_pretrained(model)
     out = tmp_path / "video.mp4"
@@ -200,6 +202,7 @@ def test_the_command_resumes_a_killed_run(tmp_path, pipe):
     assert child.returncode == 130, err
     assert "--resume" in err and not out.exists()
     saved = load_state(state)
+    kept = _read(partial_path_for(out))[: saved.frames_written]
 
     assert main([*argv, "--resume"]) == 0
     reference = tmp_path / "reference.mp4"
@@ -207,7 +210,8 @@ def test_the_command_resumes_a_killed_run(tmp_path, pipe):
     video, expected = _read(out), _read(reference)
     assert video.shape == expected.shape == (10, 16, 16, 3)
     assert 0 < saved.frames_written < len(video)
-    np.testing.assert_array_equal(video, expected)
+    np.testing.assert_array_equal(video[: saved.frames_written], kept)
+    assert np.abs(video.astype(int) - expected.astype(int)).max() <= 2
 
 
 @pytest.mark.parametrize("options", [{"kv_quantization": "int8"}, {"kv_offload": True}], ids=["int8", "offload"])
