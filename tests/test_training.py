@@ -75,6 +75,17 @@ def test_clips_start_with_the_sink_and_mask_the_chunk_after_a_gap(text):
     assert any(torch.equal(sinks[0], data.latents[v, :, : layout.sink_frames]) for v in range(4))
 
 
+@pytest.mark.parametrize("sink_frames, gap_prob, first_weight", [(0, 0.0, 3.0), (0, 1.0, 0.0), (3, 1.0, 3.0)])
+def test_the_videos_first_chunk_gets_its_own_weight(sink_frames, gap_prob, first_weight):
+    """Only a chunk that holds the video's first frames is weighted (with no sink: clips without a gap)."""
+    layout = dataclasses.replace(CONFIG.layout(), sink_frames=sink_frames)
+    data = random_videos(torch.zeros(4, CONFIG.max_sequence_length, CONFIG.text_dim))
+    clips, _, weights = sample_clips(data, 6, 12, layout, np.random.default_rng(0), gap_prob, first_chunk_weight=3.0)
+    assert weights[:, 0].tolist() == [first_weight] * 6
+    if gap_prob == 0.0:  # clips from frame 0
+        assert all(any(torch.equal(clip, data.latents[v, :, :12]) for v in range(4)) for clip in clips)
+
+
 def test_teacher_forcing_inputs_shapes_and_timesteps():
     layout = CONFIG.layout()
     clean = torch.randn(2, CONFIG.z_dim, 12, *CONFIG.latent_size)

@@ -112,6 +112,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids thrashing on shared CPUs)")
     parser.add_argument("--videos-per-prompt", type=int, default=12, help="training videos of 97 frames per prompt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--init-from", type=Path, default=None, help="start from this folder's transformer (a checkpoint or pipeline)"
+    )
+    parser.add_argument(
+        "--gap-prob", type=float, default=0.3, help="share of clips that start mid-video rather than at frame 0"
+    )
+    parser.add_argument(
+        "--first-chunk-weight",
+        type=float,
+        default=3.0,
+        help="loss weight of a video's first chunk: with no sink it is the only place the prompt alone sets the "
+        "motion, and later chunks copy that motion from their context",
+    )
     parser.add_argument("--package", type=Path, default=None, help="only assemble this components folder into --out")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -134,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     held_out = build_latent_videos(vae, tokenizer, text_encoder, config, HELD_OUT_SEEDS)
     log(f"latent videos: train {tuple(train_data.latents.shape)}, held out {tuple(held_out.latents.shape)}")
     transformer = build_sana_transformer(config, seed=args.seed)
+    if args.init_from is not None:
+        trained = LongSanaTransformer3DModel.from_pretrained(args.init_from / "transformer")
+        transformer.load_state_dict(trained.state_dict())
+        log(f"transformer initialised from {args.init_from}")
     log(f"transformer parameters {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f} M")
     ema = EMA(transformer, decay=0.999)
     ema_model = build_sana_transformer(config, seed=args.seed)
@@ -161,6 +178,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         on_step=lambda _: ema.update(transformer),
         on_interval=checkpoint,
         interval_seconds=args.checkpoint_minutes * 60,
+        gap_prob=args.gap_prob,
+        first_chunk_weight=args.first_chunk_weight,
     )
     log(f"trained {len(losses)} steps, final loss (mean of last 100) {sum(losses[-100:]) / len(losses[-100:]):.5f}")
     checkpoint(len(losses))

@@ -58,12 +58,19 @@ def build_latent_videos(
 
 
 def sample_clips(
-    data: LatentVideos, batch_size: int, clip_frames: int, layout: ChunkLayout, rng: np.random.Generator, gap_prob=0.6
+    data: LatentVideos,
+    batch_size: int,
+    clip_frames: int,
+    layout: ChunkLayout,
+    rng: np.random.Generator,
+    gap_prob: float = 0.6,
+    first_chunk_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Clean clips `(batch, z_dim, clip_frames, h, w)`, text `(batch, seq, text_dim)`, chunk loss mask `(batch, chunks)`.
+    """Clean clips `(batch, z_dim, clip_frames, h, w)`, text `(batch, seq, text_dim)`, chunk loss weights `(batch, chunks)`.
 
     Each clip is the video's first `sink_frames` frames, then `clip_frames - sink_frames` consecutive frames
-    starting right after them or, with probability `gap_prob`, after a random gap.
+    starting right after them or, with probability `gap_prob`, after a random gap. The video's first chunk
+    (no context: only the prompt says where the shape goes) weighs `first_chunk_weight`.
     """
     num_videos, video_frames = data.latents.shape[0], data.latents.shape[2]
     sink, rest = layout.sink_frames, clip_frames - layout.sink_frames
@@ -75,6 +82,8 @@ def sample_clips(
         clips.append(data.latents[video, :, frames])
     num_chunks = clip_frames // layout.chunk_frames
     loss_mask = torch.ones(batch_size, num_chunks)
+    video_start = (gaps == 0) | (sink >= layout.chunk_frames)  # chunk 0 holds the video's first frames
+    loss_mask[torch.from_numpy(video_start), 0] = first_chunk_weight
     # After a gap the first chunk past the sink sees no recent frame: nothing tells it where the shape is.
     loss_mask[torch.from_numpy(gaps > 0), sink // layout.chunk_frames] = 0.0
     return torch.stack(clips), data.prompt_embeds[data.prompt_ids[videos]], loss_mask
@@ -200,13 +209,16 @@ def train_transformer(
     on_interval=None,
     interval_seconds: float = 600.0,
     context_noise: float = 0.05,
+    gap_prob: float = 0.6,
+    first_chunk_weight: float = 1.0,
 ) -> list[float]:
     """AdamW, warmup then cosine decay to 10% over the run, for `seconds` of wall time or `max_steps`.
 
     Half the clips get Gaussian noise of std up to `context_noise` on their clean (context) frames, still
     at timestep 0: at generation time the cache holds the model's own, slightly imperfect, predictions.
     `on_step(model)` runs after every optimizer step (EMA); `on_interval(step)` every `interval_seconds`
-    (checkpointing, context checks). Returns the loss of every step.
+    (checkpointing, context checks). `gap_prob` and `first_chunk_weight`: see `sample_clips`. Returns the loss
+    of every step.
     """
     layout = config.layout()
     rng = np.random.default_rng(seed)
@@ -223,7 +235,7 @@ def train_transformer(
 
     num_chunks = clip_frames // layout.chunk_frames
     while time.perf_counter() - began < seconds and (max_steps is None or step < max_steps):
-        clean, text, loss_mask = sample_clips(data, batch_size, clip_frames, layout, rng)
+        clean, text, loss_mask = sample_clips(data, batch_size, clip_frames, layout, rng, gap_prob, first_chunk_weight)
         sigmas = sample_chunk_sigmas(batch_size, num_chunks, config, generator)
         noise = torch.randn(clean.shape, generator=generator)
         context_std = (
