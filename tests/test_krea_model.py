@@ -67,6 +67,37 @@ def test_cached_chunks_equal_the_dense_block_causal_reference(model, position_mo
 
 @pytest.mark.parametrize("position_mode", ["absolute", "relative"])
 @torch.no_grad()
+def test_a_window_per_block_equals_the_dense_reference_with_a_layout_per_block(model, position_mode):
+    """`make_cache(window_frames_per_block=...)` (local/global blocks) against `forward(layout=[one per block])`."""
+    layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=4, position_mode=position_mode)
+    windows = [4, 8]
+    per_block = model.block_layouts(layout, windows)
+    cache = model.make_cache(layout, window_frames_per_block=windows)
+    assert [cache[i].window_tokens for i in range(2)] == [w * TOKENS_PER_FRAME for w in windows]
+    clean = torch.randn(1, 4, 12, 4, 4)
+    for start in range(0, 12, 2):
+        noisy = torch.randn(1, 4, 2, 4, 4)
+        cached = _chunk(model, noisy, 0.6, cache, layout)
+        timesteps = torch.cat([torch.zeros(1, start), torch.full((1, 2), 600.0)], dim=1)
+        sequence = torch.cat([clean[:, :, :start], noisy], dim=2)
+        dense = model(sequence, timesteps, TEXT, layout=per_block).sample[:, :, start:]
+        assert torch.allclose(cached, dense, atol=1e-5), start
+        _chunk(model, clean[:, :, start : start + 2], 0.0, cache, layout)
+        cache.commit()
+
+
+@pytest.mark.parametrize(
+    "windows, message",
+    [([4], "has 1 entries, expected one per block \\(2\\)"), ([4, 1], r"`window_frames_per_block\[1\]`=1")],
+)
+def test_bad_windows_per_block_are_refused_naming_the_argument(model, windows, message):
+    layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=4)
+    with pytest.raises(ValueError, match=message):
+        model.make_cache(layout, window_frames_per_block=windows)
+
+
+@pytest.mark.parametrize("position_mode", ["absolute", "relative"])
+@torch.no_grad()
 def test_teacher_forcing_sequence_equals_generation_from_a_clean_cache(model, position_mode):
     layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=4, position_mode=position_mode)
     num_frames, sigma = 10, 0.6

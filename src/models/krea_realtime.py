@@ -316,7 +316,15 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
             raise ValueError(
                 f"`window_frames_per_block` has {len(windows)} entries, expected one per block ({len(self.blocks)})."
             )
-        return [dataclasses.replace(layout, window_frames=window) for window in windows]
+        layouts = []
+        for index, window in enumerate(windows):
+            try:
+                layouts.append(dataclasses.replace(layout, window_frames=window))
+            except (TypeError, ValueError) as error:  # ChunkLayout's message names `window_frames`
+                raise ValueError(
+                    f"`window_frames_per_block[{index}]`={window!r} is not a valid window: {error}"
+                ) from None
+        return layouts
 
     def make_cache(
         self,
