@@ -176,6 +176,34 @@ def test_repeated_steps_in_the_wrapped_ring_overwrite_the_same_slots():
     assert update_scalars(layer, 7, 8)["buffer"] == [1, 2, 7, 8, 5, 6]
 
 
+def test_later_steps_of_a_chunk_reuse_its_slot_arithmetic(monkeypatch):
+    """Eager: the slots, slot map and mask are computed at a chunk's first step only; anything that moves the
+    counters or the map (commit, rewind, crop, reset, a new chunk size) makes the next update compute them."""
+    layer = SlidingWindowLayer(sink_tokens=1, window_tokens=4, chunk_tokens=2)
+    computed = []
+    real_refresh = SlidingWindowLayer._refresh_mask
+    monkeypatch.setattr(
+        SlidingWindowLayer, "_refresh_mask", lambda self, n: computed.append(n) or real_refresh(self, n)
+    )
+
+    def steps(*chunks):
+        computed.clear()
+        results = [update_scalars(layer, *chunk)["stream_order"] for chunk in chunks]
+        return len(computed), results
+
+    assert steps([1, 2], [1, 2], [1, 2]) == (1, [[1, 2]] * 3)
+    layer.commit()
+    assert steps([3, 4], [3, 4]) == (1, [[1, 2, 3, 4]] * 2)
+    layer.commit()
+    assert steps([5, 6]) == (1, [[1, 3, 4, 5, 6]])  # 6 lands in the slot of 2
+    layer.commit()
+    layer.rewind(2)  # back to after [3, 4]: the slot map changed since that chunk was last written
+    assert steps([50, 60], [50, 60]) == (1, [[1, 3, 4, 50, 60]] * 2)
+    assert steps([7]) == (1, [[1, 3, 4, 7]])  # a smaller chunk: 60's slot is no longer visible
+    layer.reset()
+    assert steps([1, 2], [1, 2]) == (1, [[1, 2]] * 2)
+
+
 def test_positions_absolute_and_reindexed():
     layer = SlidingWindowLayer(sink_tokens=1, window_tokens=3, chunk_tokens=2)
     assert layer.pending_positions(2).tolist() == [0, 1]

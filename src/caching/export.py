@@ -41,6 +41,9 @@ def export_chunk(
     missing = [type(layer).__name__ for layer in layers if hasattr(layer, "slot_positions") and layer.keys is None]
     if missing:
         raise RuntimeError(f"Allocate the cache before export (`early_initialization`); unallocated: {missing[:4]}.")
+    for layer in layers:  # the trace must contain every step's slot arithmetic, not an eager shortcut
+        if hasattr(layer, "forget_slot_arithmetic"):
+            layer.forget_slot_arithmetic()
     saved = [{k: v for k, v in vars(layer).items() if isinstance(v, _HOST_TYPES)} for layer in layers]
     buffers = [dict(layer._buffers) for layer in layers]  # a layer that (re)allocates while tracing keeps its own
     try:
@@ -57,3 +60,4 @@ def sync_host_counters(module: nn.Module) -> None:
         if getattr(layer, "committed_tokens", None) is not None and hasattr(layer, "_committed_count"):
             layer._committed_count = int(layer.committed_tokens.item())
             layer.pending_tokens = 0
+            layer.forget_slot_arithmetic()

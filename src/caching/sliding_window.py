@@ -12,6 +12,8 @@ tokens, which are exactly the ones that fall out of the window as the chunk arri
 exception mid-chunk leaves the committed state intact. Attention reads the whole buffer with a
 boolean mask (`attention_mask`), so shapes never change and `torch.compile` builds one graph.
 All counters are device tensors: no host sync, no Python-int guard that grows with the video.
+In eager mode the slot arithmetic (positions, slots, slot map, mask) runs at a chunk's first step only;
+its other denoising steps and the context pass write the same slots (compiled, it is part of the graph).
 
 Options, each changing only where and how K/V are stored (the slot arithmetic is the same):
 - `quantization="int8"` / `"fp8"`: codes plus per token-and-head scales (`quantization.py`); `update`
@@ -92,6 +94,8 @@ class SlidingWindowLayer(CacheLayer):
         self._prefetched_batch: int | None = None
         self._staged: dict[str, torch.Tensor] = {}  # offload: the pending chunk in host memory
         self._cropped = False  # `crop` emptied slots: the mask is needed even when the window is full
+        # Eager steps of one chunk write the same slots: `update` does the slot arithmetic once per chunk.
+        self._slot_arithmetic_done: tuple | None = None
 
     def _set_chunk_tokens(self, chunk_tokens: int) -> None:
         check_positive("chunk_tokens", chunk_tokens)
@@ -171,6 +175,7 @@ class SlidingWindowLayer(CacheLayer):
             torch.arange(self.chunk_tokens, out=self._home_index[0])
         self._committed_count, self.pending_tokens, self._stream_batch = 0, 0, None
         self._sync_window_full()
+        self.forget_slot_arithmetic()
         self._prefetch_event = None
         self._reserve_workspace()
 
@@ -289,18 +294,37 @@ class SlidingWindowLayer(CacheLayer):
         batch = key.shape[0]
         if not torch.compiler.is_compiling():
             self._check_stream_batch(batch)
-        positions = torch.add(
-            self.committed_tokens, self._offsets[:num_pending], out=self._pending_positions[:num_pending]
-        )
-        slots = self._slots_for(positions, self._pending_slots[:num_pending], self._ring_offsets[:num_pending])
+        eager = not torch.compiler.is_compiling()
+        if eager and self._slot_arithmetic_done == self._slot_state(num_pending):
+            slots = self._pending_slots[:num_pending]  # another step of the same chunk: same slots, map and mask
+        else:
+            positions = torch.add(
+                self.committed_tokens, self._offsets[:num_pending], out=self._pending_positions[:num_pending]
+            )
+            slots = self._slots_for(positions, self._pending_slots[:num_pending], self._ring_offsets[:num_pending])
+            self.slot_positions.index_copy_(0, slots, positions)
+            self._refresh_mask(num_pending)
+            self._slot_arithmetic_done = self._slot_state(num_pending) if eager else None
         storage = self._fetch(batch) if self.offload else {name: t[:batch] for name, t in self._home().items()}
         keys, values = self._write(storage, slots, key, value)
-        self.slot_positions.index_copy_(0, slots, positions)
-        self._refresh_mask(num_pending)
         self.pending_tokens = num_pending
         if self.offload:
             self._prefetch_next(batch)
         return keys, values
+
+    def _slot_state(self, num_pending: int) -> tuple[int, int]:
+        """The chunk whose slots, slot map and mask `update` last computed (eager). Every other method that moves
+        the counters or the map (commit, rewind, reset, crop, allocation, loading) calls `forget_slot_arithmetic`."""
+        return (self._committed_count, num_pending)
+
+    def forget_slot_arithmetic(self) -> None:
+        """The next `update` recomputes its slots and mask (after anything changed the counters or the slot map
+        outside this layer's methods, e.g. an exported program ran)."""
+        self._slot_arithmetic_done = None
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self.forget_slot_arithmetic()
+        super()._load_from_state_dict(*args, **kwargs)
 
     def _check_chunk(self, num_pending: int) -> None:
         if num_pending > self.chunk_tokens:
@@ -401,6 +425,7 @@ class SlidingWindowLayer(CacheLayer):
         self._committed_count += self.pending_tokens
         self._sync_window_full()
         self.pending_tokens = 0
+        self.forget_slot_arithmetic()
 
     def reset(self) -> None:
         if self.keys is not None:
@@ -415,6 +440,7 @@ class SlidingWindowLayer(CacheLayer):
         self._prefetch_event = None
         self._cropped = False
         self._sync_window_full()
+        self.forget_slot_arithmetic()
 
     @property
     def in_use(self) -> bool:
@@ -521,6 +547,7 @@ class SlidingWindowLayer(CacheLayer):
         self.committed_tokens.sub_(num_tokens)
         self._committed_count -= num_tokens
         self._sync_window_full()
+        self.forget_slot_arithmetic()
 
     def check_crop(self, max_tokens: int) -> list[int]:
         """Raise if `crop(max_tokens)` would be refused; return the positions it would evict (changes nothing)."""
@@ -552,3 +579,4 @@ class SlidingWindowLayer(CacheLayer):
             self._refresh_mask(0)
             self._cropped = True
             self._sync_window_full()
+            self.forget_slot_arithmetic()
