@@ -6,6 +6,7 @@ from diffusers import WanTransformer3DModel
 from tiny_components import TRANSFORMER_CONFIG, tiny_transformer
 
 from rolldiff.models import ChunkLayout, KreaRealtimeTransformer3DModel, teacher_forcing_frame_mask
+from rolldiff.models.krea_realtime import apply_rotary
 
 TEXT = torch.randn(1, 7, 16, generator=torch.Generator().manual_seed(1))
 TOKENS_PER_FRAME = 4  # 4x4 latent, patch 2x2
@@ -31,6 +32,18 @@ def test_one_chunk_without_cache_equals_diffusers_wan():
     text = torch.randn(2, 7, 16)
     expected = reference(latents, timestep, text).sample
     assert torch.allclose(ours(latents, timestep, text).sample, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_is_wans_bit_for_bit(dtype):
+    """`apply_rotary` against Wan's rotation written out (diffusers' `WanAttnProcessor`), on Wan's own tables."""
+    rope = KreaRealtimeTransformer3DModel(**TRANSFORMER_CONFIG).rope
+    cos, sin = rope.freqs_cos[None, :10, None], rope.freqs_sin[None, :10, None]  # (1, tokens, 1, head_dim)
+    states = torch.randn(2, 10, 3, cos.shape[-1]).to(dtype)
+    x1, x2 = states.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[..., 0::2], sin[..., 1::2]
+    expected = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2).type_as(states)
+    assert torch.equal(apply_rotary(states, cos, sin), expected)
 
 
 @torch.no_grad()
