@@ -302,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         payload = dict(
             args=vars(args),
+            command=" ".join(["python", "benchmarks/real_shapes.py", *(argv if argv is not None else sys.argv[1:])]),
+            seconds=time.perf_counter() - began,
             tokens_per_frame=tokens,
             summary=summary,
             series={a: dataclasses.asdict(s) for a, s in series.items()},

@@ -49,6 +49,7 @@ PLAN = {
     "gpu_fps": (["--dry-run"], ["--dry-run", "--no-compile"]),
 }
 JSON_OUTPUT = {"real_shapes", "limit", "soak"}
+LONG_RACE_PLOT = "bench_real_shapes_long.png"
 
 
 def run_benchmark(name: str, arguments: list[str], json_path: Path | None) -> dict:
@@ -116,6 +117,31 @@ def plot_real_shapes(data: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def long_race_section(data: dict, plot_name: str) -> list[str]:
+    """A finished long `real_shapes.py --json` run (real frame size; too long for the 15-minute budget)."""
+    sys.path.insert(0, str(HERE))
+    from real_shapes import tables, verdicts
+
+    args = data["args"]
+    command = " ".join(part for part in data.get("command", "").split() if part != "--json" and ".json" not in part)
+    return [
+        f"### The same race at {args['height']}x{args['width']} ({data['tokens_per_frame']} tokens per frame)",
+        "",
+        f"`{command}` ({data.get('seconds', float('nan')) / 60:.0f} minutes, its own run in the background, before or"
+        " after the others, included with `run_all.py --race-json`)",
+        "",
+        "The real frame size of the issue: everything as above but frames 9.8x larger, so Python overhead is a"
+        " smaller share and the window copies of the Self-Forcing loop a larger one.",
+        "",
+        tables(data["summary"], args["window"]),
+        "",
+        "\n".join(verdicts(data["summary"])),
+        "",
+        f"![per-chunk time and RSS at {args['height']}x{args['width']}]({plot_name})",
+        "",
+    ]
+
+
 def soak_section(result: dict) -> str:
     sys.path.insert(0, str(HERE))
     from soak import table, verdict
@@ -124,7 +150,15 @@ def soak_section(result: dict) -> str:
     return f"{table(result)}\n\n{summary} ({'ok' if ok else 'FAILED'})"
 
 
-def write_page(results: dict, machine_before: dict, load_after, out: Path, soak_source: str, total_s: float) -> str:
+def write_page(
+    results: dict,
+    machine_before: dict,
+    load_after,
+    out: Path,
+    soak_source: str,
+    total_s: float,
+    long_race: dict | None = None,
+) -> str:
     real, limit = results["real_shapes"], results["limit"]
     real_args = (real["data"] or {}).get("args", {})
     size = f"{real_args.get('height', '?')}x{real_args.get('width', '?')}"
@@ -179,11 +213,17 @@ def write_page(results: dict, machine_before: dict, load_after, out: Path, soak_
         "scales every approach's matmuls alike. diffusers projects the text in every forward: at 512 tokens",
         "that fixed cost is 25% of a one-block step but 0.3% of the real 30-block step. Fewer text tokens",
         "keep it near its real share. The next section measures one step at 240x416 with 512 text tokens.",
+        *(
+            ["The same race at the real frame size, run on its own for about 40 minutes, follows the plot."]
+            if long_race
+            else []
+        ),
         "",
         printed_tables(real["stdout"]),
         "",
         "![per-chunk time and RSS](bench_real_shapes.png)",
         "",
+        *(long_race_section(long_race, LONG_RACE_PLOT) if long_race else []),
         "## Against the limit: one cached step at 240x416",
         "",
         f"`{limit['command']}` ({limit['seconds']:.0f} s)",
@@ -278,6 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(ROOT / "docs"), help="folder for benchmarks.md and the plots")
     parser.add_argument("--soak-json", help="results of a finished `soak.py --json` run to include")
+    parser.add_argument(
+        "--race-json", help="results of a finished long `real_shapes.py --json` run (e.g. at 240x416) to include"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the scripts run, not performance")
     parser.add_argument(
         "--raw",
@@ -288,11 +331,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    long_race = json.loads(Path(args.race_json).read_text()) if args.race_json else None
+    if long_race:
+        plot_real_shapes(long_race, out / LONG_RACE_PLOT)
     if args.render_only:
         raw = json.loads(Path(args.raw).read_text())
         if raw["results"]["real_shapes"]["data"]:
             plot_real_shapes(raw["results"]["real_shapes"]["data"], out / "bench_real_shapes.png")
-        write_page(raw["results"], raw["machine"], raw["load_after"], out, raw["soak_source"], raw["total_s"])
+        write_page(
+            raw["results"], raw["machine"], raw["load_after"], out, raw["soak_source"], raw["total_s"], long_race
+        )
         print(f"wrote {out / 'benchmarks.md'} from {args.raw}")
         return 0
     began = time.perf_counter()
@@ -324,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.raw).write_text(json.dumps(raw))
     if results["real_shapes"]["data"]:
         plot_real_shapes(results["real_shapes"]["data"], out / "bench_real_shapes.png")
-    write_page(results, machine_before, load_after, out, source, total)
+    write_page(results, machine_before, load_after, out, source, total, long_race)
     print(f"wrote {out / 'benchmarks.md'} in {total:.0f} s" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

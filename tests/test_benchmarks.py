@@ -7,6 +7,7 @@ cache where they must, so the benchmark compares like with like.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -122,3 +123,23 @@ def test_self_forcing_loop_shifts_its_window_with_a_clone_once_full():
     assert layer["k"].shape[1] == 6 * tokens_per_frame  # sink 1 + window 5
     assert layer["local_end_index"].item() == 6 * tokens_per_frame
     assert layer["global_end_index"].item() == 12 * tokens_per_frame
+
+
+# ----------------------------------------------------------------------------------------- the long race on the page
+def test_a_long_race_json_becomes_a_section_with_its_tables_and_plot(tmp_path):
+    """`run_all.py --race-json`: a finished `real_shapes.py --json` run is rendered, not re-run."""
+    import run_all
+
+    data = tmp_path / "race.json"
+    argv = ["--chunks", "5", "--window", "2", "--warmup", "2", "--height", "16", "--width", "16", "--text-tokens", "4",
+            "--approaches", "ours", "cat", "--json", str(data)]  # fmt: skip
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "real_shapes.py"), *argv], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    race = json.loads(data.read_text())
+    section = "\n".join(run_all.long_race_section(race, "long.png"))
+    assert section.startswith("### The same race at 16x16 (1 tokens per frame)")  # 2x2 latent, patch 2x2
+    assert "python benchmarks/real_shapes.py --chunks 5" in section and str(data) not in section
+    assert "| rolldiff `RollingKVCache` (ours) |" in section and "diffusers-style per-step `torch.cat`" in section
+    assert "ours, wall time: late/early" in section and "![per-chunk time and RSS at 16x16](long.png)" in section
+    run_all.plot_real_shapes(race, tmp_path / "long.png")
+    assert (tmp_path / "long.png").stat().st_size > 10_000
