@@ -75,9 +75,9 @@ def test_clips_start_with_the_sink_and_mask_the_chunk_after_a_gap(text):
     assert any(torch.equal(sinks[0], data.latents[v, :, : layout.sink_frames]) for v in range(4))
 
 
-@pytest.mark.parametrize("sink_frames, gap_prob, first_weight", [(0, 0.0, 3.0), (0, 1.0, 3.0), (3, 1.0, 3.0)])
-def test_the_context_free_chunk_gets_its_own_weight(sink_frames, gap_prob, first_weight):
-    """Chunk 0 sees no context: the sink (the video's start) or, with no sink, any clip's first chunk."""
+@pytest.mark.parametrize("sink_frames, gap_prob, first_weight", [(0, 0.0, 3.0), (0, 1.0, 0.0), (3, 1.0, 3.0)])
+def test_the_videos_first_chunk_gets_its_own_weight(sink_frames, gap_prob, first_weight):
+    """Only a chunk that holds the video's first frames is weighted (with no sink: clips without a gap)."""
     layout = dataclasses.replace(CONFIG.layout(), sink_frames=sink_frames)
     data = random_videos(torch.zeros(4, CONFIG.max_sequence_length, CONFIG.text_dim))
     clips, _, weights = sample_clips(data, 6, 12, layout, np.random.default_rng(0), gap_prob, first_chunk_weight=3.0)

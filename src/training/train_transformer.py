@@ -69,10 +69,8 @@ def sample_clips(
     """Clean clips `(batch, z_dim, clip_frames, h, w)`, text `(batch, seq, text_dim)`, chunk loss weights `(batch, chunks)`.
 
     Each clip is the video's first `sink_frames` frames, then `clip_frames - sink_frames` consecutive frames
-    starting right after them or, with probability `gap_prob`, after a random gap. A chunk that sees no context
-    weighs `first_chunk_weight`: only the prompt sets its motion, and later chunks copy that motion. With a sink
-    that is the video's first chunk; without one, every clip's first chunk, which is then trained also after a
-    gap (a generation's first chunk sees nothing either).
+    starting right after them or, with probability `gap_prob`, after a random gap. The video's first chunk
+    (no context: only the prompt says where the shape goes) weighs `first_chunk_weight`.
     """
     num_videos, video_frames = data.latents.shape[0], data.latents.shape[2]
     sink, rest = layout.sink_frames, clip_frames - layout.sink_frames
@@ -84,10 +82,10 @@ def sample_clips(
         clips.append(data.latents[video, :, frames])
     num_chunks = clip_frames // layout.chunk_frames
     loss_mask = torch.ones(batch_size, num_chunks)
-    context_free = (gaps == 0) | (sink >= layout.chunk_frames) | (sink == 0)  # chunk 0 sees nothing before it
-    loss_mask[torch.from_numpy(context_free), 0] = first_chunk_weight
-    if sink > 0:  # after a gap the first chunk past the sink sees the sink but no recent frame: where is the shape?
-        loss_mask[torch.from_numpy(gaps > 0), sink // layout.chunk_frames] = 0.0
+    video_start = (gaps == 0) | (sink >= layout.chunk_frames)  # chunk 0 holds the video's first frames
+    loss_mask[torch.from_numpy(video_start), 0] = first_chunk_weight
+    # After a gap the first chunk past the sink sees no recent frame: nothing tells it where the shape is.
+    loss_mask[torch.from_numpy(gaps > 0), sink // layout.chunk_frames] = 0.0
     return torch.stack(clips), data.prompt_embeds[data.prompt_ids[videos]], loss_mask
 
 
