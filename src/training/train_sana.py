@@ -116,14 +116,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--init-from", type=Path, default=None, help="start from this folder's transformer (a checkpoint or pipeline)"
     )
     parser.add_argument(
-        "--gap-prob", type=float, default=0.3, help="share of clips that start mid-video rather than at frame 0"
+        "--gap-prob", type=float, default=0.6, help="share of clips that start mid-video rather than at frame 0"
     )
     parser.add_argument(
         "--first-chunk-weight",
         type=float,
-        default=3.0,
+        default=1.0,
         help="loss weight of a video's first chunk: with no sink it is the only place the prompt alone sets the "
-        "motion, and later chunks copy that motion from their context",
+        "motion, and later chunks copy that motion from their context (the shipped model: 1)",
     )
     parser.add_argument("--package", type=Path, default=None, help="only assemble this components folder into --out")
     args = parser.parse_args(argv)
