@@ -139,6 +139,10 @@ def long_race_section(data: dict, plot_name: str) -> list[str]:
         "",
         f"![per-chunk time and RSS at {args['height']}x{args['width']}]({plot_name})",
         "",
+        "Where a loop's process RSS grows while its cache keeps its size, `benchmarks/allocator_rss.py` tells a"
+        " leak (more tensors alive chunk after chunk) from glibc's allocator (the same tensors alive, RSS still"
+        " growing), and shows the effect of a fixed `MALLOC_MMAP_THRESHOLD_`.",
+        "",
     ]
 
 

@@ -143,3 +143,15 @@ def test_a_long_race_json_becomes_a_section_with_its_tables_and_plot(tmp_path):
     assert "ours, wall time: late/early" in section and "![per-chunk time and RSS at 16x16](long.png)" in section
     run_all.plot_real_shapes(race, tmp_path / "long.png")
     assert (tmp_path / "long.png").stat().st_size > 10_000
+
+
+def test_allocator_rss_prints_rss_and_a_constant_tensor_count():
+    argv = ["--height", "16", "--width", "16", "--chunks", "3", "--every", "1"]
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "allocator_rss.py"), *argv], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = [line.split("|")[1:4] for line in done.stdout.splitlines() if line.startswith("| ")]
+    rows = table[2:]  # after the header and the alignment row
+    assert [int(chunk) for chunk, _, _ in rows] == [0, 1, 2]
+    assert len({int(tensors) for _, _, tensors in rows}) == 1  # ours keeps no tensor alive from chunk to chunk
