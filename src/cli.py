@@ -34,7 +34,7 @@ from .defaults import (
 )
 from .pipelines.resume import ResumeError, load_state, state_path_for
 from .pipelines.text_encoding import PromptWarning
-from .pipelines.video_writer import check_output_path, count_frames, partial_path_for
+from .pipelines.video_writer import check_output_path, check_quality, count_frames, partial_path_for
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -92,12 +92,9 @@ def _positive(kind, maximum: float = math.inf):
 
 def _quality(text: str) -> float:
     try:
-        value = float(text)
+        return check_quality(float(text))  # the writer's own range
     except ValueError:
-        value = math.nan
-    if not 1 <= value <= 10:
-        raise argparse.ArgumentTypeError(f"expected a number from 1 to 10, got {text!r}")
-    return value
+        raise argparse.ArgumentTypeError(f"expected a number from 1 to 10, got {text!r}") from None
 
 
 def _non_negative_seconds(text: str) -> float:

@@ -60,4 +60,4 @@ def sync_host_counters(module: nn.Module) -> None:
         if getattr(layer, "committed_tokens", None) is not None and hasattr(layer, "_committed_count"):
             layer._committed_count = int(layer.committed_tokens.item())
             layer.pending_tokens = 0
-            layer.forget_slot_arithmetic()
+            layer._counters_moved()  # `window_full` follows the count; the slot arithmetic is redone

@@ -174,8 +174,7 @@ class SlidingWindowLayer(CacheLayer):
             )  # offsets, positions, slots, scratch
             torch.arange(self.chunk_tokens, out=self._home_index[0])
         self._committed_count, self.pending_tokens, self._stream_batch = 0, 0, None
-        self._sync_window_full()
-        self.forget_slot_arithmetic()
+        self._counters_moved()
         self._prefetch_event = None
         self._reserve_workspace()
 
@@ -249,13 +248,15 @@ class SlidingWindowLayer(CacheLayer):
         """
         return getattr(self, "_window_full_flag", False)  # a stored bool: compile guards on it, not on a count
 
-    def _sync_window_full(self) -> None:
-        """Recompute the `window_full` flag; called by every method that moves the committed count."""
+    def _counters_moved(self) -> None:
+        """Called by every method that moves the committed count or the slot map (commit, rewind, reset, crop,
+        allocation): recompute the `window_full` flag, and let the next `update` redo its slot arithmetic."""
         self._window_full_flag = (
             self.chunk_tokens is not None
             and self._committed_count >= self.capacity - self.chunk_tokens
             and not self._cropped
         )
+        self.forget_slot_arithmetic()
 
     def _refresh_mask(self, num_pending: int) -> None:
         positions, mask, below_end = self.slot_positions, self._mask, self._scratch_mask
@@ -313,8 +314,8 @@ class SlidingWindowLayer(CacheLayer):
         return keys, values
 
     def _slot_state(self, num_pending: int) -> tuple[int, int]:
-        """The chunk whose slots, slot map and mask `update` last computed (eager). Every other method that moves
-        the counters or the map (commit, rewind, reset, crop, allocation, loading) calls `forget_slot_arithmetic`."""
+        """The chunk whose slots, slot map and mask `update` last computed (eager); cleared by `_counters_moved`
+        and by loading a state dict."""
         return (self._committed_count, num_pending)
 
     def forget_slot_arithmetic(self) -> None:
@@ -423,9 +424,8 @@ class SlidingWindowLayer(CacheLayer):
             self._commit_home()
         self.committed_tokens.add_(self.pending_tokens)
         self._committed_count += self.pending_tokens
-        self._sync_window_full()
         self.pending_tokens = 0
-        self.forget_slot_arithmetic()
+        self._counters_moved()
 
     def reset(self) -> None:
         if self.keys is not None:
@@ -439,8 +439,7 @@ class SlidingWindowLayer(CacheLayer):
         self._stream_batch = None
         self._prefetch_event = None
         self._cropped = False
-        self._sync_window_full()
-        self.forget_slot_arithmetic()
+        self._counters_moved()
 
     @property
     def in_use(self) -> bool:
@@ -546,8 +545,7 @@ class SlidingWindowLayer(CacheLayer):
         self.check_rewind(num_tokens)
         self.committed_tokens.sub_(num_tokens)
         self._committed_count -= num_tokens
-        self._sync_window_full()
-        self.forget_slot_arithmetic()
+        self._counters_moved()
 
     def check_crop(self, max_tokens: int) -> list[int]:
         """Raise if `crop(max_tokens)` would be refused; return the positions it would evict (changes nothing)."""
@@ -578,5 +576,4 @@ class SlidingWindowLayer(CacheLayer):
             self.slot_positions.index_fill_(0, slots, -1)
             self._refresh_mask(0)
             self._cropped = True
-            self._sync_window_full()
-            self.forget_slot_arithmetic()
+            self._counters_moved()
