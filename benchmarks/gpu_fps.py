@@ -36,7 +36,7 @@ import sys
 import time
 
 import torch
-from _common import WAN_TEXT_TOKENS, cast_like_from_pretrained, latent_hw, markdown_table, wan_config
+from _common import WAN_TEXT_TOKENS, cast_like_from_pretrained, flop_counter, latent_hw, markdown_table, wan_config
 from research_loops import Setup, make_loop
 
 PUBLISHED_FPS = (("Self-Forcing 1.3B (published, H100)", 17.0), ("LongLive 1.3B (published, H100)", 20.7))
@@ -196,9 +196,7 @@ def run_row(name: str, approach: str, setup: Setup, args, vae_pair, compiled: bo
         began = time.perf_counter()
         for index in range(args.warmup):
             if index == 0 and approach not in flops and not compiled:
-                from torch.utils.flop_counter import FlopCounterMode
-
-                with FlopCounterMode(display=False) as counter:
+                with flop_counter() as counter:
                     stream_chunk(loop, decoder, vae)
                 flops[approach] = counter.get_total_flops()
             else:

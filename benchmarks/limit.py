@@ -9,7 +9,8 @@ up to 4680 keys). Measured in this run:
   matmul peak      best time of a `(1170, 1536) @ (1536, 8960)` fp32 matmul (Wan's FFN shape), GFLOP/s, from
                    wall time and from process CPU time (before and after the step; the higher is used);
   FLOPs of a step  `torch.utils.flop_counter.FlopCounterMode` (matmuls and attention; elementwise ops
-                   count 0), split by module;
+                   count 0), split by module; CPU attention is counted by `_common.flop_counter` (torch's
+                   table has no entry for the CPU flash kernel and counted it as 0 until this was added);
   step time        median of `--steps` steps (wall and CPU time: on a machine other jobs share, the CPU-time
                    fraction is the steadier one), eager and `torch.compile` (inductor on CPU), with the number
                    of graphs dynamo built (`CompileCounterWithBackend`); `fullgraph=True` is tried first;
@@ -31,7 +32,7 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
-from _common import WAN_TEXT_TOKENS, latent_hw, markdown_table, matmul_gflops, wan_config
+from _common import WAN_TEXT_TOKENS, flop_counter, latent_hw, markdown_table, matmul_gflops, wan_config
 from research_loops import OursLoop, Setup
 
 # aten op name -> kind, for the profiler breakdown (first match wins)
@@ -79,9 +80,7 @@ def wall_and_cpu(step, steps: int) -> list[tuple[float, float]]:
 
 
 def count_flops(step) -> tuple[float, dict[str, float]]:
-    from torch.utils.flop_counter import FlopCounterMode
-
-    with FlopCounterMode(display=False) as counter:
+    with flop_counter() as counter:
         step()
     by_module = {}
     for module, counts in counter.get_flop_counts().items():

@@ -32,7 +32,16 @@ import sys
 import time
 
 import torch
-from _common import WAN_TEXT_TOKENS, latent_hw, markdown_table, peak_rss_mib, rss_mib, wan_config, window_medians
+from _common import (
+    WAN_TEXT_TOKENS,
+    flop_counter,
+    latent_hw,
+    markdown_table,
+    peak_rss_mib,
+    rss_mib,
+    wan_config,
+    window_medians,
+)
 from research_loops import APPROACHES, LABELS, Setup, agree_until, make_loop, weight_checksum
 
 AGREE_TOLERANCE = 2e-3  # clean latents ~N(0, 1); fp32 RoPE (ours, cat) vs float64 RoPE (self-forcing)
@@ -41,8 +50,6 @@ AGREE_TOLERANCE = 2e-3  # clean latents ~N(0, 1); fp32 RoPE (ours, cat) vs float
 # ----------------------------------------------------------------------------------------- worker
 def worker(approach: str, setup: Setup, threads: int, connection) -> None:
     """Build one loop, then run one chunk per request until told to stop."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     torch.set_num_threads(threads)
     began = time.perf_counter()
     loop = make_loop(approach, setup)
@@ -52,7 +59,7 @@ def worker(approach: str, setup: Setup, threads: int, connection) -> None:
         if command == "stop":
             break
         count_flops = command == "chunk+flops"
-        counter = FlopCounterMode(display=False) if count_flops else None
+        counter = flop_counter() if count_flops else None
         start, cpu_start = time.perf_counter(), time.process_time()
         if counter is not None:
             with counter:
@@ -305,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             command=" ".join(["python", "benchmarks/real_shapes.py", *(argv if argv is not None else sys.argv[1:])]),
             seconds=time.perf_counter() - began,
             tokens_per_frame=tokens,
+            flops_count_cpu_attention=True,  # runs before `_common.flop_counter` counted matmuls only
             summary=summary,
             series={a: dataclasses.asdict(s) for a, s in series.items()},
         )

@@ -135,6 +135,14 @@ def long_race_section(data: dict, plot_name: str) -> list[str]:
         " too, which favours Krea's loop: its rebuild pass attends among its 3 context frames only, where the"
         " context pass of ours and of Self-Forcing's attends to the whole window (less work, and other K/V by"
         " design; the GFLOP column is counted on one early chunk, before the window is full).",
+        *(
+            []
+            if data.get("flops_count_cpu_attention")
+            else [
+                "",
+                "This run predates counting CPU attention in FLOPs: its GFLOP column counts the matmuls only.",
+            ]
+        ),
         "",
         tables(data["summary"], args["window"]),
         "",
@@ -232,7 +240,9 @@ def write_page(
         f"`{limit['command']}` ({limit['seconds']:.0f} s)",
         "",
         "This measures one denoising step of a 3-frame chunk (1170 queries) with the cache full and evicting",
-        "(sink 3 + window 9, 4680 keys). FLOPs are counted with `FlopCounterMode`. The peak is the best time",
+        "(sink 3 + window 9, 4680 keys). FLOPs are counted with `FlopCounterMode`, with the CPU attention kernel",
+        "counted as its two matmuls (torch counts it as 0 FLOPs: before we added it, a quarter of the step's",
+        "work was missing and the fractions read 0.61 eager and 0.68 compiled). The peak is the best time",
         "of an fp32 matmul at Wan's FFN shape, measured in the same process (the higher of the readings before",
         "and after the step). The breakdown is a `torch.profiler` trace of one eager step.",
         "",

@@ -19,7 +19,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import gpu_fps  # noqa: E402
-from _common import window_medians  # noqa: E402
+from _common import flop_counter, window_medians  # noqa: E402
 from research_loops import Setup, make_loop  # noqa: E402
 
 
@@ -76,6 +76,20 @@ def test_gpu_fps_dry_run_prints_one_table_and_exits_zero():
 
 
 # ----------------------------------------------------------------------------------------- helpers
+def test_flop_counter_counts_cpu_attention_like_the_two_matmuls_it_does():
+    """torch's own counter gives CPU flash attention 0 FLOPs; ours counts it, masked or not, as its matmuls."""
+    query, key, value = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    mask = torch.ones(6, 10, dtype=torch.bool)
+    with flop_counter() as counter:
+        torch.nn.functional.scaled_dot_product_attention(query, key, value)
+        torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+    with flop_counter() as matmuls:
+        scores = query @ key.transpose(-1, -2)
+        _ = scores.softmax(-1) @ value
+    assert matmuls.get_total_flops() == 2 * 2 * 2 * 6 * 10 * 8
+    assert counter.get_total_flops() == 2 * matmuls.get_total_flops()
+
+
 def test_window_medians_spread_windows_from_start_to_end():
     values = list(range(100))
     assert window_medians(values, 50, 3) == [(0, 24.5), (25, 49.5), (50, 74.5)]
