@@ -123,7 +123,12 @@ def test_exported_model_chunk_equals_eager():
     run = export_chunk(step, (torch.randn(1, 4, 2, 4, 4), torch.randn(1, 4, 2, 4, 4), text)).module()
     for chunk in range(5):
         noisy, clean = torch.randn(2, 1, 4, 2, 4, 4).unbind(0)
-        assert torch.equal(run(noisy, clean, text), eager(noisy, clean, text)), chunk
+        # fp32 rounding, not bitwise: buffer alignment (which MKL rounds with) follows the allocator's
+        # history, and after some other tests (e.g. the attention-backend one) one value differs by 5e-7. A
+        # program reading a stale or wrong cache slot would differ at O(1).
+        torch.testing.assert_close(
+            run(noisy, clean, text), eager(noisy, clean, text), rtol=1e-5, atol=1e-6, msg=str(chunk)
+        )
 
 
 @torch.no_grad()
