@@ -165,19 +165,44 @@ class RollingKVCache(nn.Module):
                 layer.reset()
 
     def early_initialization(
-        self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+        self,
+        batch_size: int,
+        num_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str | Sequence[torch.device | str],
     ) -> None:
         """Allocate every layer for batches up to `batch_size` (a smaller batch then uses the first rows).
 
+        `device` is one device, or one per block for a model split across devices (`device_map`): block i's
+        layers of every kind (self, cross, slots) live where block i runs.
         Every layer is checked first (sizes, and that none holds a stream: `reset()` first).
         """
-        check_dtype_device(dtype, device)
-        for layer in self._all_layers():
+        devices = self._block_devices(device)
+        for device_i in set(devices):
+            check_dtype_device(dtype, device_i)
+        placed = [(layer, devices[block]) for block, layer in self._layers_by_block()]
+        for layer, layer_device in placed:
             if hasattr(layer, "check_early_initialization"):
-                layer.check_early_initialization(batch_size, num_heads, head_dim, dtype, device)
-        for layer in self._all_layers():
-            layer.early_initialization(batch_size, num_heads, head_dim, dtype, device)
+                layer.check_early_initialization(batch_size, num_heads, head_dim, dtype, layer_device)
+        for layer, layer_device in placed:
+            layer.early_initialization(batch_size, num_heads, head_dim, dtype, layer_device)
         self._share_workspace()
+
+    def _block_devices(self, device) -> list:
+        if isinstance(device, (str, int, torch.device)):
+            return [device] * len(self.layers)
+        if not isinstance(device, Sequence) or len(device) != len(self.layers):
+            raise ValueError(
+                f"`device` must be one device or a sequence of one device per block ({len(self.layers)}), "
+                f"got {device!r}."
+            )
+        return list(device)
+
+    def _layers_by_block(self) -> list[tuple[int, CacheLayer]]:
+        """(block index, layer) for every layer of every kind."""
+        per_kind = [self.layers, self.cross, *self.slots.values()]
+        return [(block, layer) for kind in per_kind for block, layer in enumerate(kind) if layer is not None]
 
     def get_seq_length(self, layer: int | None = None) -> int:
         """Committed tokens held by block `layer`'s self-attention layer, or the maximum over layers."""

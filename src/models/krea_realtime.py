@@ -43,6 +43,7 @@ from ..caching import CrossAttentionLayer, RollingKVCache, SlidingWindowLayer
 from ..caching.layout import POSITION_MODES, ChunkLayout
 from .call_context import CallContextSlot, bind_call_context
 from .patch_grid import tokens_per_latent_frame
+from .placement import block_devices
 from .wan_conversion import StrictWeightsMixin
 
 __all__ = [
@@ -357,10 +358,10 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         cache = RollingKVCache(layers, [CrossAttentionLayer() for _ in self.blocks])
         if batch_size is not None:
             heads, head_dim = self.config.num_attention_heads, self.config.attention_head_dim
-            for block, layer in zip(self.blocks, cache):
-                # A transformer split across devices (`device_map`): each block's layer lives where the block runs.
-                block_device = device or block.attn1.to_q.weight.device
-                layer.early_initialization(batch_size, heads, head_dim, dtype or self.dtype, block_device)
+            # No `device`: each block's layers live where the block runs (a model split by `device_map`).
+            cache.early_initialization(
+                batch_size, heads, head_dim, dtype or self.dtype, device or block_devices(self.blocks)
+            )
         return cache
 
     @torch.no_grad()

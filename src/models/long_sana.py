@@ -45,6 +45,7 @@ from ..caching.conv_state import ConvStateLayer, register_state
 from ..caching.layout import ChunkLayout
 from .call_context import CallContextSlot, bind_call_context
 from .patch_grid import tokens_per_latent_frame
+from .placement import block_devices
 
 ALL_CHUNKS = 2**31 - 1  # `ChunkLayout.window_frames` meaning "every committed chunk" (LongSANA's default)
 LINEAR_ATTENTION_EPS = 1e-15  # diffusers' SanaLinearAttnProcessor3_0
@@ -389,7 +390,8 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
     ) -> RollingKVCache:
         """Per block: a linear-attention state, a cross-attention layer, and `slots["conv_state"]`.
 
-        Allocated now if `batch_size` is given (what `torch.compile` wants), else at the first chunk.
+        Allocated now if `batch_size` is given (what `torch.compile` wants), else at the first chunk; on `device`,
+        or without it on each block's own device (a model split by `device_map`).
         """
         window = context_chunks(layout)
         blocks = self.transformer_blocks
@@ -404,7 +406,7 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
                 self.config.num_attention_heads,
                 self.config.attention_head_dim,
                 dtype or self.dtype,
-                device or self.device,
+                device or block_devices(blocks),  # no `device`: where each block runs (`device_map` splits)
             )
         return cache
 

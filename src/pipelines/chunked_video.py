@@ -310,7 +310,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             if negative is None:
                 negative = self.encode_prompt(run.negative_prompt, run.max_sequence_length)
             embeds.append(negative.to(device=device, dtype=dtype))
-        caches = [self._make_cache(run, dtype, device) for _ in embeds]
+        caches = [self._make_cache(run, dtype, self._cache_device(device)) for _ in embeds]
         for cache, branch_embeds in zip(caches, embeds):
             self._set_conditioning(cache, branch_embeds)
         keeps_recent = run.schedule.may_switch  # only a prompt switch re-runs recent frames
@@ -601,7 +601,12 @@ class ChunkedVideoPipeline(DiffusionPipeline):
     def _check_length(self, num_latent_frames: int, layout) -> None:
         """Refuse a video the positions cannot reach (e.g. absolute RoPE past the table)."""
 
-    def _make_cache(self, run: ChunkRun, dtype: torch.dtype, device: torch.device):
+    def _cache_device(self, device: torch.device) -> torch.device | None:
+        """The execution device; `None` (each block's own device) for a transformer split by `device_map`."""
+        device_map = getattr(self.transformer, "hf_device_map", None) or {}
+        return None if len(set(device_map.values())) > 1 else device
+
+    def _make_cache(self, run: ChunkRun, dtype: torch.dtype, device: torch.device | None):
         """One stream's cache for one guidance branch (default: the transformer's `make_cache`)."""
         return self.transformer.make_cache(run.layout, run.batch_size, dtype, device)
 
