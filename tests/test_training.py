@@ -1,6 +1,7 @@
 """Training of the tiny toy-world pipeline: components, teacher-forcing batches, a few optimizer steps."""
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from rolldiff.training.train_transformer import (
     sample_clips,
     teacher_forcing_inputs,
     teacher_forcing_loss,
+    train_transformer,
 )
 from rolldiff.training.train_vae import train_vae
 
@@ -84,6 +86,27 @@ def test_the_videos_first_chunk_gets_its_own_weight(sink_frames, gap_prob, first
     assert weights[:, 0].tolist() == [first_weight] * 6
     if gap_prob == 0.0:  # clips from frame 0
         assert all(any(torch.equal(clip, data.latents[v, :, :12]) for v in range(4)) for clip in clips)
+
+
+@pytest.mark.parametrize("share, expected", [(0.0, {12}), (1.0, {3}), (0.5, {3, 12})])
+def test_first_chunk_batches_train_on_the_videos_first_chunks_alone(share, expected):
+    """A share of the steps sees one chunk, the video's first (`sample_clips` with no gap: frames 0-2)."""
+    data = random_videos(torch.zeros(4, CONFIG.max_sequence_length, CONFIG.text_dim))
+    frames_seen = []
+
+    class Spy(torch.nn.Module):  # the training call: `[clean; noisy]` frames in, a velocity out
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, hidden_states, timestep, text, layout, frame_indices=None, frame_mask=None):
+            frames_seen.append(hidden_states.shape[2] // 2)
+            return SimpleNamespace(sample=self.scale * hidden_states)
+
+    train_transformer(
+        Spy(), data, CONFIG, seconds=60, max_steps=16, batch_size=2, clip_frames=12, first_chunk_batches=share
+    )
+    assert set(frames_seen) == expected, frames_seen
 
 
 def test_teacher_forcing_inputs_shapes_and_timesteps():

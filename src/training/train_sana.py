@@ -125,6 +125,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="loss weight of a video's first chunk: with no sink it is the only place the prompt alone sets the "
         "motion, and later chunks copy that motion from their context (the shipped model: 1)",
     )
+    parser.add_argument(
+        "--first-chunk-batches",
+        type=float,
+        default=0.0,
+        help="share of steps that train on the videos' first chunks alone: without them the model learned colour "
+        "and shape from the prompt but took its motion only from context, ignoring the direction word",
+    )
     parser.add_argument("--package", type=Path, default=None, help="only assemble this components folder into --out")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -180,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         interval_seconds=args.checkpoint_minutes * 60,
         gap_prob=args.gap_prob,
         first_chunk_weight=args.first_chunk_weight,
+        first_chunk_batches=args.first_chunk_batches,
     )
     log(f"trained {len(losses)} steps, final loss (mean of last 100) {sum(losses[-100:]) / len(losses[-100:]):.5f}")
     checkpoint(len(losses))

@@ -85,7 +85,8 @@ def sample_clips(
     video_start = (gaps == 0) | (sink >= layout.chunk_frames)  # chunk 0 holds the video's first frames
     loss_mask[torch.from_numpy(video_start), 0] = first_chunk_weight
     # After a gap the first chunk past the sink sees no recent frame: nothing tells it where the shape is.
-    loss_mask[torch.from_numpy(gaps > 0), sink // layout.chunk_frames] = 0.0
+    if sink // layout.chunk_frames < num_chunks:  # (a clip of the sink alone has no chunk after it)
+        loss_mask[torch.from_numpy(gaps > 0), sink // layout.chunk_frames] = 0.0
     return torch.stack(clips), data.prompt_embeds[data.prompt_ids[videos]], loss_mask
 
 
@@ -211,14 +212,16 @@ def train_transformer(
     context_noise: float = 0.05,
     gap_prob: float = 0.6,
     first_chunk_weight: float = 1.0,
+    first_chunk_batches: float = 0.0,
 ) -> list[float]:
     """AdamW, warmup then cosine decay to 10% over the run, for `seconds` of wall time or `max_steps`.
 
     Half the clips get Gaussian noise of std up to `context_noise` on their clean (context) frames, still
     at timestep 0: at generation time the cache holds the model's own, slightly imperfect, predictions.
     `on_step(model)` runs after every optimizer step (EMA); `on_interval(step)` every `interval_seconds`
-    (checkpointing, context checks). `gap_prob` and `first_chunk_weight`: see `sample_clips`. Returns the loss
-    of every step.
+    (checkpointing, context checks). `gap_prob` and `first_chunk_weight`: see `sample_clips`. A share
+    `first_chunk_batches` of the steps trains on the videos' first chunks alone (no context: the prompt is all
+    that says where the shape goes); these batches are a fraction of a clip's cost. Returns the loss of every step.
     """
     layout = config.layout()
     rng = np.random.default_rng(seed)
@@ -233,10 +236,14 @@ def train_transformer(
         by_time = (time.perf_counter() - began) / seconds
         return min(1.0, max(by_time, step / max_steps if max_steps else 0.0))
 
-    num_chunks = clip_frames // layout.chunk_frames
     while time.perf_counter() - began < seconds and (max_steps is None or step < max_steps):
-        clean, text, loss_mask = sample_clips(data, batch_size, clip_frames, layout, rng, gap_prob, first_chunk_weight)
-        sigmas = sample_chunk_sigmas(batch_size, num_chunks, config, generator)
+        if first_chunk_batches and rng.random() < first_chunk_batches:
+            clean, text, loss_mask = sample_clips(data, batch_size, layout.chunk_frames, layout, rng, gap_prob=0.0)
+        else:
+            clean, text, loss_mask = sample_clips(
+                data, batch_size, clip_frames, layout, rng, gap_prob, first_chunk_weight
+            )
+        sigmas = sample_chunk_sigmas(batch_size, loss_mask.shape[1], config, generator)
         noise = torch.randn(clean.shape, generator=generator)
         context_std = (
             context_noise
