@@ -66,6 +66,20 @@ def test_every_prompt_gets_a_distinct_embedding(text):
     assert distances.min() > 1.0
 
 
+def test_sana_text_encoder_keeps_each_word_in_its_own_token():
+    """The prompt's last word ("left") must dominate its token: with Gemma's 0.02 embeddings the earlier words
+    ("red") moved that token more than the direction did, and the model trained on it ignored the direction."""
+    from rolldiff.training.sana_components import SanaTinyConfig, build_gemma_text_encoder, build_gemma_tokenizer
+
+    config = SanaTinyConfig()
+    tokenizer = build_gemma_tokenizer()
+    encoder = build_gemma_text_encoder(config, len(tokenizer))
+    prompts = ["a red circle moving left", "a red circle moving up", "a blue circle moving left"]
+    last = encode_prompts(tokenizer, encoder, prompts, config.max_sequence_length)[:, 5]
+    direction, colour = (last[0] - last[1]).norm(), (last[0] - last[2]).norm()
+    assert direction > 3 * colour, (direction, colour)
+
+
 def test_clips_start_with_the_sink_and_mask_the_chunk_after_a_gap(text):
     layout = CONFIG.layout()
     data = random_videos(torch.zeros(4, CONFIG.max_sequence_length, CONFIG.text_dim))
