@@ -1,6 +1,9 @@
 """Train the tiny SANA-like toy-world pipeline (`tiny-bouncing-shapes-sana`); see `rolldiff.training.train_sana`.
 
-nice -n 10 python examples/train_tiny_sana.py --out src/assets/tiny-bouncing-shapes-sana --minutes 60
+python examples/train_tiny_sana.py --out stage1 --minutes 95 --threads 2 --first-chunk-weight 2
+python examples/train_tiny_sana.py --out stage2 --init-from stage1 --minutes 70 --threads 2 --lr 3e-4 \\
+    --first-chunk-weight 2 --first-chunk-batches 0.5
+python examples/train_tiny_sana.py --package stage2 --out src/assets/tiny-bouncing-shapes-sana
 """
 
 from rolldiff.training.train_sana import main
