@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         type=float,
         default=1.0,
         help="loss weight of a video's first chunk: with no sink it is the only place the prompt alone sets the "
-        "motion, and later chunks copy that motion from their context (the shipped model: 1)",
+        "motion, and later chunks copy that motion from their context (the shipped model: 2)",
     )
     parser.add_argument(
         "--first-chunk-batches",
