@@ -177,3 +177,13 @@ def test_decoder_only_vae_steps_keep_the_latent_space():
     assert len(losses) == 2 and all(np.isfinite(losses))
     assert all(torch.equal(encoder[k], v) for k, v in vae.encoder.state_dict().items())
     assert any(not torch.equal(decoder[k], v) for k, v in vae.decoder.state_dict().items())
+
+
+@pytest.mark.parametrize("flag, value", [("--first-chunk-batches", "1.5"), ("--gap-prob", "-0.1")])
+def test_sana_training_refuses_a_share_outside_0_1_before_any_work(flag, value, tmp_path, capsys):
+    from rolldiff.training.train_sana import main
+
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "out"), flag, value])
+    assert f"{flag} must be in [0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -139,6 +139,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument("--package", type=Path, default=None, help="only assemble this components folder into --out")
     args = parser.parse_args(argv)
+    for name in ("gap_prob", "first_chunk_batches"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
     config = SanaTinyConfig()
     if args.package is not None:
