@@ -13,6 +13,7 @@ punctuation themselves (`normalize_word_level`).
 from __future__ import annotations
 
 import numbers
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -24,6 +25,12 @@ from tokenizers import Tokenizer, normalizers, pre_tokenizers
 MAX_SEQUENCE_LENGTH_LIMIT = 4096
 # A vocabulary this small is listed in the "no known word" error, so the user sees what the model understands.
 _LISTED_VOCABULARY_SIZE = 64
+
+
+# A fast tokenizer keeps its padding and truncation settings in its shared Rust object and changes them on every
+# call, so concurrent streams calling it with different settings (the check without padding, the encoding with)
+# could get another call's padding: a prompt embedded at another length, a silently different video.
+_TOKENIZER_LOCK = threading.Lock()
 
 
 class PromptWarning(UserWarning):
@@ -84,9 +91,10 @@ def check_prompts(
     reserved = tokenizer.num_special_tokens_to_add()
     messages = []
     for text in prompts:
-        encoding = tokenizer(
-            text, add_special_tokens=False, truncation=False, return_offsets_mapping=tokenizer.is_fast
-        )
+        with _TOKENIZER_LOCK:
+            encoding = tokenizer(
+                text, add_special_tokens=False, truncation=False, return_offsets_mapping=tokenizer.is_fast
+            )
         ids = encoding.input_ids  # content tokens only
         offsets = encoding.get("offset_mapping") or [None] * len(ids)
         pieces = [text[s:e] if span is not None and (s := span[0]) < (e := span[1]) else None for span in offsets]
@@ -122,15 +130,16 @@ def encode_prompts(
 ) -> torch.Tensor:
     """`(len(prompts), max_sequence_length, text_dim)` embeddings, zero past each prompt's end."""
     device = device or text_encoder.device
-    inputs = tokenizer(
-        prompts,
-        padding="max_length",
-        max_length=max_sequence_length,
-        truncation=True,
-        add_special_tokens=True,
-        return_attention_mask=True,
-        return_tensors="pt",
-    )
+    with _TOKENIZER_LOCK:
+        inputs = tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=max_sequence_length,
+            truncation=True,
+            add_special_tokens=True,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
     ids, mask = inputs.input_ids.to(device), inputs.attention_mask.to(device)
     hidden = text_encoder(ids, mask).last_hidden_state
     hidden = hidden * mask.unsqueeze(-1).to(hidden.dtype)
