@@ -128,6 +128,29 @@ def test_one_pipeline_serves_concurrent_streams_as_alone(pipe):
         assert_same_as_alone(together[seed], alone[seed])
 
 
+def test_prompt_checks_and_encodings_on_other_threads_never_change_an_embeddings_length(pipe):
+    """A fast tokenizer's padding/truncation are shared settings; unlocked, about 1 encoding in 250 came back
+    unpadded while another thread checked a prompt, and that stream generated another video."""
+    import threading
+
+    from rolldiff.pipelines.text_encoding import check_prompts, encode_prompts
+
+    done = threading.Event()
+
+    def check_until_done() -> None:
+        while not done.is_set():
+            check_prompts(pipe.tokenizer, [PROMPT], 16)
+
+    checker = threading.Thread(target=check_until_done)
+    checker.start()
+    try:
+        lengths = {encode_prompts(pipe.tokenizer, pipe.text_encoder, [PROMPT], 16).shape[1] for _ in range(1500)}
+    finally:
+        done.set()
+        checker.join()
+    assert lengths == {16}
+
+
 def test_unknown_cache_options_are_refused_before_work(pipe):
     with pytest.raises(TypeError, match="cache options"):
         pipe.stream(PROMPT, num_frames=4, window_chunks=3, **SIZE)
