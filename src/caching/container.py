@@ -107,7 +107,12 @@ class RollingKVCache(nn.Module):
         return [layer for slot in self.slots.values() for layer in slot if layer is not None]
 
     def _all_layers(self) -> list[CacheLayer]:
-        return [*self.layers, *(layer for layer in self.cross if layer is not None), *self._slot_layers()]
+        return [layer for _, layer in self._layers_by_block()]
+
+    def _layers_by_block(self) -> list[tuple[int, CacheLayer]]:
+        """(block index, layer) for every layer of every kind: self-attention, cross-attention, then slots."""
+        per_kind = [self.layers, self.cross, *self.slots.values()]
+        return [(block, layer) for kind in per_kind for block, layer in enumerate(kind) if layer is not None]
 
     def _stream_layers(self) -> list[CacheLayer]:
         """Layers that advance with the stream (committed chunk by chunk): self-attention and slots."""
@@ -198,11 +203,6 @@ class RollingKVCache(nn.Module):
                 f"got {device!r}."
             )
         return list(device)
-
-    def _layers_by_block(self) -> list[tuple[int, CacheLayer]]:
-        """(block index, layer) for every layer of every kind."""
-        per_kind = [self.layers, self.cross, *self.slots.values()]
-        return [(block, layer) for kind in per_kind for block, layer in enumerate(kind) if layer is not None]
 
     def get_seq_length(self, layer: int | None = None) -> int:
         """Committed tokens held by block `layer`'s self-attention layer, or the maximum over layers."""

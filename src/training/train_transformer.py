@@ -238,7 +238,8 @@ def train_transformer(
 
     while time.perf_counter() - began < seconds and (max_steps is None or step < max_steps):
         if first_chunk_batches and rng.random() < first_chunk_batches:
-            clean, text, loss_mask = sample_clips(data, batch_size, layout.chunk_frames, layout, rng, gap_prob=0.0)
+            first_frames = max(layout.chunk_frames, layout.sink_frames)  # the first chunk (with a sink: the sink)
+            clean, text, loss_mask = sample_clips(data, batch_size, first_frames, layout, rng, gap_prob=0.0)
         else:
             clean, text, loss_mask = sample_clips(
                 data, batch_size, clip_frames, layout, rng, gap_prob, first_chunk_weight
