@@ -93,7 +93,12 @@ def pipeline_class(source: str | Path) -> type[DiffusionPipeline]:
             index = DiffusionPipeline.load_config(str(source))
         class_name = index["_class_name"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelNotFoundError(f"--model {str(source)!r}: no readable model_index.json ({exc}).") from exc
+        hint = (
+            ""
+            if Path(source).is_dir()
+            else f" It is not a local folder or an embedded model ({', '.join(embedded_models())})."
+        )
+        raise ModelNotFoundError(f"--model {str(source)!r}: no readable model_index.json ({exc}).{hint}") from exc
     known = {
         name: cls
         for name in rolldiff.__all__

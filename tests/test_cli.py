@@ -198,3 +198,19 @@ def test_unknown_words_are_reported_one_line_each(model_dir, tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert "rolldiff: warning: `prompt` 'a red circle moving left quickly'" in err and "'quickly'" in err
+
+
+def test_a_misspelled_model_name_lists_the_embedded_models(monkeypatch):
+    """Not a folder and not found as a Hub id: the error names the embedded models the user probably meant."""
+    from diffusers import DiffusionPipeline
+
+    from rolldiff.defaults import ModelNotFoundError, pipeline_class
+
+    def offline(*args, **kwargs):
+        raise OSError("not on the Hub")  # what load_config raises for an unknown id (no network in tests)
+
+    monkeypatch.setattr(DiffusionPipeline, "load_config", offline)
+    with pytest.raises(
+        ModelNotFoundError, match=r"embedded model \(tiny-bouncing-shapes, tiny-bouncing-shapes-sana\)"
+    ):
+        pipeline_class("tiny-bouncing-shapes-sanaa")
