@@ -312,6 +312,7 @@ def test_attention_matches_naive_cat_and_slice(seed):
     layer = SlidingWindowLayer(sink, window, chunk)
     naive = NaiveSinkWindowCache(sink, window, chunk)
     generator = torch.Generator().manual_seed(seed)
+    prefixes_seen = 0
     for _ in range(14):
         frames = rng.randint(1, chunk_frames) if variable_chunks else chunk_frames
         for _step in range(3):  # denoising steps of one chunk
@@ -325,6 +326,10 @@ def test_attention_matches_naive_cat_and_slice(seed):
             stream_order = torch.argsort(layer.key_positions()[mask])
             assert torch.equal(keys[:, mask][:, stream_order], visible_keys)
             assert torch.equal(values[:, mask][:, stream_order], visible_values)
+            prefix = layer.visible_prefix(key.shape[1])
+            if prefix is not None:  # window filling: the first slots are exactly the visible keys, in order
+                assert torch.equal(keys[:, :prefix], visible_keys) and torch.equal(values[:, :prefix], visible_values)
+                prefixes_seen += 1
         layer.commit()
         naive.commit(key, value)
         committed = naive.visible(key[:, :0], value[:, :0])
@@ -332,6 +337,41 @@ def test_attention_matches_naive_cat_and_slice(seed):
             assert layer.get() is None
         else:
             torch.testing.assert_close(tuple(layer.get()), tuple(committed), atol=0, rtol=0)
+    assert prefixes_seen > 0  # every stream starts by filling its window
+    assert layer.visible_prefix(chunk) is None  # 14 chunks later the ring has wrapped
+
+
+def test_visible_prefix_while_filling_and_never_once_slots_may_hold_other_tokens():
+    """sink 2 + window 4, chunks of 2: slots 0..5 hold tokens 0..5 until the ring wraps."""
+    assert SlidingWindowLayer(sink_tokens=2, window_tokens=4).visible_prefix(2) is None  # chunk size unknown yet
+    layer = SlidingWindowLayer(sink_tokens=2, window_tokens=4, chunk_tokens=2)
+    layer.update(scalar_chunk(1, 2), scalar_chunk(1, 2))
+    assert layer.visible_prefix(2) == 2
+    layer.commit()
+    layer.update(scalar_chunk(3, 4), scalar_chunk(3, 4))
+    assert layer.visible_prefix(2) == 4 and layer.visible_prefix(1) == 3
+    layer.commit()
+    assert layer.visible_prefix(2) == 6  # the last chunk before the ring wraps
+    for values in ((5, 6), (7, 8)):
+        layer.update(scalar_chunk(*values), scalar_chunk(*values))
+        layer.commit()
+    assert layer.visible_prefix(2) is None  # tokens 7, 8 sit in slots 2, 3
+    layer.rewind(2)  # back to 6 committed: slots 2, 3 still hold 7, 8, not 2, 3
+    assert layer.visible_prefix(2) is None
+    layer.reset()
+    assert layer.visible_prefix(2) == 2
+    for values in ((1, 2), (3, 4)):
+        layer.update(scalar_chunk(*values), scalar_chunk(*values))
+        layer.commit()
+    layer.crop(3)  # an evicted slot inside the prefix
+    assert layer.visible_prefix(2) is None
+    layer.reset()
+    layer.update(scalar_chunk(1, 2), scalar_chunk(1, 2))
+    layer.commit()
+    loaded = SlidingWindowLayer(sink_tokens=2, window_tokens=4, chunk_tokens=2)
+    loaded.update(scalar_chunk(0, 0), scalar_chunk(0, 0))
+    loaded.load_state_dict(layer.state_dict())
+    assert loaded.visible_prefix(2) is None  # a loaded slot map may have wrapped
 
 
 # Steady state: same buffers, same graph.

@@ -94,6 +94,7 @@ class SlidingWindowLayer(CacheLayer):
         self._prefetched_batch: int | None = None
         self._staged: dict[str, torch.Tensor] = {}  # offload: the pending chunk in host memory
         self._cropped = False  # `crop` emptied slots: the mask is needed even when the window is full
+        self._ring_wrapped = False  # a token may sit outside its own index's slot: no `visible_prefix`
         # Eager steps of one chunk write the same slots: `update` does the slot arithmetic once per chunk.
         self._slot_arithmetic_done: tuple | None = None
 
@@ -256,7 +257,23 @@ class SlidingWindowLayer(CacheLayer):
             and self._committed_count >= self.capacity - self.chunk_tokens
             and not self._cropped
         )
+        if self.chunk_tokens is not None and self._committed_count + self.chunk_tokens > self.capacity:
+            self._ring_wrapped = True  # the next chunk may write past the last slot (conservative: stays set)
         self.forget_slot_arithmetic()
+
+    def visible_prefix(self, num_pending: int) -> int | None:
+        """While the window fills, the keys a chunk of `num_pending` tokens attends to are exactly slots
+        `0 .. n-1` (token p sits in slot p until the ring wraps): returns n, so attention can read that prefix
+        with no mask (fused kernels, and only the work the tokens need: a stream's first chunk is 4x cheaper
+        at sink 3 + window 9). `None` once the ring may have wrapped, after `crop`, and in a compiled or
+        exported step, which keeps one graph with the mask (a prefix length would recompile per fill state).
+        Host state only: no device read.
+        """
+        if torch.compiler.is_compiling():  # first: a compiled step must not guard on the flags below
+            return None
+        if self._ring_wrapped or self._cropped or self.chunk_tokens is None:
+            return None
+        return self._committed_count + num_pending
 
     def _refresh_mask(self, num_pending: int) -> None:
         positions, mask, below_end = self.slot_positions, self._mask, self._scratch_mask
@@ -326,6 +343,7 @@ class SlidingWindowLayer(CacheLayer):
     def _load_from_state_dict(self, *args, **kwargs) -> None:
         self.forget_slot_arithmetic()
         super()._load_from_state_dict(*args, **kwargs)
+        self._ring_wrapped = True  # a loaded slot map may have wrapped; `reset` clears this
 
     def _check_chunk(self, num_pending: int) -> None:
         if num_pending > self.chunk_tokens:
@@ -439,6 +457,7 @@ class SlidingWindowLayer(CacheLayer):
         self._stream_batch = None
         self._prefetch_event = None
         self._cropped = False
+        self._ring_wrapped = False
         self._counters_moved()
 
     @property

@@ -211,20 +211,22 @@ class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
 
     def _cached(self, query, key, value, layer: SlidingWindowLayer, inputs: CausalAttentionInputs) -> torch.Tensor:
         num_tokens = query.shape[1]
-        if inputs.layout.position_mode == "absolute":
+        absolute = inputs.layout.position_mode == "absolute"
+        if absolute:
             rope = inputs.query_rope(layer, num_tokens)
             query, key = apply_rotary(query, *rope), apply_rotary(key, *rope)
-            keys, values = layer.update(key, value)  # stored after RoPE
-        else:
-            keys, values = layer.update(key, value)  # stored before RoPE, rotated at read time
+        keys, values = layer.update(key, value)  # absolute: stored after RoPE; relative: rotated at read time
+        visible = slice(None, layer.visible_prefix(num_tokens))  # window filling (eager): slots 0.., no mask
+        keys, values = keys[:, visible], values[:, visible]
+        if not absolute:
             query = apply_rotary(query, *inputs.query_rope(layer, num_tokens))
-            keys = apply_rotary(keys, *inputs.key_rope(layer))
+            keys = apply_rotary(keys, *(table[:, visible] for table in inputs.key_rope(layer)))
         if inputs.attention_bias != 1.0:
             mask = layer.attention_mask
             past = mask & ~layer.pending_slot_mask()
-            mask = _bias_mask(mask, past, inputs.attention_bias, query.dtype)
-        elif layer.window_full and num_tokens == layer.chunk_tokens:
-            mask = None  # every slot is visible: no mask, so fused (flash) kernels apply
+            mask = _bias_mask(mask, past, inputs.attention_bias, query.dtype)[visible]
+        elif visible.stop is not None or (layer.window_full and num_tokens == layer.chunk_tokens):
+            mask = None  # every key read is visible: no mask, so fused (flash) kernels apply
         else:
             mask = layer.attention_mask
         return self._attend(query, keys, values, None if mask is None else mask[None, None, None, :])
