@@ -50,6 +50,7 @@ PLAN = {
 }
 JSON_OUTPUT = {"real_shapes", "limit", "soak"}
 LONG_RACE_PLOT = "bench_real_shapes_long.png"
+GPU_LOGS = ROOT / "docs" / "gpu"  # GPU runs' printed output, one file each, first line `$ command`
 
 
 def run_benchmark(name: str, arguments: list[str], json_path: Path | None) -> dict:
@@ -165,6 +166,52 @@ def soak_section(result: dict) -> str:
     return f"{table(result)}\n\n{summary} ({'ok' if ok else 'FAILED'})"
 
 
+def gpu_logs() -> list[tuple[str, str]]:
+    """(command, printed output) of each GPU run recorded in `GPU_LOGS` (its first line is `$ command`)."""
+    logs = []
+    for path in sorted(GPU_LOGS.glob("*.txt"), key=lambda path: ("checks" in path.name, path.name)):
+        first, _, rest = path.read_text().partition("\n")
+        logs.append((first.removeprefix("$ ").strip(), rest.strip("\n")))
+    return logs
+
+
+def gpu_section(dry_run: dict) -> list[str]:
+    """The GPU runs recorded in `docs/gpu/` (a GPU is not part of this run), then this run's CPU dry run."""
+    lines = [
+        "## GPU: `benchmarks/gpu_fps.py` and `benchmarks/gpu_checks.py`",
+        "",
+        "`python benchmarks/gpu_fps.py` runs Wan 2.1 1.3B (30 blocks, random weights, bf16) at 480x832 with",
+        "chunks of 3 latent frames, sink 3 + window 9, 4 steps and the Wan VAE decoding every chunk. It prints",
+        "one table: ours eager, ours under `torch.compile` (inductor), the Self-Forcing loop measured on the",
+        "same GPU, and the published Self-Forcing (~17 FPS) and LongLive (20.7 FPS) H100 figures. Columns: FPS,",
+        "time to first frame, peak memory, and the fraction of the GPU's bf16 peak. It finishes in about 4",
+        "minutes on one H200 and exits non-zero if a row fails. `python benchmarks/gpu_checks.py` checks on the",
+        "GPU what CPU tests cannot: the embedded pipelines on CUDA give the CPU's video, and the CUDA-only paths",
+        "(K/V offload to pinned memory with side-stream prefetch, accelerate's model CPU offload) change nothing.",
+        "",
+    ]
+    logs = gpu_logs()
+    if logs:
+        lines += [
+            f"Recorded GPU runs, as printed (the files in `{GPU_LOGS.relative_to(ROOT)}/`; this run did not use a",
+            "GPU, so these numbers come from those runs, not this one):",
+            "",
+        ]
+        for command, output in logs:
+            lines += [f"`{command}`", "", printed_tables(output) or output, ""]
+    else:
+        lines += ["No GPU run is recorded yet (`docs/gpu/` is empty).", ""]
+    lines += [
+        "This run's CPU dry run (tiny shapes; it checks that the script runs, these are not performance numbers):",
+        "",
+        f"`{dry_run['command']}` ({dry_run['seconds']:.0f} s)",
+        "",
+        printed_tables(dry_run["stdout"]),
+        "",
+    ]
+    return lines
+
+
 def write_page(
     results: dict,
     machine_before: dict,
@@ -183,7 +230,7 @@ def write_page(
         "",
         f"Written by `python benchmarks/run_all.py` in one run of {total_s / 60:.1f} minutes. Every number below",
         "was measured in that run on the machine described here, except the soak when it comes from its own",
-        "run (its section says so) and the published GPU figures, which are marked as such.",
+        "run (its section says so), the recorded GPU runs and the published GPU figures, which are marked as such.",
         "",
         "## Machine",
         "",
@@ -295,21 +342,7 @@ def write_page(
         "",
         results["soak"],
         "",
-        "## GPU: `benchmarks/gpu_fps.py` (ready to run; no GPU in this session)",
-        "",
-        "`python benchmarks/gpu_fps.py` runs Wan 2.1 1.3B (30 blocks, random weights, bf16) at 480x832 with",
-        "chunks of 3 latent frames, 4 steps and the Wan VAE decoding every chunk. It produces one table: ours",
-        "eager, ours under `torch.compile` (inductor), the Self-Forcing loop measured on the same GPU, and",
-        "the published Self-Forcing (~17 FPS) and LongLive (20.7 FPS) H100 figures. Columns: FPS, time to",
-        "first frame, peak memory, and the fraction of the GPU's bf16 peak. It is sized to finish in under",
-        "8 minutes on one H100/H200, and it exits non-zero if a row fails. This session had no GPU, so no",
-        "GPU number is reported here. Below is its `--dry-run` output: tiny shapes on the CPU, which checks",
-        "that the script runs. These are not performance numbers.",
-        "",
-        f"`{results['gpu_fps']['command']}` ({results['gpu_fps']['seconds']:.0f} s)",
-        "",
-        printed_tables(results["gpu_fps"]["stdout"]),
-        "",
+        *gpu_section(results["gpu_fps"]),
         "## Commands and times",
         "",
         markdown_table(

@@ -75,6 +75,57 @@ def test_gpu_fps_dry_run_prints_one_table_and_exits_zero():
     assert float(rows["Self-Forcing 1.3B (published, H100)"][0]) == 17.0
 
 
+def test_gpu_fps_counts_flops_on_a_steady_chunk_so_every_loop_counts_the_same_work():
+    """A stream's first chunks attend to less context (the Self-Forcing loop reads a shorter slice, ours a
+    shorter prefix), so FLOPs counted there would differ between loops doing the same steady-state work."""
+    args = gpu_fps.parse_args(["--dry-run", "--warmup", "4", "--chunks", "1", "--no-vae", "--no-compile"])
+    setup, flops = gpu_fps.make_setup(args), {}
+    for approach in ("ours", "self-forcing"):
+        row = gpu_fps.run_row(approach, approach, setup, args, (None, None), False, flops)
+        assert not row.error
+    assert flops["ours"] == pytest.approx(flops["self-forcing"], rel=0.02)
+    first_chunk = gpu_fps.parse_args(["--dry-run", "--warmup", "1", "--chunks", "1", "--no-vae", "--no-compile"])
+    first_flops = {}
+    gpu_fps.run_row("ours", "ours", setup, first_chunk, (None, None), False, first_flops)
+    assert first_flops["ours"] < 0.9 * flops["ours"]  # a warm-up too short to fill the window counts less
+
+
+# ----------------------------------------------------------------------------------------- gpu_checks
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_checks_without_cuda_refuses_and_names_the_dry_run(capsys):
+    import gpu_checks
+
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_checks.main([])
+    assert exit_info.value.code == 2
+    assert "--dry-run" in capsys.readouterr().err
+
+
+def test_gpu_checks_dry_run_compares_every_row_of_both_embedded_models(capsys):
+    import gpu_checks
+
+    assert gpu_checks.main(["--dry-run", "--seconds", "0.25"]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny")]
+    names = [(model.lstrip("| "), row) for model, row, *_ in rows]
+    krea, sana = "tiny-bouncing-shapes", "tiny-bouncing-shapes-sana"
+    assert (krea, "cuda kv_offload") in names and (sana, "cuda kv_offload") not in names  # SANA has no K/V window
+    assert {(sana, "cuda model_cpu_offload"), (krea, "cuda bfloat16")} <= set(names)
+    assert all(row[-1].strip(" |") == "ok" for row in rows)
+
+
+def test_recorded_gpu_runs_render_into_the_benchmarks_page():
+    import run_all
+
+    logs = run_all.gpu_logs()
+    assert [command.split()[1] for command, _ in logs][-1] == "benchmarks/gpu_checks.py"  # the FPS runs first
+    section = "\n".join(run_all.gpu_section({"command": "python benchmarks/gpu_fps.py --dry-run", "seconds": 1.0,
+                                               "stdout": "| row | FPS |\n| --- | ---: |\n| ours, eager | 1.0 |"}))  # fmt: skip
+    for command, output in logs:
+        assert f"`{command}`" in section
+        assert next(line for line in output.splitlines() if line.startswith("| ")) in section
+    assert "NVIDIA H200" in section and section.rstrip().endswith("| ours, eager | 1.0 |")
+
+
 # ----------------------------------------------------------------------------------------- helpers
 def test_flop_counter_counts_cpu_attention_like_the_two_matmuls_it_does():
     """torch's own counter gives CPU flash attention 0 FLOPs; ours counts it, masked or not, as its matmuls."""

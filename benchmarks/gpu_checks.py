@@ -1,0 +1,143 @@
+"""Checks that only a GPU can make: the embedded pipelines on CUDA give the CPU's video, and the CUDA-only code
+paths (the K/V window offloaded to pinned CPU memory with side-stream prefetch, accelerate's model CPU offload)
+give the same video as without them.
+
+Each row generates the same video (fixed prompt, a CPU `torch.Generator`, so the noise is identical on every
+device) and compares its frames with a reference row; it prints one table and exits non-zero when a row
+fails or differs by more than its tolerance:
+
+  cuda float32 vs cpu float32         kernels differ (TF32 off), so a small difference: atol 2e-3 on frames in [0, 1]
+  cuda kv_offload vs cuda             the same arithmetic, copies only: atol 1e-5 (Krea-like only: SANA's state
+                                      is small and has no offload)
+  cuda model_cpu_offload vs cuda      the same arithmetic, hooks only: atol 1e-5
+  cuda bfloat16 vs cuda float32       reported (bf16 rounding drifts over a long video), finite required
+
+    python benchmarks/gpu_checks.py              # one GPU, under a minute
+    python benchmarks/gpu_checks.py --dry-run    # every row on the CPU (CI: the script itself works)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import sys
+import time
+
+import numpy as np
+import torch
+from _common import markdown_table
+
+from rolldiff.defaults import embedded_models, frames_for_seconds, load_pipeline, pipeline_class
+
+PROMPT = "a red circle moving right"
+SEED = 0
+
+
+@dataclasses.dataclass
+class Check:
+    model: str
+    name: str
+    reference: str
+    atol: float | None  # None: reported, not checked
+    seconds: float = 0.0
+    max_diff: float = float("nan")
+    error: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.error and (self.atol is None or self.max_diff <= self.atol)
+
+
+def generate(model: str, device: str, dtype: str, seconds: float, offload: str | None = None) -> np.ndarray:
+    """The video of `PROMPT` as `(frames, H, W, 3)` float32 in [0, 1]."""
+    pipe = load_pipeline(model, device="cpu" if offload == "model" else device, dtype=dtype)
+    if offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    num_frames = frames_for_seconds(pipe, seconds, 16)
+    generator = torch.Generator("cpu").manual_seed(SEED)
+    options = {"kv_offload": True} if offload == "kv" else {}
+    frames = pipe(PROMPT, num_frames=num_frames, generator=generator, **options).frames
+    return np.asarray(frames[0], dtype=np.float32)
+
+
+def accepts_kv_offload(model: str) -> bool:
+    cls = pipeline_class(embedded_models()[model])
+    return "kv_offload" in inspect.signature(cls.__init__).parameters
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="run every row on the CPU")
+    parser.add_argument("--seconds", type=float, default=None, help="video length per row (default 6; dry run 1)")
+    args = parser.parse_args(argv)
+    if args.seconds is None:
+        args.seconds = 1.0 if args.dry_run else 6.0
+    if args.seconds <= 0:
+        parser.error(f"--seconds must be > 0, got {args.seconds}.")
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device (torch.cuda.is_available() is False); use --dry-run to check on the CPU.")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    gpu = "cpu" if args.dry_run else "cuda"
+    # row name -> (device, dtype, offload); the reference rows come first
+    rows = {
+        "cpu float32": ("cpu", "float32", None),
+        "cuda float32": (gpu, "float32", None),
+        "cuda kv_offload": (gpu, "float32", "kv"),
+        "cuda model_cpu_offload": (gpu, "float32", "model"),
+        "cuda bfloat16": (gpu, "bfloat16", None),
+    }
+    plan = [
+        ("cuda float32", "cpu float32", 2e-3),
+        ("cuda kv_offload", "cuda float32", 1e-5),
+        ("cuda model_cpu_offload", "cuda float32", 1e-5),
+        ("cuda bfloat16", "cuda float32", None),
+    ]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    checks = []
+    for model in embedded_models():
+        videos: dict[str, np.ndarray] = {}
+        for name, reference, atol in plan:
+            if rows[name][2] == "kv" and not accepts_kv_offload(model):
+                continue
+            check = Check(model, name, reference, atol)
+            try:
+                for row in (reference, name):
+                    if row not in videos:
+                        start = time.perf_counter()
+                        videos[row] = generate(model, *rows[row][:2], args.seconds, rows[row][2])
+                        check.seconds = time.perf_counter() - start
+                video, expected = videos[name], videos[reference]
+                if not np.isfinite(video).all():
+                    raise FloatingPointError("non-finite frames")
+                check.max_diff = float(np.abs(video - expected).max())
+            except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others; the exit status says it
+                check.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            checks.append(check)
+            print(f"  {model} / {name}: {'ok' if check.passed else 'FAILED'}", flush=True)
+    where = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name()
+    print(f"\n{where}; torch {torch.__version__}; {args.seconds:g} s of video per row at 16 fps, seed {SEED}\n")
+    header = ["model", "row", "compared with", "max abs difference", "tolerance", "s", "result"]
+    body = [
+        [
+            c.model,
+            c.name,
+            c.reference,
+            f"{c.max_diff:.2e}",
+            "reported" if c.atol is None else f"{c.atol:g}",
+            f"{c.seconds:.1f}",
+            "ok" if c.passed else f"FAILED {c.error}".strip(),
+        ]
+        for c in checks
+    ]
+    print(markdown_table(header, body))
+    return 0 if all(c.passed for c in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
