@@ -125,6 +125,10 @@ class GrowingLayer(CacheLayer):
         """`(committed + pending,)` all True: nothing is ever evicted."""
         return torch.ones(self._committed_count + self.pending_tokens, dtype=torch.bool, device=self.keys.device)
 
+    def visible_prefix(self, num_pending: int) -> int:
+        """Every token is visible, in stream order: attention reads them all with no mask."""
+        return self._committed_count + num_pending
+
     def pending_positions(self, num_tokens: int, reindexed: bool = False, device=None) -> torch.Tensor:
         if reindexed:
             raise ValueError("GrowingLayer keeps absolute positions; use position_mode='absolute'.")
