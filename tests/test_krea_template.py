@@ -181,3 +181,30 @@ def test_from_pretrained_refuses_weights_that_do_not_match_the_config(tmp_path):
     config_path.write_text(json.dumps({**config, "num_layers": config["num_layers"] + 1}))
     with pytest.raises(ValueError, match="missing"):
         KreaRealtimeTransformer3DModel.from_pretrained(tmp_path)
+
+
+@torch.no_grad()
+def test_a_cached_step_skips_the_text_projection_once_every_block_holds_its_text_kv():
+    """The projected text is only read to fill the cross-attention K/V; the research loops redo it every step."""
+    from diffusers import WanTransformer3DModel
+
+    model = tiny_transformer()
+    projections = []
+    model.condition_embedder.text_embedder.linear_1.register_forward_hook(lambda *_: projections.append(1))
+    layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=1, sink_frames=1, window_frames=2)
+    cache, text, noisy = model.make_cache(layout), _text(), torch.randn(1, 4, 1, 4, 4)
+    projected = model(noisy, torch.tensor([500.0]), text, kv_cache=cache, layout=layout).sample  # fills the K/V
+    assert len(projections) == 1
+    skipped = model(noisy, torch.tensor([500.0]), text, kv_cache=cache, layout=layout).sample  # same step again
+    assert len(projections) == 1
+    assert torch.equal(skipped, projected)
+    cache.cross[1].reset()  # one block without its K/V: the text is projected again
+    again = model(noisy, torch.tensor([500.0]), text, kv_cache=cache, layout=layout).sample
+    assert len(projections) == 2 and torch.equal(again, projected)
+    torch.manual_seed(0)  # tiny_transformer's seed: the same weights, keys and random draws as diffusers' model
+    reference = WanTransformer3DModel(**model.config).eval()
+    expected = reference.state_dict()
+    assert model.state_dict().keys() == expected.keys()
+    assert all(torch.equal(tensor, expected[name]) for name, tensor in model.state_dict().items())
+    plain = model(noisy, torch.tensor([500.0]), text).sample  # no cache: diffusers' forward, text projected
+    assert len(projections) == 3 and torch.equal(plain, reference(noisy, torch.tensor([500.0]), text).sample)
