@@ -176,7 +176,7 @@ class CachedTextProjection(PixArtAlphaTextProjection):
     """Wan's text projection, skipped in a cached step whose every block already holds its text K/V.
 
     Those blocks read the K/V from the cache and never the projected text, and projecting 512 tokens of
-    4096 channels costs 8.9 GFLOP per step: as much as one Wan-1.3B block on a 120-token chunk. The research
+    4096 channels costs 8.9 GFLOP per step: about one Wan-1.3B block on a 120-token chunk. The research
     loops project it every step. Same module, weights and checkpoint keys as diffusers'.
     """
 
@@ -187,7 +187,7 @@ class CachedTextProjection(PixArtAlphaTextProjection):
     def forward(self, caption: torch.Tensor) -> torch.Tensor:
         inputs = self.call_slot.context
         if inputs is not None and inputs.text_cached:
-            return caption[:, :0]  # no block reads it; empty, so any reader fails loudly
+            return caption[:, :0]  # no block reads it (each reads its cached K/V); empty, not a wrong value
         return super().forward(caption)
 
 
