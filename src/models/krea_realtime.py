@@ -2,7 +2,7 @@
 
 `KreaRealtimeTransformer3DModel` subclasses diffusers' `WanTransformer3DModel` and runs its forward
 and blocks unchanged (LoRA scale, attention backends, gradient checkpointing keep working). Only
-three pieces differ:
+four pieces differ:
 
 - the rotary module: inside a cached or dense call it returns a per-call `CausalAttentionInputs`
   (cache, layout, positions, RoPE tables, masks, computed once per forward) instead of the plain
@@ -11,7 +11,9 @@ three pieces differ:
   its `SlidingWindowLayer` (positions `"absolute"`: keys stored after RoPE; `"relative"`: keys stored
   before RoPE and rotated at read time with positions re-indexed inside sink + window);
 - the cross-attention processor: the text K/V come from the block's `CrossAttentionLayer`, filled once
-  per prompt (`prepare_conditioning`, or lazily at the first step).
+  per prompt (`prepare_conditioning`, or lazily at the first step);
+- the text projection (`CachedTextProjection`, same weights and keys): skipped in a cached step whose
+  every block already holds its text K/V, since nothing reads the projected text then.
 
 Per-call state is never stored on the model: the call's inputs are bound to a per-thread
 `CallContextSlot` for the duration of one forward, so one model serves any number of concurrent
