@@ -135,7 +135,7 @@ def long_race_section(data: dict, plot_name: str) -> list[str]:
         " smaller share and the window copies of the Self-Forcing loop a larger one. Attention is a larger share"
         " too, which favours Krea's loop: its rebuild pass attends among its 3 context frames only, where the"
         " context pass of ours and of Self-Forcing's attends to the whole window (less work, and other K/V by"
-        " design; the GFLOP column is counted on one early chunk, before the window is full).",
+        " design; the GFLOP column is counted on one chunk, the last warm-up chunk).",
         *(
             []
             if data.get("flops_count_cpu_attention")
