@@ -6,6 +6,7 @@ windows of chunks) and prints the same markdown.
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import resource
@@ -68,6 +69,12 @@ def peak_rss_mib() -> float:
 
 
 # ----------------------------------------------------------------------------------------- machine
+def require_cuda_unless_dry_run(parser: argparse.ArgumentParser, dry_run: bool) -> None:
+    """The GPU scripts' refusal on a machine without CUDA, naming the CPU dry run."""
+    if not dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA device (torch.cuda.is_available() is False); use --dry-run to check on the CPU.")
+
+
 def load_average() -> tuple[float, float, float]:
     return os.getloadavg()
 

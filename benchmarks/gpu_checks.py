@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 import torch
-from _common import markdown_table
+from _common import markdown_table, require_cuda_unless_dry_run
 
 from rolldiff.defaults import embedded_models, frames_for_seconds, load_pipeline, pipeline_class
 
@@ -75,8 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.seconds = 1.0 if args.dry_run else 6.0
     if args.seconds <= 0:
         parser.error(f"--seconds must be > 0, got {args.seconds}.")
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error("no CUDA device (torch.cuda.is_available() is False); use --dry-run to check on the CPU.")
+    require_cuda_unless_dry_run(parser, args.dry_run)
     return args
 
 

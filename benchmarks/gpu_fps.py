@@ -37,7 +37,15 @@ import sys
 import time
 
 import torch
-from _common import WAN_TEXT_TOKENS, cast_like_from_pretrained, flop_counter, latent_hw, markdown_table, wan_config
+from _common import (
+    WAN_TEXT_TOKENS,
+    cast_like_from_pretrained,
+    flop_counter,
+    latent_hw,
+    markdown_table,
+    require_cuda_unless_dry_run,
+    wan_config,
+)
 from research_loops import Setup, make_loop
 
 PUBLISHED_FPS = (("Self-Forcing 1.3B (published, H100)", 17.0), ("LongLive 1.3B (published, H100)", 20.7))
@@ -99,8 +107,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--warmup must be >= 0, got {args.warmup}.")
     if args.height % 16 or args.width % 16 or args.height < 16 or args.width < 16:
         parser.error(f"--height/--width must be positive multiples of 16, got {args.height}x{args.width}.")
-    if not dry and not torch.cuda.is_available():
-        parser.error("no CUDA device (torch.cuda.is_available() is False); use --dry-run to check on the CPU.")
+    require_cuda_unless_dry_run(parser, dry)
     return args
 
 

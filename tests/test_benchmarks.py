@@ -7,6 +7,7 @@ cache where they must, so the benchmark compares like with like.
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -37,9 +38,10 @@ def test_gpu_fps_explicit_values_override_the_defaults():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_gpu_fps_without_cuda_refuses_and_names_the_dry_run(capsys):
+@pytest.mark.parametrize("script", ["gpu_fps", "gpu_checks"])
+def test_gpu_scripts_without_cuda_refuse_and_name_the_dry_run(script, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        gpu_fps.parse_args([])
+        importlib.import_module(script).parse_args([])
     assert exit_info.value.code == 2
     assert "--dry-run" in capsys.readouterr().err
 
@@ -91,16 +93,6 @@ def test_gpu_fps_counts_flops_on_a_steady_chunk_so_every_loop_counts_the_same_wo
 
 
 # ----------------------------------------------------------------------------------------- gpu_checks
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_gpu_checks_without_cuda_refuses_and_names_the_dry_run(capsys):
-    import gpu_checks
-
-    with pytest.raises(SystemExit) as exit_info:
-        gpu_checks.main([])
-    assert exit_info.value.code == 2
-    assert "--dry-run" in capsys.readouterr().err
-
-
 def test_gpu_checks_dry_run_compares_every_row_of_both_embedded_models(capsys):
     import gpu_checks
 
