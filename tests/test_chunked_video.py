@@ -5,12 +5,14 @@ used; `interrupt` stops a run; `prompt_embeds` stand in for a prompt; noise is d
 starting a stream of any length costs the same memory; one pipeline serves concurrent streams.
 """
 
+import inspect
+
 import pytest
 import torch
 from concurrency import assert_same_as_alone, run_together
 from tiny_components import tiny_pipeline
 
-from rolldiff.pipelines import chunked_video
+from rolldiff.pipelines import stream as stream_module
 
 PROMPT = "a red circle moving left"
 SIZE = dict(height=16, width=16)
@@ -96,13 +98,13 @@ def _rss_bytes() -> int:
 
 def test_starting_a_very_long_stream_allocates_nothing_the_size_of_the_video(pipe, monkeypatch):
     requested = []
-    original = chunked_video.randn_tensor
+    original = stream_module.randn_tensor
 
     def recording_randn(shape, *args, **kwargs):
         requested.append(int(torch.Size(shape).numel()))
         return original(shape, *args, **kwargs)
 
-    monkeypatch.setattr(chunked_video, "randn_tensor", recording_randn)
+    monkeypatch.setattr(stream_module, "randn_tensor", recording_randn)
     num_frames = 4_000_000  # 4 M latent frames: 1 GB of float32 noise if drawn up front
     before = _rss_bytes()
     stream = pipe.stream(PROMPT, num_frames=num_frames, position_mode="relative", generator=_seed(), **SIZE)
@@ -157,9 +159,19 @@ def test_prompt_checks_and_encodings_on_other_threads_never_change_an_embeddings
     assert lengths == {16}
 
 
-def test_unknown_cache_options_are_refused_before_work(pipe):
-    with pytest.raises(TypeError, match="cache options"):
+def test_unknown_arguments_are_refused_before_work(pipe):
+    with pytest.raises(TypeError, match="window_chunks"):
         pipe.stream(PROMPT, num_frames=4, window_chunks=3, **SIZE)
+
+
+def test_the_call_signature_is_explicit(pipe):
+    """IDEs and `inspect.signature` see every argument (no `**kwargs`), and `stream` takes the same ones."""
+    call = inspect.signature(pipe.__call__).parameters
+    stream = inspect.signature(pipe.stream).parameters
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in [*call.values(), *stream.values()])
+    assert set(call) - {"return_dict"} == set(stream)
+    assert set(pipe.cache_options) <= set(stream)
+    assert "window_frames" in (pipe.__call__.__doc__ or "") and "window_frames" in (pipe.stream.__doc__ or "")
 
 
 def test_quantized_and_offloaded_caches_are_pipeline_options(pipe):
