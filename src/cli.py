@@ -323,7 +323,7 @@ def run_generate(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     except ResumeError as exc:
         raise UsageError(f"--resume: {exc}") from exc
-    except FloatingPointError as exc:  # NaN or infinite values in a chunk: the run stopped there
+    except (FloatingPointError, MemoryError) as exc:  # NaN latents, or a cache that does not fit: stopped there
         print(f"rolldiff: error: {exc} {_kept(args.out)}", file=sys.stderr)
         return EXIT_FAILED
     elapsed = time.perf_counter() - start

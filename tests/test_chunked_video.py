@@ -13,6 +13,7 @@ from concurrency import assert_same_as_alone, run_together
 from tiny_components import tiny_pipeline
 
 from rolldiff.pipelines import stream as stream_module
+from rolldiff.pipelines.chunked_video import CacheAllocationError
 
 PROMPT = "a red circle moving left"
 SIZE = dict(height=16, width=16)
@@ -182,3 +183,25 @@ def test_quantized_and_offloaded_caches_are_pipeline_options(pipe):
     assert (quantized - plain).abs().max() < 0.05  # int8 K/V: small, bounded error (docs/cache.md)
     with pytest.raises(ValueError, match="kv_quantization"):
         pipe.stream(PROMPT, num_frames=4, kv_quantization="int4", **SIZE)
+
+
+def test_a_window_longer_than_the_video_allocates_only_what_the_video_fills(pipe):
+    """`window_frames=100000` for an 8-frame video: the cache holds the video (plus one chunk at most), and the
+    frames are those of the window that exactly fits (a window past the video evicts nothing either way)."""
+    huge = pipe.stream(PROMPT, num_frames=8, window_frames=100_000, generator=_seed(), output_type="latent", **SIZE)
+    fitting = pipe.stream(PROMPT, num_frames=8, window_frames=6, generator=_seed(), output_type="latent", **SIZE)
+    latents = torch.cat(list(huge), dim=2)
+    torch.testing.assert_close(latents, torch.cat(list(fitting), dim=2), atol=1e-6, rtol=0)
+    layout = huge.request.layout
+    assert layout.context_frames <= huge.request.num_latent_frames + layout.chunk_frames + 1
+    assert huge.memory_bytes() == fitting.memory_bytes()
+
+
+def test_a_cache_that_does_not_fit_is_a_clear_error_naming_the_window(pipe, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 921600000 bytes.")
+
+    monkeypatch.setattr(pipe.transformer, "make_cache", out_of_memory)
+    stream = pipe.stream(PROMPT, num_frames=8, generator=_seed(), **SIZE)
+    with pytest.raises(CacheAllocationError, match="`window_frames`=.*kv_quantization"):
+        next(stream)

@@ -201,3 +201,12 @@ def test_stream_call_and_file_give_the_same_frames(pipe, tmp_path, monkeypatch):
     expected = (called[0] * 255.0).round().clip(0, 255).astype(np.uint8)
     np.testing.assert_array_equal(np.concatenate(encoded), expected)  # the encoder was given exactly these
     assert written == iio.imread(path, plugin="FFMPEG", index=None).shape[0] == expected.shape[0]
+
+
+def test_docs_list_exactly_the_hooks_of_the_contract():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "model_families.md").read_text()
+    for name in [*TRANSFORMER_METHODS, *PIPELINE_HOOKS]:
+        assert f"`{name}(" in text, f"docs/model_families.md does not list `{name}`"
+        assert hasattr(VideoTransformer if name in TRANSFORMER_METHODS else ChunkedVideoPipeline, name), name
