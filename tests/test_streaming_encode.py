@@ -232,7 +232,7 @@ def test_state_of_another_vae_layout_is_refused():
     state = StreamingWanEncoder(make_vae("temporal_4x")).state_dict()
     other = StreamingWanEncoder(AutoencoderKLWan(base_dim=8, z_dim=Z_DIM, num_res_blocks=2, dim_mult=[1, 2, 2]))
 
-    with pytest.raises(ValueError, match="causal encoder convs"):
+    with pytest.raises(ValueError, match=r"feat_cache_kinds of shape \(\d+,\), one per causal encoder conv"):
         other.load_state_dict(state)
     broken = {**StreamingWanEncoder(make_vae("temporal_4x")).state_dict(), "feat_cache.0": torch.zeros(1)}
     with pytest.raises(ValueError, match=r"unexpected \['feat_cache.0'\]"):
@@ -332,3 +332,16 @@ def test_normalize_is_the_inverse_of_denormalize():
     torch.testing.assert_close(normalize_wan_latents(denormalize_wan_latents(latents, vae), vae), latents)
     with pytest.raises(ValueError, match=r"must have shape \(batch, 4, latent_frames, height, width\)"):
         normalize_wan_latents(latents[:, :3], vae)
+
+
+def test_rep_markers_round_trip_as_kind_two_and_unknown_kinds_are_refused():
+    encoder = StreamingWanEncoder(make_vae())
+    state = encoder.state_dict()
+    state["feat_cache_kinds"][0] = 2  # diffusers' "Rep" marker
+
+    encoder.load_state_dict(state)
+
+    assert encoder.state_dict()["feat_cache_kinds"].tolist()[:2] == [2, 0]
+    state["feat_cache_kinds"][0] = 5
+    with pytest.raises(ValueError, match=r"kinds \[0, 5\] \(allowed 0, 1, 2\)"):
+        encoder.load_state_dict(state)

@@ -75,6 +75,15 @@ def test_a_list_gives_one_start_frame_per_batch_element():
     torch.testing.assert_close(image[1], reference(frames[1:]), atol=0, rtol=0)
 
 
+def test_a_list_of_tensors_takes_the_tensor_layout():
+    frames = frames_uint8(2)
+    tensors = [torch.from_numpy(frame).permute(2, 0, 1) for frame in frames]  # (3, H, W) each
+
+    image = load_start_image([tensors[0], tensors[1][None]], batch_size=2, height=HEIGHT, width=WIDTH)
+
+    torch.testing.assert_close(image[1], reference(frames[1:]), atol=0, rtol=0)
+
+
 def test_a_batch_tensor_gives_one_start_frame_per_batch_element():
     frames = frames_uint8(3)
 
@@ -104,6 +113,7 @@ def test_crop_mode_keeps_the_aspect_ratio_and_centre_crops():
             r"`image` must have shape \(height, width, 3\) \(RGB\), got \(8, 8, 4\)",
         ),
         (torch.zeros(4, 8, 8), r"`image` tensor must have shape \(3, height, width\)"),
+        ([torch.zeros(8, 8, 3)] * 2, r"`image\[0\]` tensor must have shape \(3, height, width\) or \(1, 3, height"),
         (torch.zeros(3, 3, 8, 8), r"\(1, 3, height, width\) or \(2, 3, height, width\)"),
         ("start.png", r"`image` must be a PIL image, a numpy array or a torch tensor, got str"),
         ([np.zeros((8, 8, 3), np.uint8), 7], r"`image\[1\]` must be a PIL image"),

@@ -194,11 +194,11 @@ class StreamingWanEncoder:
         moments = self.vae.quant_conv(torch.cat(outputs, dim=2))  # (batch, 2 * z_dim, latent_frames, h, w)
 
         posterior = DiagonalGaussianDistribution(moments)
-        latents = posterior.sample(generator) if sample else posterior.mode()
+        latents = normalize_wan_latents(posterior.sample(generator) if sample else posterior.mode(), self.vae)
         self._feat_cache = cache
         self._latent_frames_encoded += len(groups)
         self._video_shape = video_shape
-        return normalize_wan_latents(latents, self.vae)
+        return latents
 
     def _groups(self, pixel_frames: int) -> list[tuple[int, int]]:
         """(start, stop) of each encoder call in a chunk: the video's first frame alone, then `t` frames at a time."""
@@ -227,28 +227,31 @@ class StreamingWanEncoder:
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Continue a video from `state_dict()`'s result (same VAE layout); the next `encode` picks up where the
-        saved encoder stopped. Tensors are moved to the VAE's device at the next `encode`."""
+        saved encoder stopped. Checked whole before anything changes. Tensors move to the VAE's device at the next
+        `encode`."""
         kinds = state_dict.get("feat_cache_kinds")
-        required = {"latent_frames_encoded", "video_shape", "feat_cache_kinds"}
-        if not required <= state_dict.keys() or kinds.ndim != 1 or kinds.numel() != self._num_cached_convs:
-            found = None if kinds is None else tuple(kinds.shape)
+        if not isinstance(kinds, torch.Tensor) or kinds.shape != (self._num_cached_convs,):
+            found = tuple(kinds.shape) if isinstance(kinds, torch.Tensor) else None
             raise ValueError(
-                f"`state_dict` must come from StreamingWanEncoder.state_dict() for a VAE with {self._num_cached_convs} "
-                f"causal encoder convs (keys {sorted(required)} and feat_cache_kinds of shape "
-                f"({self._num_cached_convs},)); got keys {sorted(state_dict)[:6]} and feat_cache_kinds {found}."
+                "`state_dict` must come from StreamingWanEncoder.state_dict() for a VAE with the same layout: "
+                f"feat_cache_kinds of shape ({self._num_cached_convs},), one per causal encoder conv, got {found}."
             )
         kinds = kinds.tolist()
-        slots = {i for i, kind in enumerate(kinds) if kind == _TENSOR}
-        expected = required | {f"feat_cache.{i}" for i in slots}
+        expected = {"latent_frames_encoded", "video_shape", "feat_cache_kinds"}
+        expected |= {f"feat_cache.{i}" for i, kind in enumerate(kinds) if kind == _TENSOR}
         if set(state_dict) != expected or not set(kinds) <= {_EMPTY, _TENSOR, _REP}:
             raise ValueError(
                 f"`state_dict` keys or feat_cache_kinds do not match: missing {sorted(expected - set(state_dict))}, "
                 f"unexpected {sorted(set(state_dict) - expected)}, kinds {sorted(set(kinds))} (allowed 0, 1, 2)."
             )
         video_shape = tuple(state_dict["video_shape"].tolist())
+        if len(video_shape) not in (0, 3):
+            raise ValueError(
+                f"`state_dict['video_shape']` must be empty or (batch, height, width), got {video_shape}."
+            )
         self._feat_cache = [
             state_dict[f"feat_cache.{i}"] if kind == _TENSOR else _REP_MARKER if kind == _REP else None
             for i, kind in enumerate(kinds)
         ]
         self._latent_frames_encoded = int(state_dict["latent_frames_encoded"])
-        self._video_shape = video_shape if video_shape else None
+        self._video_shape = video_shape or None

@@ -95,26 +95,37 @@ def _preprocess(pictures: list[PIL.Image.Image], height: int, width: int, resize
     return _PROCESSOR.preprocess(pictures, height=height, width=width, resize_mode=resize_mode)
 
 
+def _channels_last(image: torch.Tensor, name: str, batch_sizes: tuple[int, ...]) -> torch.Tensor:
+    """An image tensor in diffusers' layout, `(3, H, W)` or `(n, 3, H, W)` with n in `batch_sizes`, as
+    `(n, H, W, 3)`."""
+    if image.ndim == 3:
+        image = image.unsqueeze(0)
+    if image.ndim != 4 or image.shape[1] != 3 or image.shape[0] not in batch_sizes:
+        leading = " or ".join(f"({n}, 3, height, width)" for n in batch_sizes)
+        raise ValueError(
+            f"{name} tensor must have shape (3, height, width) or {leading} (RGB, channels first), "
+            f"got {tuple(image.shape)}."
+        )
+    return rearrange(image, "n c h w -> n h w c")
+
+
 def _image_list(image: Picture | list[Picture], batch_size: int) -> list[tuple[Picture, str]]:
-    """The start image(s) with their names for errors, each `(H, W, 3)` or PIL."""
+    """The start image(s), each PIL or `(H, W, 3)`, with their names for errors."""
     if isinstance(image, (list, tuple)):
         if len(image) not in (1, batch_size):
             raise ValueError(
                 f"`image` is a list of {len(image)} images for a batch of {batch_size}; give one per batch element "
                 "or a single image for all."
             )
-        return [(picture, f"`image[{i}]`") for i, picture in enumerate(image)]
-    if isinstance(image, torch.Tensor):  # diffusers' layout: (3, H, W) or (n, 3, H, W)
-        if image.ndim == 3:
-            image = image.unsqueeze(0)
-        if image.ndim != 4 or image.shape[1] != 3 or image.shape[0] not in (1, batch_size):
-            raise ValueError(
-                f"`image` tensor must have shape (3, height, width), (1, 3, height, width) or ({batch_size}, 3, "
-                f"height, width) (RGB, channels first), got {tuple(image.shape)}."
-            )
-        pictures = rearrange(image, "n c h w -> n h w c")
-        name = "`image`" if len(pictures) == 1 else "`image[{}]`"
-        return [(picture, name.format(i)) for i, picture in enumerate(pictures)]
+        names = [f"`image[{i}]`" for i in range(len(image))]
+        return [
+            (_channels_last(picture, name, (1,))[0] if isinstance(picture, torch.Tensor) else picture, name)
+            for picture, name in zip(image, names)
+        ]
+    if isinstance(image, torch.Tensor):
+        pictures = _channels_last(image, "`image`", tuple(sorted({1, batch_size})))
+        names = ["`image`"] if len(pictures) == 1 else [f"`image[{i}]`" for i in range(len(pictures))]
+        return list(zip(pictures, names))
     return [(image, "`image`")]
 
 
