@@ -109,6 +109,8 @@ class StreamingWanEncoder:
         return first + (latent_frames - first) * self.temporal_downsample
 
     def _check_pixel_frames(self, pixel_frames: int) -> None:
+        if isinstance(pixel_frames, bool) or not isinstance(pixel_frames, int):
+            raise ValueError(f"`pixel_frames` must be an int, got {pixel_frames!r}.")
         t = self.temporal_downsample
         if self._latent_frames_encoded == 0:
             offset, smallest = 1, 1
@@ -190,7 +192,7 @@ class StreamingWanEncoder:
         for start, stop in groups:
             conv_idx = [0]  # the encoder walks its convs in order, advancing this index into our cache
             outputs.append(self.vae.encoder(x[:, :, start:stop], feat_cache=cache, feat_idx=conv_idx))
-        # quant_conv is 1x1x1 (no temporal context), so applying it per chunk is exact.
+        # quant_conv is 1x1x1 (no temporal context): applied per chunk it is exact up to fp32 rounding.
         moments = self.vae.quant_conv(torch.cat(outputs, dim=2))  # (batch, 2 * z_dim, latent_frames, h, w)
 
         posterior = DiagonalGaussianDistribution(moments)
