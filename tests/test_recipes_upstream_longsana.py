@@ -52,7 +52,7 @@ def velocity(model, latents, timestep: float, text, mask, cache: RollingKVCache,
     """One cached forward: the velocity of a chunk `(1, C, F, H, W)`; the chunk's state is written as pending.
 
     Upstream feeds `timestep` truncated to an integer (`sana_multi_scale_video.py:686`) and the text mask as an
-    additive -10000 bias (`sana_blocks.py:84-89`), as diffusers' forward does with `encoder_attention_mask`.
+    additive -10000 bias (`sana_blocks.py:86-91`), as diffusers' forward does with `encoder_attention_mask`.
     """
     timestep = torch.tensor([float(int(timestep))])
     return model(latents, text, timestep, encoder_attention_mask=mask, kv_cache=cache, layout=layout).sample

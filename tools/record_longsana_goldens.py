@@ -36,7 +36,7 @@ Stubs needed on CPU (none replaces upstream maths):
   `diffusion.utils.dist_utils` (`get_rank` -> 0), `diffusion.utils.logger`, `diffusion.model.wan.model`
   (`BlockHook`, a type annotation);
 - xformers is absent, so the cross-attention takes its SDPA branch with the text mask as an additive -10000 bias
-  (sana_blocks.py:84-89); that branch needs `mask` (sana_multi_scale_video.py:736-750), which the real pipeline passes;
+  (sana_blocks.py:86-91); that branch needs `mask` (sana_multi_scale_video.py:730-743), which the real pipeline passes;
 - `torch.randn_like` is wrapped while sampling so every re-noising draw is recorded (and replayed in the fp64 run);
 - `fp32_attention` (true in the LongSANA config) is left unset: a no-op in fp32, and it would cast the fp64 run to fp32.
 No CUDA call is made at import on this path and no size is hard-coded for the 2B model.
@@ -63,7 +63,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 UPSTREAM_REPO = "github.com/meefs/Sana"
-UPSTREAM_COMMIT = "5498e5b"
+UPSTREAM_COMMIT = "5498e5b2070ef8c808ee7eab7f7c7707b53cd8ea"
 
 # The tiny model in upstream terms (`SanaMSVideo` arguments); the LongSANA 2B config
 # (configs/sana_video_config/Sana_2000M_480px_adamW_fsdp_longsana.yaml) with sizes shrunk. Self-attention heads are
@@ -453,7 +453,7 @@ def build_meta(floors: dict[str, float], bounds: dict[str, list]) -> dict:
             "cfg_scale": 1.0,
             "text_len": UPSTREAM_CONFIG["model_max_length"],
             "text_tokens": TEXT_LENGTHS,
-            "text_mask": "additive -10000 bias on padded tokens (sana_blocks.py:84-89); padded rows stored as zeros",
+            "text_mask": "additive -10000 bias on padded tokens (sana_blocks.py:86-91); padded rows stored as zeros",
             "eps": {
                 "linear_attention": 1e-8,
                 "self_attention_qk_norm": 1e-5,
