@@ -34,17 +34,18 @@ class DemoInputError(ValueError):
 
 # ---------------------------------------------------------------------------------------- one field
 def _number(label: str, value: Any) -> float:
-    """A finite number from a field's raw value (a number or the text of one)."""
+    """A finite number from a field's raw value (a number or the text of one); a refusal repeats what was typed."""
+    number = value
     if isinstance(value, str):
         try:
-            value = float(value.strip())
+            number = float(value.strip())
         except ValueError:
             raise DemoInputError(f"{label}: type a number, got {value!r}.") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(number, bool) or not isinstance(number, (int, float)):
         raise DemoInputError(f"{label}: type a number, got {value!r}.")
-    if not math.isfinite(value):
+    if not math.isfinite(number):
         raise DemoInputError(f"{label}: type a finite number, got {value!r}.")
-    return value
+    return number
 
 
 def _is_empty(value: Any) -> bool:
