@@ -6,6 +6,8 @@ Every refusal names the field (or argument), says what is allowed and repeats th
 
 import math
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -223,3 +225,11 @@ def test_a_port_in_use_is_refused_by_both_with_the_same_words(monkeypatch, capsy
             check_address("127.0.0.1", port)
         assert main(["demo", "--port", str(port)]) == 2
     assert f"cannot serve on --host '127.0.0.1' --port {port}: Address already in use" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- no UI below the page
+def test_the_checks_and_the_session_logic_import_without_gradio():
+    """Only `rolldiff.demo.page` imports Gradio: the rest runs (and is tested) without a UI."""
+    code = "import sys, rolldiff.demo.session, rolldiff.demo.fields, rolldiff.demo.serving; print('gradio' in sys.modules)"
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert imported.stdout.strip() == "False"
