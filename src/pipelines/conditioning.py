@@ -40,10 +40,10 @@ def check_strength(strength: Any) -> float:
     return float(strength)
 
 
-def strength_steps(steps: tuple[float, ...], strength: float) -> tuple[float, ...]:
-    """The steps a video-to-video chunk runs: the last `int(len(steps) * strength)` (at least one), as diffusers."""
-    kept = max(1, min(len(steps), int(len(steps) * strength)))
-    return steps[len(steps) - kept :]
+def strength_steps(num_steps: int, strength: float) -> int:
+    """How many steps a video-to-video chunk runs: the last `int(num_steps * strength)` (at least one), as
+    diffusers' `WanVideoToVideoPipeline` cuts its list."""
+    return max(1, min(num_steps, int(num_steps * strength)))
 
 
 def _describe(video: Any) -> str:

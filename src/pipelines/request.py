@@ -25,6 +25,7 @@ from .prompt_schedule import PromptSchedule
 
 if TYPE_CHECKING:
     from .conditioning import Conditioning
+    from .steps import StepPlan
 
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 
@@ -77,13 +78,15 @@ class CacheOptions:
 
 @dataclass(frozen=True)
 class VideoGeometry:
-    """Frames and sizes of one video, in pixels and latents."""
+    """Frames and sizes of one video, in pixels and latents. Every chunk has `chunk_frames` latent frames except
+    the first, which may take the leftover frames too (`first_chunk_frames`, LongSANA's rule)."""
 
     num_frames: int
     height: int
     width: int
     num_latent_frames: int
     chunk_shape: tuple[int, int, int, int, int]  # (batch, channels, chunk_frames, latent height, latent width)
+    first_chunk_frames: int = 0  # 0: the same as every chunk
 
     @property
     def batch_size(self) -> int:
@@ -94,8 +97,24 @@ class VideoGeometry:
         return self.chunk_shape[2]
 
     @property
+    def first_chunk(self) -> int:
+        return self.first_chunk_frames or self.chunk_frames
+
+    @property
     def num_chunks(self) -> int:
-        return self.num_latent_frames // self.chunk_frames
+        return 1 + (self.num_latent_frames - self.first_chunk) // self.chunk_frames
+
+    def chunk_start(self, index: int) -> int:
+        """First latent frame of chunk `index`."""
+        return 0 if index == 0 else self.first_chunk + (index - 1) * self.chunk_frames
+
+    def chunk_size(self, index: int) -> int:
+        return self.first_chunk if index == 0 else self.chunk_frames
+
+    def shape_of(self, index: int) -> tuple[int, int, int, int, int]:
+        """`(batch, channels, frames, h, w)` of chunk `index`."""
+        batch, channels, _, height, width = self.chunk_shape
+        return (batch, channels, self.chunk_size(index), height, width)
 
 
 @dataclass(frozen=True)
@@ -106,7 +125,7 @@ class VideoRequest:
     layout: ChunkLayout
     options: CacheOptions
     schedule: PromptSchedule
-    denoising_steps: tuple[float, ...]
+    step_plan: StepPlan
     guidance_scale: float
     negative_prompt: tuple[str, ...] | None
     max_sequence_length: int
@@ -118,6 +137,12 @@ class VideoRequest:
     callback_on_step_end: Callable | None = None
     callback_tensor_inputs: tuple[str, ...] = ("latents",)
     conditioning: Conditioning | None = None  # a start image or an input video (`rolldiff.pipelines.conditioning`)
+    context_noise: float = 0.0  # the timestep of the context pass (Self-Forcing's `context_noise`; 0: clean)
+    recipe: str | None = None  # the named recipe these settings came from (`rolldiff.recipes`)
+
+    @property
+    def denoising_steps(self) -> tuple[float, ...]:
+        return self.step_plan.steps
 
     @property
     def batch_size(self) -> int:
@@ -160,15 +185,12 @@ def check_size(name: str, size: Any, multiple: int, why: str) -> int:
     return int(size)
 
 
-def check_denoising_steps(steps: Any) -> tuple[float, ...]:
-    steps = list(steps)
-    if (
-        not steps
-        or not all(is_number(s) and 0 < s <= 1000 for s in steps)
-        or any(a <= b for a, b in zip(steps, steps[1:]))
-    ):
-        raise ValueError(f"`denoising_steps` must be strictly decreasing numbers in (0, 1000], got {steps}.")
-    return tuple(float(s) for s in steps)
+def check_context_noise(context_noise: Any) -> float:
+    if not is_number(context_noise) or not math.isfinite(context_noise) or not 0 <= context_noise < 1000:
+        raise ValueError(
+            f"`context_noise` must be a timestep in [0, 1000) for the context pass (0: clean), got {context_noise!r}."
+        )
+    return float(context_noise)
 
 
 def check_guidance_scale(guidance_scale: Any) -> float:

@@ -31,6 +31,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from .conditioning import ConditioningInput, strength_steps
 from .request import VideoRequest, check_embeds
+from .steps import StepPlan
 
 if TYPE_CHECKING:
     from .chunked_video import ChunkedVideoPipeline
@@ -75,6 +76,9 @@ class ChunkStream(Iterator[Any]):
         self._scheduler = FlowMatchEulerDiscreteScheduler.from_config(
             pipe.scheduler.config, stochastic_sampling=True, use_dynamic_shifting=False
         )  # its own: concurrent streams never share step counters
+        self._plain_scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            pipe.scheduler.config, stochastic_sampling=True, use_dynamic_shifting=False, shift=1.0
+        )  # for a step plan's own sigmas, which are final (no second shift)
 
     # ---------------------------------------------------------------------------------------- properties
     @property
@@ -236,7 +240,7 @@ class ChunkStream(Iterator[Any]):
                 f"Chunk {self._next_chunk} produced NaN or infinite latents; generation stopped (frames before it "
                 "are kept)."
             )
-        pipe.context_pass(clean, self._embeds, self._caches, request)
+        pipe.context_pass(clean, self._embeds, self._caches, request, timestep=request.context_noise)
         keep = pipe.recache_frames(request.layout, start + chunk_frames)
         held = self._recent.shape[2] + chunk_frames
         self._recent = torch.cat([self._recent, clean], dim=2)[:, :, max(0, held - keep) :]
@@ -251,21 +255,31 @@ class ChunkStream(Iterator[Any]):
             noisy = randn_tensor(request.chunk_shape, generator=request.generator, device=device, dtype=torch.float32)
         else:
             noisy = request.latents[:, :, start : start + chunk_frames].to(device=device, dtype=torch.float32)
-        steps = request.denoising_steps
+        plan = request.step_plan
         if given is not None:
-            steps = strength_steps(steps, request.conditioning.strength)
-        scheduler = self._scheduler
-        scheduler.set_timesteps(sigmas=[s / 1000.0 for s in steps], device=device)
+            plan = plan.tail(strength_steps(len(plan.steps), request.conditioning.strength))
+        scheduler, fed = self._schedule(plan, device)
         if given is not None:  # flow matching: x_sigma = sigma * noise + (1 - sigma) * x0 (sigma 1: the noise)
             sigma = scheduler.sigmas[0].to(device)
             noisy = sigma * noisy + (1.0 - sigma) * given.to(device=device, dtype=torch.float32)
-        for timestep in scheduler.timesteps:
+        for timestep, fed_timestep in zip(scheduler.timesteps, fed):
             if pipe.interrupt:
                 return None
-            velocity = self._velocity(noisy.to(dtype), float(timestep))
+            velocity = self._velocity(noisy.to(dtype), fed_timestep)
             noisy = scheduler.step(velocity.float(), timestep, noisy, generator=request.generator).prev_sample
             noisy = self._after_step(noisy.float(), timestep)
         return noisy.to(dtype)  # the last step re-noises to sigma 0: the clean chunk
+
+    def _schedule(self, plan: StepPlan, device: torch.device) -> tuple[FlowMatchEulerDiscreteScheduler, list[float]]:
+        """This chunk's scheduler and the timesteps the model is fed: diffusers' shift mapping done by the
+        scheduler itself, or the plan's own sigmas taken as given (a copy with shift 1) and its timesteps."""
+        if plan.sigmas is None:
+            scheduler = self._scheduler
+            scheduler.set_timesteps(sigmas=[s / 1000.0 for s in plan.steps], device=device)
+            return scheduler, [float(t) for t in scheduler.timesteps]
+        scheduler = self._plain_scheduler
+        scheduler.set_timesteps(sigmas=list(plan.sigmas), timesteps=list(plan.timesteps), device=device)
+        return scheduler, list(plan.timesteps)
 
     def _velocity(self, chunk: torch.Tensor, timestep: float) -> torch.Tensor:
         """The velocity for one chunk at `timestep` (guided when a negative branch exists)."""

@@ -1,0 +1,106 @@
+"""The few-step schedule of a chunk: which timestep the model is fed at each step, and which sigma the step uses.
+
+The checkpoints' authors map their raw steps (e.g. 1000, 750, 500, 250) to sigmas in three different ways:
+- "shift" (diffusers'; rolldiff's default): sigma = shift(t / 1000) with the scheduler's `shift`, and the model
+  is fed sigma * 1000 (Self-Forcing's `warp_denoising_step: true` lands on the same values);
+- "table": sigma = the nearest entry (by timestep value) of a 1000-entry table `shift(linspace(1, 0, 1001)[:-1])`,
+  and the model is fed the raw step (LongSANA's `LongLiveFlowEuler`, Krea Realtime's `v2v.py`);
+- "linear": sigma = t / 1000 and the model is fed t (Self-Forcing's `warp_denoising_step: false`).
+`integer_timesteps` truncates what the model is fed (LongSANA), and explicit `sigmas` replace the mapping. A
+step may be 0 (Krea's last step): the model sees t = 0 and the step uses that step's sigma (the table's last
+entry, not 0), so the chunk still moves.
+
+A `StepPlan` is computed once per request; every stream then drives its own
+`FlowMatchEulerDiscreteScheduler` copy with the plan's sigmas as given (`shift` 1: no second warp) and feeds
+the plan's timesteps to the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .request import is_number
+
+SIGMA_MAPPINGS = ("shift", "table", "linear")
+TABLE_SIZE = 1000
+
+
+def shift_sigmas(sigmas: np.ndarray, shift: float) -> np.ndarray:
+    """The flow-matching timestep shift `s * x / (1 + (s - 1) * x)` (diffusers', Wan's, SANA's)."""
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def sigma_table(shift: float, size: int = TABLE_SIZE) -> np.ndarray:
+    """`size` sigmas from 1 down to (not including) 0, shifted, in float32 as the research samplers keep them."""
+    return shift_sigmas(np.linspace(1.0, 0.0, size + 1)[:-1], shift).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Per denoising step: the timestep fed to the model and the sigma the scheduler step uses (None: diffusers'
+    "shift" mapping done by the scheduler itself, bit for bit as before plans existed)."""
+
+    steps: tuple[float, ...]  # the raw steps, as given
+    timesteps: tuple[float, ...] | None = None
+    sigmas: tuple[float, ...] | None = None
+
+    def tail(self, count: int) -> StepPlan:
+        """The last `count` steps (video-to-video starts part-way down the list)."""
+        cut = len(self.steps) - count
+        return StepPlan(
+            self.steps[cut:],
+            None if self.timesteps is None else self.timesteps[cut:],
+            None if self.sigmas is None else self.sigmas[cut:],
+        )
+
+
+def check_steps(steps: Sequence, allow_zero: bool) -> tuple[float, ...]:
+    steps = list(steps)
+    lowest = 0 if allow_zero else 1e-9
+    if (
+        not steps
+        or not all(is_number(s) and lowest <= s <= 1000 for s in steps)
+        or any(a <= b for a, b in zip(steps, steps[1:]))
+    ):
+        allowed = "[0, 1000] (only the last may be 0)" if allow_zero else "(0, 1000]"
+        raise ValueError(f"`denoising_steps` must be strictly decreasing numbers in {allowed}, got {steps}.")
+    return tuple(float(s) for s in steps)
+
+
+def plan_steps(
+    steps: Sequence,
+    sigma_mapping: str,
+    shift: float,
+    integer_timesteps: bool = False,
+    sigmas: Sequence[float] | None = None,
+) -> StepPlan:
+    """Check the step options together and compute the plan (see the module docstring)."""
+    if sigma_mapping not in SIGMA_MAPPINGS:
+        raise ValueError(f"`sigma_mapping` must be one of {SIGMA_MAPPINGS}, got {sigma_mapping!r}.")
+    if not isinstance(integer_timesteps, bool):
+        raise ValueError(f"`integer_timesteps` must be True or False, got {integer_timesteps!r}.")
+    explicit = sigmas is not None
+    steps = check_steps(steps, allow_zero=explicit or sigma_mapping != "shift")
+    if sigma_mapping == "shift" and not explicit and not integer_timesteps:
+        return StepPlan(steps)
+    fed = tuple(float(int(t)) if integer_timesteps else t for t in steps)
+    if explicit:
+        sigmas = list(sigmas)
+        if len(sigmas) != len(steps) or not all(is_number(s) and 0 < s <= 1 for s in sigmas):
+            raise ValueError(
+                f"`sigmas` must be {len(steps)} numbers in (0, 1], one per denoising step, got {sigmas!r}."
+            )
+        return StepPlan(steps, fed, tuple(float(s) for s in sigmas))
+    if sigma_mapping == "linear":
+        chosen = [max(t, 0.0) / 1000.0 for t in steps]
+        if chosen[-1] == 0.0:
+            raise ValueError("`sigma_mapping='linear'` maps a last step of 0 to sigma 0; use 'table' or `sigmas`.")
+    elif sigma_mapping == "table":
+        table = sigma_table(shift)
+        chosen = [float(table[np.abs(table * 1000.0 - t).argmin()]) for t in steps]
+    else:  # "shift" with integer timesteps: the scheduler's sigmas, the model fed the truncated steps
+        chosen = [float(s) for s in shift_sigmas(np.asarray(steps) / 1000.0, shift)]
+    return StepPlan(steps, fed, tuple(chosen))

@@ -1,0 +1,120 @@
+"""Recipes: each checkpoint's own inference settings, by name, as its authors' code runs them.
+
+`pipe(prompt, recipe="self-forcing")` (or `stream(...)`, `rolldiff generate --recipe NAME`, or `"recipe"` in a
+pipeline folder's `model_index.json`) sets every argument the recipe names; an argument given explicitly wins.
+`list_recipes()` lists them, `describe_recipe(name)` shows what one sets and the upstream file it follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named set of call arguments for one pipeline class, with where it comes from."""
+
+    name: str
+    pipeline: str  # the pipeline class it applies to
+    upstream: str  # repository, commit and file the settings follow
+    settings: dict[str, Any] = field(default_factory=dict)
+    notes: str = ""
+
+
+RECIPES: dict[str, Recipe] = {
+    recipe.name: recipe
+    for recipe in (
+        Recipe(
+            "self-forcing",
+            "KreaRealtimeVideoPipeline",
+            "guandeh17/Self-Forcing@33593df pipeline/causal_inference.py, configs/self_forcing_dmd.yaml",
+            dict(
+                chunk_frames=3,
+                sink_frames=0,
+                window_frames=21,  # local_attn_size -1: the whole 21-frame cache, no sink
+                position_mode="absolute",
+                denoising_steps=(1000, 750, 500, 250),
+                sigma_mapping="shift",  # warp_denoising_step: true, through the shift-5 scheduler
+                timestep_shift=5.0,
+                context_noise=0.0,
+            ),
+            "warp_denoising_step: false is sigma_mapping='linear'; context_noise > 0 runs the context pass at that "
+            "timestep on the clean latents (causal_inference.py:227-236).",
+        ),
+        Recipe(
+            "longlive",
+            "KreaRealtimeVideoPipeline",
+            "NVlabs/LongLive@2462895 pipeline/causal_inference.py, interactive_causal_inference.py",
+            dict(
+                chunk_frames=3,
+                sink_frames=3,
+                window_frames=9,  # local_attn_size 12 = sink 3 + window 9
+                position_mode="absolute",
+                denoising_steps=(1000, 750, 500, 250),
+                sigma_mapping="shift",
+                timestep_shift=5.0,
+            ),
+            "Plain inference equals upstream. Its prompt-switch re-cache re-encodes the recent frames in one "
+            "unmasked pass; rolldiff re-caches them chunk by chunk, causally (see README: recipes).",
+        ),
+        Recipe(
+            "krea-realtime",
+            "KreaRealtimeVideoPipeline",
+            "krea-ai/realtime-video@acf4b7b release_server.py GenerationSession, v2v.py:133-136",
+            dict(
+                chunk_frames=3,
+                sink_frames=0,
+                window_frames=6,  # 3 context frames + the chunk, rebuilt every block
+                position_mode="absolute",
+                denoising_steps=(1000, 937.5, 833.3, 625, 0),
+                sigma_mapping="table",
+                timestep_shift=5.0,
+                context_policy="recompute",
+            ),
+            "Each chunk rebuilds its context from [first latent frame, last 2 latent frames] in one t=0 pass "
+            "(keep_first_frame=True); upstream's default re-encodes the first frame through the VAE instead.",
+        ),
+        Recipe(
+            "longsana",
+            "LongSanaVideoPipeline",
+            "NVlabs/Sana (meefs/Sana@5498e5b) diffusion/scheduler/longlive_flow_euler_sampler.py:324-535",
+            dict(
+                chunk_frames=10,
+                sink_frames=0,
+                position_mode="absolute",
+                denoising_steps=(1000, 960, 889, 727),
+                sigma_mapping="table",
+                timestep_shift=7.0,
+                integer_timesteps=True,
+                first_chunk="remainder",
+            ),
+            "The first chunk takes the leftover frames (53 latent frames = 13 + 4 x 10); every earlier chunk stays in "
+            "the state. Upstream's re-cache for a switch before chunk 1 re-runs chunk 0 over its own old state (a "
+            "quirk rolldiff does not copy: 1.3e-2 there; later switches match).",
+        ),
+    )
+}
+
+
+def list_recipes(pipeline: str | None = None) -> list[str]:
+    """The recipe names (for one pipeline class name, if given)."""
+    return sorted(name for name, recipe in RECIPES.items() if pipeline in (None, recipe.pipeline))
+
+
+def get_recipe(name: str, pipeline: str | None = None) -> Recipe:
+    """The recipe `name`; a clear error naming the recipes there are (for `pipeline`) otherwise."""
+    recipe = RECIPES.get(name)
+    if recipe is None or (pipeline is not None and recipe.pipeline != pipeline):
+        raise ValueError(f"`recipe` must be one of {list_recipes(pipeline)} for {pipeline or 'rolldiff'}, got {name!r}.")
+    return recipe
+
+
+def describe_recipe(name: str) -> str:
+    """What `name` sets, one argument a line, with the upstream file it follows."""
+    recipe = get_recipe(name)
+    lines = [f"{recipe.name} ({recipe.pipeline}): {recipe.upstream}"]
+    lines += [f"  {key} = {value!r}" for key, value in recipe.settings.items()]
+    if recipe.notes:
+        lines.append(f"  note: {recipe.notes}")
+    return "\n".join(lines)
