@@ -37,7 +37,8 @@ from ..models.glm_image import GlmImageCachedTransformer2DModel
 __all__ = ["GlmImageCachedPipeline", "GlmImagePipelineOutput"]
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-_LOAD_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "variant", "torch_dtype", "use_safetensors")
+_DIFFUSERS_DECODER = ("diffusers", "GlmImageTransformer2DModel")  # what a diffusers GLM-Image folder names
+_OUR_DECODER = (GlmImageCachedTransformer2DModel.__module__, GlmImageCachedTransformer2DModel.__name__)
 
 
 def feature_maps(pooler_output: Sequence[torch.Tensor] | torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
@@ -80,14 +81,18 @@ class GlmImageCachedPipeline(GlmImagePipeline):
         super().__init__(tokenizer, processor, text_encoder, vision_language_encoder, vae, transformer, scheduler)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """Load a diffusers GLM-Image folder (or one we saved); the decoder comes up as our class."""
-        if "transformer" not in kwargs:
-            load = {k: kwargs[k] for k in _LOAD_KWARGS if k in kwargs}
-            kwargs["transformer"] = GlmImageCachedTransformer2DModel.from_pretrained(
-                pretrained_model_name_or_path, subfolder="transformer", **load
-            )
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+    def extract_init_dict(cls, config_dict: dict, **kwargs) -> tuple[dict, dict, dict]:
+        """`model_index.json`'s components, with diffusers' decoder class swapped for ours.
+
+        diffusers' `from_pretrained` builds every component from the `[library, class]` this returns, so
+        the decoder loads through diffusers' own loader, with every argument and per-component rule it
+        applies (`dtype` or a per-component dict, `variant`, `device_map`, `quantization_config`, ...).
+        A folder we saved already names our class; a decoder passed as `transformer=` is used as given.
+        """
+        init_dict, unused_kwargs, hidden_dict = super().extract_init_dict(config_dict, **kwargs)
+        if list(init_dict.get("transformer") or []) == list(_DIFFUSERS_DECODER):
+            init_dict["transformer"] = list(_OUR_DECODER)
+        return init_dict, unused_kwargs, hidden_dict
 
     # ------------------------------------------------------------------------------------ sizes
     @property
