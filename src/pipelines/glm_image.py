@@ -197,6 +197,20 @@ class GlmImageCachedPipeline(GlmImagePipeline):
                 "(all three come from `generate_prior_tokens`)."
             )
 
+    def glyph_tokens(self, prompt: str | list[str], max_sequence_length: int = 2048) -> int:
+        """Glyph tokens `encode_prompt` will give a batch of `prompt`s, counted by the tokenizer alone.
+
+        diffusers' rule: each prompt's quoted texts (or one empty text) are tokenized, each prefixed by one
+        pad token when the prompt has an even number of them, and concatenated; prompts are padded to the
+        longest. Lets the cache capacity be checked before the prior runs, without running the encoder.
+        """
+        lengths = []
+        for texts in self.get_glyph_texts(prompt):
+            texts = texts or [""]
+            ids = self.tokenizer(texts, max_length=max_sequence_length, truncation=True).input_ids
+            lengths.append(sum(len(text_ids) for text_ids in ids) + len(ids) * ((len(ids) + 1) % 2))
+        return max(lengths)
+
     def condition_tokens(self, images: list[list[PIL.Image.Image]] | None) -> list[int]:
         """Decoder tokens of each prompt's reference images (what the condition cache holds per sample)."""
         if images is None:
@@ -399,12 +413,23 @@ class GlmImageCachedPipeline(GlmImagePipeline):
         if condition_cache is None:  # rows that repeat a sample would repeat its conditions in every block
             condition_cache = self.transformer.make_cache(shared_workspace=num_images_per_prompt > 1)
         cache = condition_cache
+        # 2. The cache's capacity (glyph tokens counted by the tokenizer alone), before the prior runs
         image_tokens = (height // self.token_pixels) * (width // self.token_pixels)
+        if prompt_embeds is not None:
+            glyph_tokens = prompt_embeds.shape[1]
+        else:
+            glyph_tokens = self.glyph_tokens(prompt, max_sequence_length)
         cache.check_fits(
-            self.condition_tokens(images), image_tokens, batch_size * num_images_per_prompt
-        )  # + glyphs below
+            self.condition_tokens(images), glyph_tokens + image_tokens, batch_size * num_images_per_prompt
+        )
 
-        # 2. Glyph embeddings (cheap), then the exact cache-capacity check before the prior runs
+        # 3. Prior tokens (the autoregressive prior, which reseeds the global generator), unless given; then the
+        #    glyph embeddings: diffusers' order, so dropout in training mode draws the same numbers
+        if prior_token_ids is None:
+            prior_token_ids, prior_token_image_ids, source_image_grid_thw = self.generate_prior_tokens(
+                prompt, height, width, image=images, device=device,
+                generator=generator[0] if isinstance(generator, list) else generator,
+            )  # fmt: skip
         prompt_embeds, negative_prompt_embeds = self.encode_prompt(
             prompt,
             self.do_classifier_free_guidance,
@@ -415,14 +440,6 @@ class GlmImageCachedPipeline(GlmImagePipeline):
             device=device,
             dtype=self.dtype,
         )
-        cache.check_fits(self.condition_tokens(images), prompt_embeds.shape[1] + image_tokens)
-
-        # 3. Prior tokens (the autoregressive prior), unless given
-        if prior_token_ids is None:
-            prior_token_ids, prior_token_image_ids, source_image_grid_thw = self.generate_prior_tokens(
-                prompt, height, width, image=images, device=device,
-                generator=generator[0] if isinstance(generator, list) else generator,
-            )  # fmt: skip
 
         # 4. Latents; the reference images' K/V into the condition cache (batch 1 per sample)
         latents = self.prepare_latents(
