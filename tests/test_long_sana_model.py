@@ -160,6 +160,21 @@ def test_without_a_cache_the_model_is_diffusers_sana_video(models):
     torch.testing.assert_close(received, expected, atol=0, rtol=0)
 
 
+def test_seeded_model_is_diffusers_model_and_leaves_the_generator_where_diffusers_does():
+    """Same seed -> diffusers' exact weights, and the global generator in the same state afterwards."""
+    torch.manual_seed(7)
+    reference = SanaVideoTransformer3DModel(**TINY_SANA)
+    after_reference = torch.get_rng_state()
+    torch.manual_seed(7)
+    ours = LongSanaTransformer3DModel(**TINY_SANA)
+    assert torch.equal(torch.get_rng_state(), after_reference)
+    expected = reference.state_dict()
+    received = ours.state_dict()
+    assert received.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(received[name], tensor, atol=0, rtol=0, msg=name)
+
+
 def test_state_dict_keys_are_diffusers(models):
     reference, ours = models
     assert ours.state_dict().keys() == reference.state_dict().keys()

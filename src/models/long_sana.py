@@ -299,6 +299,15 @@ class BlockCausalTemporalConv(torch.nn.Conv2d):
         self.index = index
         self.slot = slot
 
+    @classmethod
+    def taking_over(cls, conv: torch.nn.Conv2d, index: int, slot: CallContextSlot) -> BlockCausalTemporalConv:
+        """This conv holding `conv`'s own parameters: built on the meta device, so there is no second
+        initialisation and no draw from the global generator (a seeded model stays diffusers' model)."""
+        with torch.device("meta"):
+            temporal = cls(conv.in_channels, index, slot)
+        temporal.load_state_dict(conv.state_dict(), assign=True)
+        return temporal
+
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
         context = self.slot.context
         if context is None or (context.conv_layers is None and context.chunk_frames == 0):
@@ -359,12 +368,11 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
         self.rope = LongSanaRotaryPosEmbed(
             config.attention_head_dim, config.patch_size, config.rope_max_seq_len, self._call_slot
         )
-        inner_dim = config.num_attention_heads * config.attention_head_dim
         for index, block in enumerate(self.transformer_blocks):
             block.attn1.set_processor(LongSanaLinearAttnProcessor(index, self._call_slot))
             if block.attn2 is not None:
                 block.attn2.set_processor(LongSanaCrossAttnProcessor(index, self._call_slot))
-            block.ff.conv_temp = BlockCausalTemporalConv(inner_dim, index, self._call_slot)
+            block.ff.conv_temp = BlockCausalTemporalConv.taking_over(block.ff.conv_temp, index, self._call_slot)
 
     # The config is exactly SANA-Video's: ConfigMixin reads the accepted keys from this signature.
     __init__.__signature__ = inspect.signature(SanaVideoTransformer3DModel.__init__)
