@@ -351,6 +351,24 @@ class LongSanaRotaryPosEmbed(WanRotaryPosEmbed):
         return tables[0], tables[1]
 
 
+def per_token_timestep(timestep: torch.Tensor, batch_size: int, frames: int, tokens_per_frame: int) -> torch.Tensor:
+    """`timestep` in a form diffusers' SANA-Video embeds: one entry per sample or one per token.
+
+    Those forms (`batch` or `batch x tokens` entries, any shape) pass unchanged, so without a cache the model
+    stays diffusers'; `(batch, frames)`, a noise level per latent frame, becomes `(batch, tokens)`.
+    """
+    tokens = frames * tokens_per_frame
+    if timestep.numel() in (batch_size, batch_size * tokens):
+        return timestep
+    if timestep.shape == (batch_size, frames):
+        return timestep.repeat_interleave(tokens_per_frame, dim=1)
+    raise ValueError(
+        f"`timestep` of shape {tuple(timestep.shape)} fits neither diffusers' forms ({batch_size} or "
+        f"{batch_size} x {tokens} entries: one per sample or per token) nor one per latent frame "
+        f"{(batch_size, frames)}."
+    )
+
+
 # ----------------------------------------------------------------------------------------- model
 class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
     """`SanaVideoTransformer3DModel` that generates chunk by chunk from a constant-size state cache.
@@ -500,7 +518,8 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
           (call `kv_cache.commit()` after the clean t = 0 pass);
         - `layout` only: the whole-sequence block-causal reference, starting at frame 0; with
           `teacher_forcing` the frames are `[clean; noisy]` halves (noisy chunk i sees clean chunks < i).
-        `timestep` is `(batch,)`, or `(batch, frames)` for a noise level per frame.
+        `timestep`: every form diffusers takes (`batch` or `batch x tokens` entries: `(batch,)`, `(batch, 1)`,
+        `(batch, tokens)`, ...), or `(batch, frames)` for a noise level per latent frame.
         """
         if kv_cache is not None and layout is None:
             raise ValueError("`layout` (a ChunkLayout, see `sana_layout`) is required together with `kv_cache`.")
@@ -509,12 +528,7 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
         batch_size, _, num_frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.config.patch_size
         grid_frames, grid_h, grid_w = num_frames // p_t, height // p_h, width // p_w
-        if timestep.ndim == 2:  # per-frame noise levels -> per token (diffusers' SANA embeds any token count)
-            if timestep.shape != (batch_size, grid_frames):
-                raise ValueError(
-                    f"`timestep` must be (batch,) or {(batch_size, grid_frames)}, got {tuple(timestep.shape)}."
-                )
-            timestep = timestep.repeat_interleave(grid_h * grid_w, dim=1)
+        timestep = per_token_timestep(timestep, batch_size, grid_frames, grid_h * grid_w)
         context = None
         if layout is not None:
             if grid_h * grid_w != layout.tokens_per_frame:
