@@ -34,7 +34,7 @@ from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
-from ..models.wan_conversion import check_pipeline_weights
+from ..models.weights import check_pipeline_weights
 from .prompt_schedule import PromptSchedule
 from .streaming_decode import StreamingWanDecoder, denormalize_wan_latents
 from .text_encoding import check_max_sequence_length, check_prompts, encode_prompts
