@@ -23,7 +23,6 @@ from _common import markdown_table, peak_rss_mib, rss_mib
 
 from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.defaults import default_model_path
-from rolldiff.pipelines.chunked_video import StreamState
 
 MiB = 2**20
 PROMPT = "a red circle moving left"
@@ -41,16 +40,16 @@ def live_storages() -> dict[int, int]:
 def run(pipe, chunks: int, every: int, guidance_scale: float) -> list[dict]:
     chunk_frames = pipe.config.chunk_frames
     num_frames = pipe.valid_num_frames(chunks * chunk_frames * pipe.vae_scale_factor_temporal)[1]
-    state, rows, before = StreamState(), [], live_storages()
+    rows, before = [], live_storages()
     began = time.perf_counter()
     stream = pipe.stream(
         PROMPT, num_frames=num_frames, guidance_scale=guidance_scale, negative_prompt="moving up",
-        generator=torch.Generator().manual_seed(0), state=state,
+        generator=torch.Generator().manual_seed(0),
     )  # fmt: skip
     for index, _frames in enumerate(stream, start=1):
         if index == 1 or index % every == 0:
             storages = live_storages()
-            layer_bytes = state.caches[0][0].keys.untyped_storage().nbytes()
+            layer_bytes = stream.caches[0][0].keys.untyped_storage().nbytes()
             copies = sum(n == layer_bytes for p, n in storages.items() if p not in before)
             rows.append(
                 {
@@ -58,7 +57,7 @@ def run(pipe, chunks: int, every: int, guidance_scale: float) -> list[dict]:
                     "chunk": index,
                     "live tensor MiB": f"{sum(storages.values()) / MiB:.2f}",
                     "cache K/V buffers": copies,
-                    "cache MiB": f"{sum(c.memory_bytes() for c in state.caches) / MiB:.2f}",
+                    "cache MiB": f"{sum(c.memory_bytes() for c in stream.caches) / MiB:.2f}",
                     "RSS MiB": f"{rss_mib():.0f}",
                     "peak RSS MiB": f"{peak_rss_mib():.0f}",
                     "s": f"{time.perf_counter() - began:.1f}",

@@ -22,6 +22,7 @@ from .models import (
     LongSanaTransformer3DModel,
 )
 from .pipelines import (
+    ChunkStream,
     GlmImageCachedPipeline,
     KreaRealtimeVideoPipeline,
     KreaRealtimeVideoPipelineOutput,
@@ -34,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CacheLayer",
     "ChunkLayout",
+    "ChunkStream",
     "ConditionKVCache",
     "ConditionLayer",
     "ConvStateLayer",

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import ipaddress
 import math
 import signal
-import socket
 import sys
 import threading
 import time
@@ -117,30 +115,6 @@ def _seed(text: str) -> int:
     return value
 
 
-def _port(text: str) -> int:
-    if not text.strip().isdigit() or not 1 <= int(text) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a TCP port in [1, 65535], got {text!r}")
-    return int(text)
-
-
-def _host(text: str) -> str:
-    """An IP address, or a name this machine resolves (localhost, its own name); checked before the model loads."""
-    try:
-        ipaddress.ip_address(text)
-        return text
-    except ValueError:
-        pass
-    if not text or all(part.isdigit() for part in text.split(".")):  # 999.1.1.1: a mistyped address, not a name
-        raise argparse.ArgumentTypeError(f"expected an IP address such as 127.0.0.1 or 0.0.0.0, got {text!r}")
-    try:
-        socket.getaddrinfo(text, None)
-    except (socket.gaierror, UnicodeError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is neither an IP address nor a name this machine resolves"
-        ) from None
-    return text
-
-
 def _compile_backend(text: str) -> str:
     if text not in torch._dynamo.list_backends(exclude_tags=()):  # debug backends (eager) are accepted too
         usual = sorted({*torch._dynamo.list_backends(), "eager"})
@@ -243,10 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="serve the Gradio demo", description="Serve the Gradio demo.")
     _add_model_arguments(demo)
-    demo.add_argument(
-        "--host", type=_host, default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
-    )
-    demo.add_argument("--port", type=_port, default=7860, help="port (default 7860)")
+    demo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    demo.add_argument("--port", type=int, default=7860, help="port, 1 to 65535 (default 7860)")
     demo.add_argument("--max-concurrency", type=_positive(int), default=2, help="generations at once (default 2)")
     demo.set_defaults(run=run_demo)
     return parser
@@ -323,7 +295,7 @@ def run_generate(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     except ResumeError as exc:
         raise UsageError(f"--resume: {exc}") from exc
-    except FloatingPointError as exc:  # NaN or infinite values in a chunk: the run stopped there
+    except (FloatingPointError, MemoryError) as exc:  # NaN latents, or a cache that does not fit: stopped there
         print(f"rolldiff: error: {exc} {_kept(args.out)}", file=sys.stderr)
         return EXIT_FAILED
     elapsed = time.perf_counter() - start
@@ -369,23 +341,15 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _check_can_listen(host: str, port: int) -> None:
-    """Bind and release `host:port` now, so a busy port or a foreign address fails before the model loads."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise UsageError(f"--host {host} --port {port}: cannot listen there ({exc.strerror})") from None
-
-
 def run_demo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("gradio") is None:
         raise UsageError("the demo needs Gradio, which is not installed: pip install 'rolldiff[demo]'")
-    _check_can_listen(args.host, args.port)
-    from .demo import build_demo  # imports gradio: only for this command
+    from .demo import build_demo, check_address  # build_demo imports gradio: only for this command
 
+    try:  # a busy port or a foreign address fails before the model loads
+        check_address(args.host, args.port)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("`host`", "--host").replace("`port`", "--port")) from None
     device = args.device or default_device()
     demo = build_demo(
         args.model, max_concurrency=args.max_concurrency, device=device, dtype=args.dtype or default_dtype(device)

@@ -453,7 +453,6 @@ API_CASES = {
     "prompt-punctuation-only": ApiCase({"prompt": "!!!"}, "prompt"),
     "schedule-prompt-no-known-word": ApiCase({"prompt_schedule": [(2, "zebra")]}, "prompt_schedule"),
     "unknown-cache-option": ApiCase({"window_size": 3}, "window_size", TypeError),
-    "state-object": ApiCase({"state": object()}, "state"),
     "to-file-state-every-negative": ApiCase({"state_every_s": -1}, "state_every_s", to_file=True),
     "to-file-quality-zero": ApiCase({"quality": 0}, "quality", to_file=True),
     "to-file-quality-text": ApiCase({"quality": "high"}, "quality", to_file=True),

@@ -13,8 +13,6 @@ import torch
 from tiny_components import tiny_pipeline
 from torch import nn
 
-from rolldiff.pipelines.chunked_video import StreamState
-
 PROMPT = "a red circle moving left"
 SIZE = dict(height=16, width=16)
 
@@ -40,7 +38,7 @@ def live_storages() -> dict[int, int]:
 @pytest.mark.parametrize("guidance_scale", [1.0, 3.0], ids=["no_cfg", "cfg"])
 @torch.no_grad()
 def test_one_cache_copy_and_nothing_of_an_old_chunk_survives(pipe, guidance_scale):
-    state, seen = StreamState(), {}
+    seen = {}
     latents_of_chunk: list[weakref.ref] = []
 
     def keep_weak(pipeline, step, timestep, tensors):
@@ -50,7 +48,7 @@ def test_one_cache_copy_and_nothing_of_an_old_chunk_survives(pipe, guidance_scal
     schedule = [(0, PROMPT), (8, "a blue square moving up")]  # a prompt switch half-way
     stream = pipe.stream(
         prompt_schedule=schedule, num_frames=16, guidance_scale=guidance_scale, negative_prompt="moving up",
-        generator=torch.Generator().manual_seed(0), output_type="pt", state=state,
+        generator=torch.Generator().manual_seed(0), output_type="pt",
         callback_on_step_end=keep_weak, **SIZE,
     )  # fmt: skip
     copies, totals, previous_frames, first_embeds = [], [], None, None
@@ -63,14 +61,14 @@ def test_one_cache_copy_and_nothing_of_an_old_chunk_survives(pipe, guidance_scal
         assert all(ref() is None for ref in latents_of_chunk[:-1]), f"an old latents tensor survives at chunk {index}"
         previous_frames = frames_ref
         if first_embeds is None:
-            first_embeds = weakref.ref(state.embeds[0])
+            first_embeds = weakref.ref(stream.embeds[0])
         storages = live_storages()
-        layer_bytes = state.caches[0][0].keys.untyped_storage().nbytes()
+        layer_bytes = stream.caches[0][0].keys.untyped_storage().nbytes()
         copies.append(sum(nbytes == layer_bytes for ptr, nbytes in storages.items() if ptr not in before))
         totals.append(sum(storages.values()))
-        seen[index] = state.active_prompt
-    branches, blocks = (2 if guidance_scale > 1 else 1), len(state.caches[0])
-    assert len(state.caches) == branches
+        seen[index] = stream.active_prompt
+    branches, blocks = (2 if guidance_scale > 1 else 1), len(stream.caches[0])
+    assert len(stream.caches) == branches
     assert copies == [branches * blocks * 2] * len(copies)  # K and V per block per branch, never a second copy
     assert seen[len(seen) - 1] == 1 and first_embeds() is None  # the replaced prompt's embeddings are gone
     assert max(totals[2:]) == totals[2], totals  # flat: nothing grows chunk after chunk

@@ -75,8 +75,8 @@ def test_accelerate_execution_device_wins_over_where_offloaded_weights_wait():
 def test_the_pipeline_leaves_placement_to_the_model_only_when_the_transformer_is_split():
     pipe = tiny_pipeline()
     device = torch.device("cpu")
-    assert pipe._cache_device(device) == device
+    assert pipe.cache_device(device) == device
     pipe.transformer.hf_device_map = {"blocks.0": 0, "blocks.1": 0}
-    assert pipe._cache_device(device) == device
+    assert pipe.cache_device(device) == device
     pipe.transformer.hf_device_map = {"blocks.0": 0, "blocks.1": 1}
-    assert pipe._cache_device(device) is None
+    assert pipe.cache_device(device) is None

@@ -5,12 +5,15 @@ used; `interrupt` stops a run; `prompt_embeds` stand in for a prompt; noise is d
 starting a stream of any length costs the same memory; one pipeline serves concurrent streams.
 """
 
+import inspect
+
 import pytest
 import torch
 from concurrency import assert_same_as_alone, run_together
 from tiny_components import tiny_pipeline
 
-from rolldiff.pipelines import chunked_video
+from rolldiff.pipelines import stream as stream_module
+from rolldiff.pipelines.chunked_video import CacheAllocationError
 
 PROMPT = "a red circle moving left"
 SIZE = dict(height=16, width=16)
@@ -96,13 +99,13 @@ def _rss_bytes() -> int:
 
 def test_starting_a_very_long_stream_allocates_nothing_the_size_of_the_video(pipe, monkeypatch):
     requested = []
-    original = chunked_video.randn_tensor
+    original = stream_module.randn_tensor
 
     def recording_randn(shape, *args, **kwargs):
         requested.append(int(torch.Size(shape).numel()))
         return original(shape, *args, **kwargs)
 
-    monkeypatch.setattr(chunked_video, "randn_tensor", recording_randn)
+    monkeypatch.setattr(stream_module, "randn_tensor", recording_randn)
     num_frames = 4_000_000  # 4 M latent frames: 1 GB of float32 noise if drawn up front
     before = _rss_bytes()
     stream = pipe.stream(PROMPT, num_frames=num_frames, position_mode="relative", generator=_seed(), **SIZE)
@@ -157,9 +160,19 @@ def test_prompt_checks_and_encodings_on_other_threads_never_change_an_embeddings
     assert lengths == {16}
 
 
-def test_unknown_cache_options_are_refused_before_work(pipe):
-    with pytest.raises(TypeError, match="cache options"):
+def test_unknown_arguments_are_refused_before_work(pipe):
+    with pytest.raises(TypeError, match="window_chunks"):
         pipe.stream(PROMPT, num_frames=4, window_chunks=3, **SIZE)
+
+
+def test_the_call_signature_is_explicit(pipe):
+    """IDEs and `inspect.signature` see every argument (no `**kwargs`), and `stream` takes the same ones."""
+    call = inspect.signature(pipe.__call__).parameters
+    stream = inspect.signature(pipe.stream).parameters
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in [*call.values(), *stream.values()])
+    assert set(call) - {"return_dict"} == set(stream)
+    assert set(pipe.cache_options) <= set(stream)
+    assert "window_frames" in (pipe.__call__.__doc__ or "") and "window_frames" in (pipe.stream.__doc__ or "")
 
 
 def test_quantized_and_offloaded_caches_are_pipeline_options(pipe):
@@ -170,3 +183,25 @@ def test_quantized_and_offloaded_caches_are_pipeline_options(pipe):
     assert (quantized - plain).abs().max() < 0.05  # int8 K/V: small, bounded error (docs/cache.md)
     with pytest.raises(ValueError, match="kv_quantization"):
         pipe.stream(PROMPT, num_frames=4, kv_quantization="int4", **SIZE)
+
+
+def test_a_window_longer_than_the_video_allocates_only_what_the_video_fills(pipe):
+    """`window_frames=100000` for an 8-frame video: the cache holds the video (plus one chunk at most), and the
+    frames are those of the window that exactly fits (a window past the video evicts nothing either way)."""
+    huge = pipe.stream(PROMPT, num_frames=8, window_frames=100_000, generator=_seed(), output_type="latent", **SIZE)
+    fitting = pipe.stream(PROMPT, num_frames=8, window_frames=6, generator=_seed(), output_type="latent", **SIZE)
+    latents = torch.cat(list(huge), dim=2)
+    torch.testing.assert_close(latents, torch.cat(list(fitting), dim=2), atol=1e-6, rtol=0)
+    layout = huge.request.layout
+    assert layout.context_frames <= huge.request.num_latent_frames + layout.chunk_frames + 1
+    assert huge.memory_bytes() == fitting.memory_bytes()
+
+
+def test_a_cache_that_does_not_fit_is_a_clear_error_naming_the_window(pipe, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 921600000 bytes.")
+
+    monkeypatch.setattr(pipe.transformer, "make_cache", out_of_memory)
+    stream = pipe.stream(PROMPT, num_frames=8, generator=_seed(), **SIZE)
+    with pytest.raises(CacheAllocationError, match="`window_frames`=.*kv_quantization"):
+        next(stream)

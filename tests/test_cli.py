@@ -214,3 +214,21 @@ def test_a_misspelled_model_name_lists_the_embedded_models(monkeypatch):
         ModelNotFoundError, match=r"embedded model \(tiny-bouncing-shapes, tiny-bouncing-shapes-sana\)"
     ):
         pipeline_class("tiny-bouncing-shapes-sanaa")
+
+
+def test_a_window_longer_than_the_video_runs_under_a_6_gb_address_space(tmp_path):
+    """Measured on the old main: `--window-frames 100000` asked for 921 MB at 32x32 and died with a traceback
+    under this limit. The cache is now sized to what the video can fill."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit_address_space():
+        resource.setrlimit(resource.RLIMIT_AS, (6 * 2**30, 6 * 2**30))
+
+    out = tmp_path / "video.mp4"
+    command = [sys.executable, "-m", "rolldiff", "generate", "--prompt", "a red circle moving left"]
+    command += ["--seconds", "1", "--window-frames", "100000", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, preexec_fn=limit_address_space)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and out.exists()

@@ -22,6 +22,7 @@ from tiny_components import tiny_pipeline
 from rolldiff.defaults import embedded_models, load_pipeline
 from rolldiff.demo import (
     ChunkSettings,
+    GenerateFields,
     LivePrompt,
     build_demo,
     check_address,
@@ -304,6 +305,17 @@ def test_a_frame_size_the_model_cannot_make_is_refused_when_the_demo_is_built(pi
 def test_a_bad_demo_setting_is_refused_before_a_model_loads(setting, value):
     with pytest.raises(ValueError, match=rf"`{setting}` must be a positive whole number, got {value!r}"):
         build_demo(models={"never loaded": lambda: pytest.fail("a model was loaded")}, **{setting: value})
+
+
+def test_an_unknown_demo_setting_is_refused_before_a_model_loads():
+    with pytest.raises(TypeError, match=r"build_demo\(\) got unexpected argument\(s\) \['fsp'\]; its settings are"):
+        build_demo(models={"never loaded": lambda: pytest.fail("a model was loaded")}, fsp=4)
+
+
+def test_the_generate_api_takes_the_forms_fields_by_name(server):
+    api = _client(server).view_api(return_format="dict", print_info=False)["named_endpoints"]
+    assert [p["parameter_name"] for p in api["/generate"]["parameters"]] == GenerateFields.names()
+    assert [p["parameter_name"] for p in api["/switch_prompt"]["parameters"]] == ["prompt"]
 
 
 @pytest.mark.parametrize("port", [70000, 0, -1, "7860", True, 80.5])

@@ -70,7 +70,7 @@ def test_a_switch_inside_a_chunk_takes_effect_at_the_next_chunk(pipe):
 def test_recache_rewrites_the_window_and_never_touches_the_sink(pipe, monkeypatch):
     """LongLive's bug zeroed the sink during re-cache; here the sink K/V must survive bit for bit."""
     seen = {}
-    original = pipe._recache
+    original = pipe.recache
 
     def spy(frames, embeds, cache, run):
         last = cache[len(cache) - 1]  # block 0's K/V precede any cross-attention; the last block's do not
@@ -81,7 +81,7 @@ def test_recache_rewrites_the_window_and_never_touches_the_sink(pipe, monkeypatc
         seen["window_after"] = last.get()[0][:, last.sink_tokens :].clone()
         seen["cross"] = cache.cross[0].num_computations
 
-    monkeypatch.setattr(pipe, "_recache", spy)
+    monkeypatch.setattr(pipe, "recache", spy)
     pipe(prompt_schedule=[(0, PROMPT), (6, "a blue square moving up")], num_frames=10, generator=_seed(), **SIZE)
     assert seen["sink_before"].abs().sum() > 0
     assert torch.equal(seen["sink_before"], seen["sink_after"])

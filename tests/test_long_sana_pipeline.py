@@ -77,7 +77,7 @@ def test_recache_replaces_the_last_chunks_contribution(window_frames, monkeypatc
     """After a switch at chunk 2 the state is chunk 0 under the old prompt + chunk 1 under the new one, once."""
     pipe = tiny_sana_pipeline(window_frames=window_frames)
     seen = {}
-    original = pipe._recache
+    original = pipe.recache
 
     def spy(recent, embeds, cache, run):
         original(recent, embeds, cache, run)
@@ -86,7 +86,7 @@ def test_recache_replaces_the_last_chunks_contribution(window_frames, monkeypatc
         seen["chunks"] = cache[0].committed_chunks
         seen["recent"] = recent.clone()
 
-    monkeypatch.setattr(pipe, "_recache", spy)
+    monkeypatch.setattr(pipe, "recache", spy)
     clean = pipe(
         prompt_schedule=[(0, PROMPT), (4, OTHER)], num_frames=6, generator=_seed(), output_type="latent"
     ).frames

@@ -10,6 +10,7 @@ chunk attends to `sink + window` at most. `window_start` is the one formula ever
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -111,3 +112,17 @@ class ChunkLayout:
         if isinstance(frame, torch.Tensor):
             return torch.where(frame < self.sink_frames, frame, shifted)
         return frame if frame < self.sink_frames else shifted
+
+    def fitted_to(self, num_frames: int) -> ChunkLayout:
+        """The same attention for a video of `num_frames` latent frames, with no slot the video can never fill.
+
+        A window longer than the video evicts nothing, so shortening it to the frames left after the sink
+        changes no visible frame, no position (relative positions start right after the sink either way) and
+        no re-cache (the sink is kept, clipped to the video). The window stays one frame longer than a chunk at
+        least, as every layout's must.
+        """
+        if self.context_frames <= num_frames:
+            return self
+        sink = min(self.sink_frames, num_frames)
+        window = max(num_frames - sink, self.chunk_frames + 1)
+        return dataclasses.replace(self, sink_frames=sink, window_frames=window)

@@ -8,6 +8,11 @@ from .krea_realtime import (
     teacher_forcing_frame_mask,
 )
 from .long_sana import LongSanaTransformer3DModel, sana_layout
+from .sana_conversion import (
+    convert_original_sana_video_state_dict,
+    infer_sana_video_config,
+    load_original_sana_video_checkpoint,
+)
 from .wan_conversion import convert_original_wan_state_dict, infer_wan_config, load_original_wan_checkpoint
 
 __all__ = [
@@ -16,8 +21,11 @@ __all__ = [
     "KreaRealtimeTransformer3DModel",
     "LongSanaTransformer3DModel",
     "block_causal_frame_mask",
+    "convert_original_sana_video_state_dict",
     "convert_original_wan_state_dict",
+    "infer_sana_video_config",
     "infer_wan_config",
+    "load_original_sana_video_checkpoint",
     "load_original_wan_checkpoint",
     "sana_layout",
     "teacher_forcing_frame_mask",

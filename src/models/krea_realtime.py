@@ -419,6 +419,10 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
                 "`position_mode='absolute'`; use position_mode='relative' for longer videos."
             )
 
+    def committed_frames(self, kv_cache: RollingKVCache, layout: ChunkLayout) -> int:
+        """Latent frames committed to `kv_cache` so far (the stream position; reads a device counter)."""
+        return int(kv_cache[0].committed_tokens) // layout.tokens_per_frame if kv_cache[0].is_initialized else 0
+
     # ---------------------------------------------------------------------------------------- forward
     def forward(
         self,

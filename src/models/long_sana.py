@@ -451,10 +451,18 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
                 layer.reset()
                 layer.update(*text_key_value(block.attn2, text_states))
 
-    def check_frame_budget(self, num_latent_frames: int) -> None:
-        """Refuse a video whose absolute frame positions would leave the RoPE table (never silently wrong)."""
+    def committed_frames(self, kv_cache: RollingKVCache, layout: ChunkLayout | None = None) -> int:
+        """Latent frames committed to `kv_cache` so far (the stream position, a host counter)."""
+        return kv_cache.slots["conv_state"][0].committed_frames
+
+    def check_frame_budget(self, num_latent_frames: int, layout: ChunkLayout | None = None) -> None:
+        """Refuse a video whose absolute frame positions would leave the RoPE table (never silently wrong).
+
+        `position_mode="relative"` re-bases the positions in place (`rebase_positions`), so it has no budget.
+        """
         limit = self.config.rope_max_seq_len
-        if num_latent_frames > limit:
+        relative = layout is not None and layout.position_mode == "relative"
+        if num_latent_frames > limit and not relative:
             raise ValueError(
                 f"{num_latent_frames} latent frames exceed the RoPE table of `rope_max_seq_len`={limit} "
                 "positions (LongSANA uses absolute frame positions); generate fewer frames."

@@ -5,10 +5,14 @@ from .glm_image import GlmImageCachedPipeline
 from .krea_realtime import KreaRealtimeVideoPipeline, KreaRealtimeVideoPipelineOutput
 from .long_sana import LongSanaVideoPipeline, LongSanaVideoPipelineOutput
 from .prompt_schedule import PromptSchedule
+from .request import CacheOptions, VideoRequest
+from .stream import ChunkStream
 from .streaming_decode import StreamingWanDecoder, denormalize_wan_latents
 from .video_writer import StreamingVideoWriter
 
 __all__ = [
+    "CacheOptions",
+    "ChunkStream",
     "ChunkedVideoPipeline",
     "ChunkedVideoPipelineOutput",
     "GlmImageCachedPipeline",
@@ -19,5 +23,6 @@ __all__ = [
     "PromptSchedule",
     "StreamingVideoWriter",
     "StreamingWanDecoder",
+    "VideoRequest",
     "denormalize_wan_latents",
 ]

@@ -21,7 +21,6 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
@@ -29,9 +28,34 @@ from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 from ..caching import RollingKVCache
 from ..caching.layout import ChunkLayout
 from ..models.krea_realtime import KreaRealtimeTransformer3DModel
-from .chunked_video import ChunkedVideoPipeline, ChunkedVideoPipelineOutput, ChunkRun, _is_number
+from .chunked_video import ChunkedVideoPipeline, ChunkedVideoPipelineOutput
+from .request import CacheOptions, VideoRequest, is_number
 
-__all__ = ["KreaRealtimeVideoPipeline", "KreaRealtimeVideoPipelineOutput"]
+__all__ = ["KreaCacheOptions", "KreaRealtimeVideoPipeline", "KreaRealtimeVideoPipelineOutput"]
+
+KV_QUANTIZATIONS = (None, "int8", "fp8")
+
+
+@dataclass(frozen=True)
+class KreaCacheOptions(CacheOptions):
+    """The Krea-like family's cache options (see `KreaRealtimeVideoPipeline`); the geometry is checked by
+    `ChunkLayout`, the rest here."""
+
+    chunk_frames: int
+    sink_frames: int
+    window_frames: int
+    position_mode: str
+    attention_bias: float
+    kv_quantization: str | None
+    kv_offload: bool
+
+    def __post_init__(self) -> None:
+        if not is_number(self.attention_bias) or not 0 < self.attention_bias <= 1.0:
+            raise ValueError(f"`attention_bias` must be in (0, 1] (1 disables it), got {self.attention_bias!r}.")
+        if self.kv_quantization not in KV_QUANTIZATIONS:
+            raise ValueError(f"`kv_quantization` must be None, 'int8' or 'fp8', got {self.kv_quantization!r}.")
+        if not isinstance(self.kv_offload, bool):
+            raise ValueError(f"`kv_offload` must be True or False, got {self.kv_offload!r}.")
 
 
 @dataclass
@@ -61,15 +85,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
-    cache_options = (
-        "chunk_frames",
-        "sink_frames",
-        "window_frames",
-        "position_mode",
-        "attention_bias",
-        "kv_quantization",
-        "kv_offload",
-    )
+    options_class = KreaCacheOptions
     output_class = KreaRealtimeVideoPipelineOutput
 
     def __init__(
@@ -108,49 +124,46 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             kv_quantization=kv_quantization,
             kv_offload=kv_offload,
         )
-        self._set_vae_factors(vae)
+        self.set_vae_factors(vae)
 
     # ---------------------------------------------------------------------------------------- family hooks
-    def _make_layout(self, tokens_per_frame: int, options: dict[str, Any]) -> ChunkLayout:
-        bias = options["attention_bias"]
-        if not _is_number(bias) or not 0 < bias <= 1.0:
-            raise ValueError(f"`attention_bias` must be in (0, 1] (1 disables it), got {bias!r}.")
-        if options["kv_quantization"] not in (None, "int8", "fp8"):
-            raise ValueError(f"`kv_quantization` must be None, 'int8' or 'fp8', got {options['kv_quantization']!r}.")
-        if not isinstance(options["kv_offload"], bool):
-            raise ValueError(f"`kv_offload` must be True or False, got {options['kv_offload']!r}.")
-        geometry = {name: options[name] for name in ("chunk_frames", "sink_frames", "window_frames", "position_mode")}
-        return ChunkLayout(tokens_per_frame=tokens_per_frame, **geometry)
-
-    def _make_cache(self, run: ChunkRun, dtype: torch.dtype, device) -> RollingKVCache:
-        quantization, offload = run.options["kv_quantization"], run.options["kv_offload"]
-        return self.transformer.make_cache(
-            run.layout, run.batch_size, dtype, device, quantization=quantization, offload=bool(offload)
+    def make_layout(self, tokens_per_frame: int, options: KreaCacheOptions, num_latent_frames: int) -> ChunkLayout:
+        layout = ChunkLayout(
+            tokens_per_frame=tokens_per_frame,
+            chunk_frames=options.chunk_frames,
+            sink_frames=options.sink_frames,
+            window_frames=options.window_frames,
+            position_mode=options.position_mode,
         )
+        return layout.fitted_to(num_latent_frames)
 
-    def _check_length(self, num_latent_frames: int, layout: ChunkLayout) -> None:
-        self.transformer.check_frame_budget(num_latent_frames, layout)
+    def cache_storage(self, request: VideoRequest) -> dict:
+        return {"quantization": request.options.kv_quantization, "offload": request.options.kv_offload}
 
-    def _transformer_step(self, latents, timestep, embeds, cache: RollingKVCache, run: ChunkRun) -> torch.Tensor:
+    def transformer_step(
+        self, latents, timestep, embeds, cache: RollingKVCache, request: VideoRequest
+    ) -> torch.Tensor:
         return self.transformer(
             latents,
             timestep,
             embeds,
             kv_cache=cache,
-            layout=run.layout,
-            attention_bias=float(run.options["attention_bias"]),
+            layout=request.layout,
+            attention_bias=float(request.options.attention_bias),
         ).sample
 
-    def _recache_frames(self, layout: ChunkLayout, committed_frames: int) -> int:
+    def recache_frames(self, layout: ChunkLayout, committed_frames: int) -> int:
         return layout.rewindable_frames(committed_frames)
 
-    def _recache(self, recent: torch.Tensor, embeds: torch.Tensor, cache: RollingKVCache, run: ChunkRun) -> None:
+    def recache(
+        self, recent: torch.Tensor, embeds: torch.Tensor, cache: RollingKVCache, request: VideoRequest
+    ) -> None:
         """LongLive's re-cache: rewind the recent window and write it again at t = 0 under the new prompt.
 
         The sink is never touched; the recent clean frames are written chunk by chunk into the same
         slots, so the next chunk sees its past as if told by the new prompt.
         """
-        layout: ChunkLayout = run.layout
+        layout: ChunkLayout = request.layout
         cache.rewind(recent.shape[2] * layout.tokens_per_frame)
         for start in range(0, recent.shape[2], layout.chunk_frames):
-            self._context_pass(recent[:, :, start : start + layout.chunk_frames], [embeds], [cache], run)
+            self.context_pass(recent[:, :, start : start + layout.chunk_frames], [embeds], [cache], request)

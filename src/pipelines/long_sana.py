@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
@@ -31,9 +30,10 @@ from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 from ..caching import RollingKVCache
 from ..caching.layout import POSITION_MODES, ChunkLayout
 from ..models.long_sana import ALL_CHUNKS, LongSanaTransformer3DModel
-from .chunked_video import ChunkedVideoPipeline, ChunkedVideoPipelineOutput, ChunkRun
+from .chunked_video import ChunkedVideoPipeline, ChunkedVideoPipelineOutput
+from .request import CacheOptions, VideoRequest, is_int
 
-__all__ = ["LongSanaVideoPipeline", "LongSanaVideoPipelineOutput"]
+__all__ = ["LongSanaCacheOptions", "LongSanaVideoPipeline", "LongSanaVideoPipelineOutput"]
 
 
 @dataclass
@@ -42,8 +42,28 @@ class LongSanaVideoPipelineOutput(ChunkedVideoPipelineOutput):
     torch, or latents `(batch, channels, latent_frames, h, w)` for `output_type="latent"`."""
 
 
-def _is_int(value, lowest: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= lowest
+@dataclass(frozen=True)
+class LongSanaCacheOptions(CacheOptions):
+    """The SANA-like family's cache options (see `LongSanaVideoPipeline`), checked here."""
+
+    chunk_frames: int
+    sink_frames: int
+    window_frames: int | None
+    position_mode: str
+
+    def __post_init__(self) -> None:
+        chunk, window = self.chunk_frames, self.window_frames
+        if not is_int(chunk, 1):
+            raise ValueError(f"`chunk_frames` must be a positive int, got {chunk!r}.")
+        if self.sink_frames != 0:
+            raise ValueError(f"`sink_frames` must be 0: LongSANA has no attention sink, got {self.sink_frames!r}.")
+        if window is not None and not (is_int(window, 2 * chunk) and window % chunk == 0):
+            raise ValueError(
+                f"`window_frames` must be None (every earlier chunk) or a multiple of `chunk_frames`={chunk} "
+                f"of at least {2 * chunk} (it counts the chunk itself), got {window!r}."
+            )
+        if self.position_mode not in POSITION_MODES:
+            raise ValueError(f"`position_mode` must be one of {POSITION_MODES}, got {self.position_mode!r}.")
 
 
 class LongSanaVideoPipeline(ChunkedVideoPipeline):
@@ -68,7 +88,7 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
-    cache_options = ("chunk_frames", "sink_frames", "window_frames", "position_mode")
+    options_class = LongSanaCacheOptions
     output_class = LongSanaVideoPipelineOutput
 
     def __init__(
@@ -101,28 +121,19 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
             height=height,
             width=width,
         )
-        self._set_vae_factors(vae)
+        self.set_vae_factors(vae)
 
     # ---------------------------------------------------------------------------------------- family hooks
-    def _make_layout(self, tokens_per_frame: int, options: dict[str, Any]) -> ChunkLayout:
-        chunk, sink, window, mode = (options[k] for k in self.cache_options)
-        if not _is_int(chunk, 1):
-            raise ValueError(f"`chunk_frames` must be a positive int, got {chunk!r}.")
-        if sink != 0:
-            raise ValueError(f"`sink_frames` must be 0: LongSANA has no attention sink, got {sink!r}.")
-        if window is not None and not (_is_int(window, 2 * chunk) and window % chunk == 0):
-            raise ValueError(
-                f"`window_frames` must be None (every earlier chunk) or a multiple of `chunk_frames`={chunk} "
-                f"of at least {2 * chunk} (it counts the chunk itself), got {window!r}."
-            )
-        if mode not in POSITION_MODES:
-            raise ValueError(f"`position_mode` must be one of {POSITION_MODES}, got {mode!r}.")
+    def make_layout(self, tokens_per_frame: int, options: LongSanaCacheOptions, num_latent_frames: int) -> ChunkLayout:
+        chunk, window, mode = options.chunk_frames, options.window_frames, options.position_mode
         table = self.transformer.config.rope_max_seq_len
         if mode == "relative" and 2 * chunk > table:
             raise ValueError(
                 f"`position_mode='relative'` re-bases positions to the middle of the RoPE table ({table} frames): "
                 f"`chunk_frames` must be at most {table // 2}, got {chunk}."
             )
+        if window is not None:  # a window past the video keeps no more state than the video makes
+            window = min(window, max(num_latent_frames, 2 * chunk))
         return ChunkLayout(
             tokens_per_frame,
             chunk_frames=chunk,
@@ -131,35 +142,35 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
             position_mode=mode,
         )
 
-    def _check_length(self, num_latent_frames: int, layout: ChunkLayout) -> None:
-        if layout.position_mode == "absolute":
-            self.transformer.check_frame_budget(num_latent_frames)
-
-    def _transformer_step(self, latents, timestep, embeds, cache: RollingKVCache, run: ChunkRun) -> torch.Tensor:
-        if run.layout.position_mode == "relative":
+    def transformer_step(
+        self, latents, timestep, embeds, cache: RollingKVCache, request: VideoRequest
+    ) -> torch.Tensor:
+        if request.layout.position_mode == "relative":
             self._keep_positions_in_table(cache, latents.shape[2])
         text_mask = embeds.abs().amax(dim=-1) > 0  # (batch, text_tokens): False on padding
         return self.transformer(
-            latents, embeds, timestep, encoder_attention_mask=text_mask, kv_cache=cache, layout=run.layout
+            latents, embeds, timestep, encoder_attention_mask=text_mask, kv_cache=cache, layout=request.layout
         ).sample
 
     def _keep_positions_in_table(self, cache: RollingKVCache, chunk_frames: int) -> None:
         """Re-base the committed state to the middle of the RoPE table when the next chunk would leave it."""
-        committed = cache.slots["conv_state"][0].committed_frames
+        committed = self.transformer.committed_frames(cache)
         table = self.transformer.config.rope_max_seq_len
         if committed + chunk_frames > table:
             self.transformer.rebase_positions(cache, committed - table // 2)
 
-    def _recache_frames(self, layout: ChunkLayout, committed_frames: int) -> int:
+    def recache_frames(self, layout: ChunkLayout, committed_frames: int) -> int:
         """LongSANA re-runs only the last chunk on a prompt switch."""
         return min(layout.chunk_frames, committed_frames)
 
-    def _recache(self, recent: torch.Tensor, embeds: torch.Tensor, cache: RollingKVCache, run: ChunkRun) -> None:
+    def recache(
+        self, recent: torch.Tensor, embeds: torch.Tensor, cache: RollingKVCache, request: VideoRequest
+    ) -> None:
         """LongSANA's re-cache: rewind the last chunk's state and write it again at t = 0 under the new prompt.
 
         The linear-attention sums return to what they were before that chunk (exactly: the layer keeps the
         previous sums), the temporal-conv state to the chunk before it; the chunk is then committed again,
         so the state holds its new contribution once.
         """
-        cache.rewind(recent.shape[2] * run.layout.tokens_per_frame)
-        self._context_pass(recent, [embeds], [cache], run)
+        cache.rewind(recent.shape[2] * request.layout.tokens_per_frame)
+        self.context_pass(recent, [embeds], [cache], request)

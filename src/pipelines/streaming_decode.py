@@ -46,10 +46,13 @@ class StreamingWanDecoder:
 
     Args:
         vae: the `AutoencoderKLWan` to decode with (any dtype, any device, offload hooks honoured).
+        denormalize: `decode` takes the diffusion model's latents and applies `denormalize_wan_latents` itself
+            (what a pipeline's stream passes); by default it takes the VAE's own latent space.
     """
 
-    def __init__(self, vae: AutoencoderKLWan) -> None:
+    def __init__(self, vae: AutoencoderKLWan, denormalize: bool = False) -> None:
         self.vae = vae
+        self.denormalize = denormalize
         # Every causal conv of the decoder owns one cache slot, in call order.
         self._num_cached_convs = sum(isinstance(module, WanCausalConv3d) for module in vae.decoder.modules())
         # The first latent frame decodes to 1 pixel frame; every later one to `temporal_upsample` frames.
@@ -101,6 +104,8 @@ class StreamingWanDecoder:
                 "call reset() to start a new video."
             )
 
+        if self.denormalize:
+            latents = denormalize_wan_latents(latents.to(self.vae.dtype), self.vae)
         # Same as `apply_forward_hook` on `vae.decode`: lets model offloading move the VAE onto its device.
         hook = getattr(self.vae, "_hf_hook", None)
         if hook is not None and hasattr(hook, "pre_forward"):
@@ -129,3 +134,37 @@ class StreamingWanDecoder:
         if self.vae.config.patch_size is not None:
             out = unpatchify(out, patch_size=self.vae.config.patch_size)  # (batch, 3, pixel_frames, H, W)
         return torch.clamp(out, min=-1.0, max=1.0)
+
+    # ---------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The decoder's memory as tensors only (for resume): each conv's cached frames, and what each slot holds.
+
+        `slots[i]` is 0 for an empty slot, 1 for cached features (`features.<i>`), 2 for the decoder's "Rep"
+        marker (a first chunk's placeholder); `position` is (latent frames decoded, batch, height, width).
+        """
+        state: dict[str, torch.Tensor] = {}
+        kinds = []
+        for index, item in enumerate(self._feat_map):
+            if isinstance(item, torch.Tensor):
+                state[f"features.{index}"] = item
+            kinds.append(1 if isinstance(item, torch.Tensor) else 2 if item == "Rep" else 0)
+        state["slots"] = torch.tensor(kinds, dtype=torch.int64)
+        shape = self._video_shape or (-1, -1, -1)
+        state["position"] = torch.tensor([self._latent_frames_decoded, *shape], dtype=torch.int64)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Continue from `state_dict()` of a decoder over the same VAE."""
+        kinds = state["slots"].tolist()
+        if len(kinds) != self._num_cached_convs:
+            raise ValueError(
+                f"The decoder state has {len(kinds)} cached convs, this VAE's decoder {self._num_cached_convs}."
+            )
+        device = self.vae.post_quant_conv.weight.device
+        self._feat_map = [
+            state[f"features.{i}"].to(device) if kind == 1 else "Rep" if kind == 2 else None
+            for i, kind in enumerate(kinds)
+        ]
+        decoded, *shape = state["position"].tolist()
+        self._latent_frames_decoded = decoded
+        self._video_shape = None if shape[0] < 0 else tuple(shape)

@@ -1,0 +1,279 @@
+"""The demo's Gradio page: the layout, and the wiring of its events to the session logic (`session.py`).
+
+Type a prompt, watch the video appear chunk by chunk beside two live plots (time per chunk, cache memory), switch
+the prompt while it runs. Gradio's own preprocessing is off for the Generate event, so a bad value reaches the
+demo's checks (`fields.py`) instead of failing inside Gradio with a generic "exception"; a refusal is shown as a
+`gr.Error` that names the field. `build_demo(...)` returns the `gr.Blocks` and starts nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from ..caching.layout import POSITION_MODES
+from .fields import (
+    CACHE_FIELDS,
+    EXAMPLE_PROMPTS,
+    MAX_SEED,
+    ChunkSettings,
+    DemoInputError,
+    DemoSettings,
+    GenerateFields,
+)
+from .session import DemoSession, Generation, ModelShelf, frame_size, streaming_available, switch_prompt
+from .video import VideoSoFar
+
+ADVANCED_INFO = {
+    "chunk_frames": "made at once",
+    "sink_frames": "first frames, kept forever",
+    "window_frames": "recent frames seen, with the chunk",
+}
+
+
+def build_demo(
+    model_path: str | Path | None = None,
+    pipeline=None,
+    max_concurrency: int = 2,
+    *,
+    models: Mapping[str, Any] | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    **settings: Any,
+) -> gr.Blocks:
+    """The demo's `gr.Blocks`, queued with `max_concurrency` generations at once; `launch(demo)` serves it.
+
+    Args:
+        model_path: a pipeline folder or Hub id to serve. Ignored if `pipeline` or `models` is given.
+        pipeline: an already loaded pipeline to serve (its weights are shared, read-only, by every session).
+        models: name -> loaded pipeline (or a function loading one): the models the page can switch between.
+            Default: every embedded model, loaded when first chosen.
+        device, dtype: where and in what dtype `model_path` or the embedded models load.
+        **settings: `DemoSettings`' fields: `height`, `width` (pixels; default each model's native size), `fps`
+            (16), `max_seconds` (60), `streaming` (stream mp4 segments into a `gr.Video(streaming=True)`; default:
+            when ffmpeg and ffprobe are on the PATH, otherwise the whole video so far is sent after every chunk).
+
+    Raises:
+        ValueError: a bad `fps`, `max_seconds`, `max_concurrency`, `height` or `width` (checked on the first model).
+        TypeError: a setting `DemoSettings` does not have.
+    """
+    page_settings = _settings(max_concurrency, settings)  # before any model loads
+    shelf = ModelShelf.for_demo(model_path, pipeline, models, device, dtype)
+    first = shelf.get(shelf.names[0])
+    try:
+        size = frame_size(first, page_settings)
+    except DemoInputError as exc:
+        raise ValueError(f"`height`={page_settings.height!r}, `width`={page_settings.width!r}: {exc}") from exc
+    with gr.Blocks(title="rolldiff") as demo:
+        gr.Markdown(
+            "# rolldiff\nLong videos chunk by chunk with a rolling KV cache. "
+            "Change the prompt while it runs: the switch lands at the next chunk."
+        )
+        session = gr.State(DemoSession())
+        with gr.Row():
+            with gr.Column():
+                form = _model_row(shelf, first, size) | _prompt_fields(page_settings) | _advanced_section(first)
+                controls = _controls()
+            with gr.Column():
+                outputs = _outputs(page_settings)
+        _wire(form, controls, outputs, session, _Handlers(shelf, page_settings))
+        demo.queue(default_concurrency_limit=page_settings.max_concurrency)
+    return demo
+
+
+def _settings(max_concurrency: Any, settings: dict[str, Any]) -> DemoSettings:
+    allowed = [name for name in DemoSettings.names() if name != "max_concurrency"]
+    unknown = sorted(set(settings) - set(allowed))
+    if unknown:
+        raise TypeError(f"build_demo() got unexpected argument(s) {unknown}; its settings are {allowed}.")
+    if settings.get("streaming") is None:
+        settings = {**settings, "streaming": streaming_available()}
+    return DemoSettings(max_concurrency=max_concurrency, **settings)
+
+
+# ---------------------------------------------------------------------------------------- layout
+def _model_row(shelf: ModelShelf, first, size: tuple[int, int]) -> dict[str, Any]:
+    with gr.Row():
+        model = gr.Dropdown(
+            shelf.names, value=shelf.names[0], label="Model", elem_id="model", scale=2,
+            interactive=len(shelf.names) > 1,
+        )  # fmt: skip
+        info = gr.Markdown(_model_info(first, size), elem_id="model-info")
+    return {"model": model, "model_info": info}
+
+
+def _prompt_fields(settings: DemoSettings) -> dict[str, Any]:
+    prompt = gr.Textbox(label="Prompt", value=EXAMPLE_PROMPTS[0], elem_id="prompt")
+    with gr.Row(elem_id="examples"):  # set in the browser: no round trip, so Generate right after uses it
+        for text in EXAMPLE_PROMPTS:
+            example = gr.Button(text, size="sm", variant="secondary", min_width=80)
+            example.click(None, None, prompt, js=f"() => {json.dumps(text)}", api_visibility="private")
+    seconds = gr.Slider(1, settings.max_seconds, value=5, step=1, label="Length (seconds)", elem_id="seconds")
+    seed = gr.Number(value=0, precision=0, label="Seed", minimum=0, maximum=MAX_SEED, elem_id="seed")
+    return {"prompt": prompt, "seconds": seconds, "seed": seed}
+
+
+def _advanced_section(first) -> dict[str, Any]:
+    fields = _advanced_fields(first)
+    with gr.Accordion("Advanced", open=False, elem_id="advanced"):
+        gr.Markdown(
+            "Cache geometry in latent frames (one latent frame is several video frames). "
+            "Leave a field empty for the model's own value."
+        )
+        with gr.Row():
+            geometry = {
+                name: gr.Textbox("", label=label, info=ADVANCED_INFO[name], elem_id=name, **fields[name])
+                for name, label in CACHE_FIELDS.items()
+            }
+        steps = gr.Textbox(
+            label="Denoising steps", elem_id="steps", **fields["denoising_steps"],
+            info="decreasing noise levels in 1..1000: fewer steps, faster chunks",
+        )  # fmt: skip
+        position_mode = gr.Radio(
+            value="", label="Position mode", elem_id="position_mode", **fields["position_mode"],
+            info="absolute: RoPE positions grow with the video; relative: re-indexed inside the window",
+        )  # fmt: skip
+    return {**geometry, "denoising_steps": steps, "position_mode": position_mode}
+
+
+def _controls() -> dict[str, Any]:
+    with gr.Row():
+        generate = gr.Button("Generate", variant="primary", elem_id="generate")
+        stop = gr.Button("Stop", elem_id="stop")
+    new_prompt = gr.Textbox(label="Switch prompt to", value=EXAMPLE_PROMPTS[1], elem_id="new-prompt")
+    switch = gr.Button("Switch prompt", elem_id="switch")
+    return {"generate": generate, "stop": stop, "new_prompt": new_prompt, "switch": switch, "status": gr.Markdown()}
+
+
+def _outputs(settings: DemoSettings) -> list[Any]:
+    """The Generate event's outputs, in the order `_Handlers.generate` yields them."""
+    video = gr.Video(label="Video", streaming=settings.streaming, autoplay=True, elem_id="video")
+    summary = gr.Markdown(elem_id="summary")
+    with gr.Row():
+        plot = dict(x="chunk", y_lim=[0, None], height=220, x_title="chunk")
+        time_plot = gr.LinePlot(y="milliseconds", title="Time per chunk", elem_id="time-plot", **plot)
+        memory_plot = gr.LinePlot(y="KiB", title="Cache memory", elem_id="memory-plot", **plot)
+    details = gr.JSON(label="Run", open=False)
+    return [video, summary, time_plot, memory_plot, details]
+
+
+def _model_info(pipe, size: tuple[int, int]) -> str:
+    return f"{type(pipe).__name__}, {size[0]}x{size[1]} pixels"
+
+
+def _advanced_fields(pipe) -> dict[str, dict[str, Any]]:
+    """Each Advanced field's placeholder (the model's own value) and visibility (whether the model has it)."""
+    own = ChunkSettings.of_model(pipe)
+
+    def shown(name: str) -> str:
+        value = getattr(own, name)
+        return f"{'every earlier frame' if value is None else value} (the model's)"  # None: an unbounded window
+
+    fields = {name: dict(placeholder=shown(name), visible=name in pipe.cache_options) for name in CACHE_FIELDS}
+    fields["denoising_steps"] = dict(placeholder=", ".join(map(str, own.denoising_steps)) + " (the model's)")
+    choices = [(f"the model's ({own.position_mode})", ""), *((mode, mode) for mode in POSITION_MODES)]
+    fields["position_mode"] = dict(choices=choices, visible="position_mode" in pipe.cache_options)
+    return fields
+
+
+# ---------------------------------------------------------------------------------------- events
+class _Handlers:
+    """The page's event functions over one model shelf and one set of settings."""
+
+    def __init__(self, shelf: ModelShelf, settings: DemoSettings) -> None:
+        self.shelf = shelf
+        self.settings = settings
+
+    def generate(self, form: GenerateFields, session: DemoSession) -> Iterator[tuple]:
+        """The Generate event: after every chunk, the video so far, the summary, the two plots and the details."""
+        try:
+            generation = Generation(self.shelf, form.check(self.settings.max_seconds), self.settings)
+        except ValueError as exc:  # ours and the pipeline's: each names the field or argument
+            raise _refusal(exc) from exc
+        for note in generation.notes:  # unknown words are ignored: say so where the person looks
+            gr.Warning(note)
+        with session.steering(generation), VideoSoFar(self.settings.fps, self.settings.streaming) as video:
+            for chunk in _reported(iter(generation)):
+                path = video.add(chunk.frames)
+                times, memory = generation.tables()
+                memory = gr.LinePlot(memory, y_lim=[0, 1.5 * float(memory["KiB"].max())])  # the flat line mid-plot
+                yield path, _summary(generation), times, memory, generation.details()
+                video.shown(path)
+
+    def model_defaults(self, model_name: str) -> tuple:
+        """Show the chosen model's own settings as the Advanced fields' placeholders (empty = the model's)."""
+        try:
+            pipe = self.shelf.get(model_name)
+            size = frame_size(pipe, self.settings)
+        except ValueError as exc:
+            raise _refusal(exc) from exc
+        fields = _advanced_fields(pipe)
+        return (
+            _model_info(pipe, size),
+            *(gr.Textbox(value="", **fields[name]) for name in CACHE_FIELDS),
+            gr.Textbox(value="", **fields["denoising_steps"]),
+            gr.Radio(value="", **fields["position_mode"]),
+        )
+
+
+def _summary(generation: Generation) -> str:
+    return (
+        f"**{generation.frames_per_second:.1f} frames per second** · chunk {len(generation.chunk_seconds)} took "
+        f"{generation.chunk_seconds[-1] * 1000:.0f} ms · cache {generation.chunk_cache_bytes[-1] / 1024:.1f} KiB"
+    )
+
+
+def _form_event(handler: Callable[[GenerateFields, DemoSession], Iterator]) -> Callable:
+    """`handler` as Gradio calls an event function: one value per input (the form's fields, then the session).
+
+    Gradio names the `/generate` API's arguments after the function's parameters, so this one's signature is
+    `GenerateFields`' fields (with their defaults) and `session`; `handler` gets one `GenerateFields`.
+    """
+
+    def event(*values: Any) -> Iterator:
+        *form, session = values
+        yield from handler(GenerateFields(*form), session)
+
+    parameters = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
+        for name in (*GenerateFields.names(), "session")
+    ]
+    event.__signature__ = inspect.Signature(parameters)
+    return event
+
+
+def _wire(form: dict, controls: dict, outputs: list, session: gr.State, handlers: _Handlers) -> None:
+    inputs = [form[name] for name in GenerateFields.names()] + [session]
+    # preprocess=False: raw field values reach the form's checks (Gradio's would fail on "abc" or inf).
+    run = controls["generate"].click(
+        _form_event(handlers.generate), inputs, outputs, api_name="generate", preprocess=False
+    )
+    controls["stop"].click(None, cancels=[run])
+    advanced = [form[name] for name in ("model_info", *CACHE_FIELDS, "denoising_steps", "position_mode")]
+    form["model"].change(handlers.model_defaults, form["model"], advanced, api_name="select_model")
+    # Unlimited concurrency: a switch must never wait behind the generations it is meant to steer.
+    switch = dict(fn=switch_prompt, inputs=[controls["new_prompt"], session], outputs=controls["status"])
+    controls["switch"].click(**switch, concurrency_limit=None, api_name="switch_prompt")
+    controls["new_prompt"].submit(**switch, concurrency_limit=None, api_visibility="private")
+
+
+def _refusal(exc: Exception) -> gr.Error:
+    """A field the person must change: the message stays until closed, and the server log is not a traceback."""
+    return gr.Error(str(exc), duration=None, print_exception=False)
+
+
+def _reported(chunks: Iterator) -> Iterator:
+    """The chunks; a ValueError or a NaN chunk (`FloatingPointError`) while making one is shown as a `gr.Error`."""
+    while True:
+        try:
+            chunk = next(chunks, None)
+        except (ValueError, FloatingPointError) as exc:
+            raise gr.Error(str(exc)) from exc
+        if chunk is None:
+            return
+        yield chunk

@@ -1,0 +1,328 @@
+"""What a browser session does, without Gradio: the live prompt, the model shelf, the chunks and what they cost.
+
+One pipeline per model (read-only weights) serves every session at once, without a lock: each generation owns its
+stream (KV cache, VAE feature cache, scheduler) and its random generator, and the model passes per-call state down
+the call, so sessions never see each other's frames.
+
+A live prompt switch lands at the next chunk boundary, where the chunk loop re-encodes the text and re-caches the
+recent window (LongLive's re-cache), exactly as a `prompt_schedule` switch at that frame would: `LivePrompt.applied`
+is the `prompt_schedule` that reproduces the video. Each chunk's time and the cache's `memory_bytes()` are
+recorded against the chunk index: both should be flat lines, which is the point of a rolling cache.
+
+All contact with the pipeline's stream internals is in one class, `LiveStream` (marked below); everything else
+uses the pipeline's public API.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..defaults import embedded_models, frames_for_seconds, load_pipeline, native_size
+from ..pipelines.chunked_video import StreamState
+from .fields import ChunkSettings, DemoInputError, DemoSettings, GenerateConfig, prompt_notes
+
+
+# ---------------------------------------------------------------------------------------- the live prompt
+class LivePrompt:
+    """The prompt of one running generation: switched from any thread, taken as each chunk starts.
+
+    `switch` may be called from any thread; the switch lands at the next chunk that starts (several switches
+    before it: the latest wins). `applied` lists `(frame, prompt)` for every prompt the video actually used: the
+    `prompt_schedule` that reproduces it.
+    """
+
+    def __init__(self, prompt: str) -> None:
+        self.prompt = prompt  # the first one
+        self._lock = threading.Lock()
+        self._prompts = [prompt]  # every prompt asked for, in order; the latest is taken at the next chunk
+        self._active = 0
+        self._asked_frame = -1  # the start frame of the latest chunk that took its prompt
+        self.last_chunk_start: int | None = None  # pixel frame the video's last chunk starts at, once known
+        self.applied: list[tuple[int, str]] = [(0, prompt)]
+        self.notes: list[str] = []  # what the tokenizer did not read in the prompts switched to
+
+    def switch(self, prompt: str, notes: list[str] = ()) -> bool:
+        """Take `prompt` at the next chunk; False (and nothing changes) if the last chunk has already started."""
+        with self._lock:
+            if self.last_chunk_start is not None and self._asked_frame >= self.last_chunk_start:
+                return False
+            self._prompts.append(prompt)
+            self.notes.extend(notes)
+            return True
+
+    def at_chunk(self, frame: int) -> tuple[int, str]:
+        """Called as each chunk starts, with its first pixel frame: `(switch number, prompt)` for that chunk.
+
+        The switch number grows by one per switch taken (0: the first prompt), so a switch to the same text is
+        still a switch (re-encoded and re-cached, as in a `prompt_schedule`). A switch taken is added to `applied`.
+        """
+        with self._lock:
+            self._asked_frame = frame
+            latest = len(self._prompts) - 1
+            if latest != self._active:
+                self._active = latest
+                self.applied.append((frame, self._prompts[latest]))
+            return latest, self._prompts[latest]
+
+
+# ======================================================================================== THE STREAM BOUNDARY
+# The only code of the demo that touches the pipeline's stream internals (today's `StreamState`, `run.schedule`,
+# `_latent_to_pixel_start`, `_check_size`). Porting to `ChunkStream` changes this class only:
+#   - `__init__`: `self._stream = pipe.stream(...)` (no `state=`), no schedule swap; `live.last_chunk_start` from
+#     the stream's `num_chunks` (the last chunk's first pixel frame);
+#   - `__next__`: before pulling a chunk, `number, prompt = self._live.at_chunk(<first pixel frame of
+#     stream.next_chunk>)` and, when `number` changed, `self._stream.switch_prompt(prompt)`; then `next(...)`;
+#   - `cache_bytes`: `self._stream.memory_bytes()`; `active_index`, `prompts`, `batch_size`, `may_switch` go.
+class LiveStream:
+    """One generation's decoded chunks, following a `LivePrompt` as it changes, and its cache's size.
+
+    Today it also stands in for the chunk loop's `PromptSchedule` (`active_index`, `prompts`): the loop asks it
+    for the active prompt at every chunk boundary, which is how a live switch reaches the loop.
+    """
+
+    batch_size = 1
+    may_switch = True  # switches can come at any chunk: the loop keeps the recent latents a re-cache needs
+
+    def __init__(
+        self, pipe, live: LivePrompt, num_frames: int, height: int, width: int, seed: int, settings: ChunkSettings
+    ) -> None:
+        """Checks every argument now (the pipeline's ValueError) and does no work yet."""
+        self._live = live
+        self._texts = {0: live.prompt}  # switch number -> prompt, for `prompts`
+        self._state = StreamState()  # this video's own caches (what `cache_bytes` reads) and decoder
+        self._chunks = pipe.stream(
+            live.prompt, num_frames, height, width, denoising_steps=settings.denoising_steps,
+            generator=torch.Generator("cpu").manual_seed(seed), output_type="np", state=self._state,
+            **settings.cache_options(pipe),
+        )  # fmt: skip
+        run = self._state.run
+        run.schedule = self  # asked for the active prompt at every chunk boundary
+        live.last_chunk_start = pipe._latent_to_pixel_start(run.num_latent_frames - run.chunk_shape[2])  # noqa: SLF001
+
+    def __iter__(self) -> LiveStream:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        """The next chunk's frames `(1, frames, height, width, 3)` in [0, 1]; StopIteration after the last."""
+        return next(self._chunks)
+
+    def cache_bytes(self) -> int:
+        """What the stream's KV caches (one per guidance branch) hold now, in bytes."""
+        return sum(cache.memory_bytes() for cache in self._state.caches)
+
+    def active_index(self, frame: int) -> int:
+        number, prompt = self._live.at_chunk(frame)
+        self._texts[number] = prompt
+        return number
+
+    def prompts(self, index: int) -> list[str]:
+        return [self._texts[index]]
+
+    @staticmethod
+    def check_frame_size(pipe, height: int, width: int) -> None:
+        """Refuse a frame size `pipe.stream` would refuse (multiples of VAE factor x patch), with its message."""
+        _, patch_height, patch_width = pipe.transformer.config.patch_size
+        pipe._check_size("height", height, patch_height)  # noqa: SLF001
+        pipe._check_size("width", width, patch_width)  # noqa: SLF001
+
+
+# ======================================================================================== END OF THE BOUNDARY
+
+
+@dataclass
+class Chunk:
+    """One generated chunk: its frames `(frames, height, width, 3)` uint8 and what making it cost."""
+
+    frames: np.ndarray
+    seconds: float  # model and decoder time for this chunk
+    cache_bytes: int  # the KV cache's `memory_bytes()` after this chunk
+
+
+def generate_frames(
+    pipe,
+    live: LivePrompt,
+    num_frames: int,
+    height: int,
+    width: int,
+    seed: int,
+    settings: ChunkSettings | None = None,
+) -> Iterator[Chunk]:
+    """Each chunk of the video, following `live`'s prompt as it changes; `settings` None: the model's own.
+
+    Checks every argument now (raising the pipeline's ValueError) and returns the generator of chunks.
+    """
+    return _timed(LiveStream(pipe, live, num_frames, height, width, seed, settings or ChunkSettings()))
+
+
+def _timed(stream: LiveStream) -> Iterator[Chunk]:
+    while True:
+        start = time.perf_counter()
+        frames = next(stream, None)  # (1, frames, height, width, 3) in [0, 1]
+        if frames is None:
+            return
+        seconds = time.perf_counter() - start
+        frames = (frames[0] * 255.0).round().clip(0, 255).astype(np.uint8)
+        yield Chunk(frames, seconds, stream.cache_bytes())
+
+
+def frame_size(pipe, settings: DemoSettings) -> tuple[int, int]:
+    """`(height, width)` in pixels for `pipe`: the settings', else the model's native size; DemoInputError if the
+    model cannot make it."""
+    native_height, native_width = native_size(pipe)
+    height = native_height if settings.height is None else settings.height
+    width = native_width if settings.width is None else settings.width
+    try:
+        LiveStream.check_frame_size(pipe, height, width)
+    except ValueError as exc:
+        raise DemoInputError(f"this model cannot make {height}x{width} frames: {exc}") from exc
+    return height, width
+
+
+def streaming_available() -> bool:
+    """Gradio's streaming video output needs ffmpeg and ffprobe on the PATH."""
+    return bool(shutil.which("ffmpeg") and shutil.which("ffprobe"))
+
+
+# ---------------------------------------------------------------------------------------- models
+class ModelShelf:
+    """The pipelines the demo can switch between, each loaded once on first use and shared by every session."""
+
+    def __init__(self, sources: Mapping[str, Any]) -> None:
+        """`sources`: name -> a loaded pipeline, or a function of no arguments that loads it."""
+        if not sources:
+            raise ValueError("the demo needs at least one model; none was given and none is embedded.")
+        self.names = list(sources)
+        self._sources = dict(sources)
+        self._loaded: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_demo(
+        cls,
+        model_path: str | Path | None = None,
+        pipeline=None,
+        models: Mapping[str, Any] | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+    ) -> ModelShelf:
+        """`models` if given, else `pipeline`, else the model at `model_path`, else every embedded model."""
+        if models is None and pipeline is not None:
+            models = {"pipeline": pipeline}
+        elif models is None and model_path is not None:
+            models = {str(model_path): _loader(model_path, device, dtype)}
+        elif models is None:
+            models = {name: _loader(name, device, dtype) for name in embedded_models()}
+        return cls(models)
+
+    def get(self, name: str):
+        """The pipeline called `name`, loaded now if it is the first time; DemoInputError for an unknown name."""
+        if name not in self._sources:
+            raise DemoInputError(f"Model: choose one of {', '.join(self.names)}, got {name!r}.")
+        with self._lock:  # two sessions asking for a model at once load it once
+            if name not in self._loaded:
+                source = self._sources[name]
+                pipe = source() if callable(source) and not hasattr(source, "components") else source
+                pipe.set_progress_bar_config(disable=True)
+                self._loaded[name] = pipe
+            return self._loaded[name]
+
+
+def _loader(name: str | Path, device: str | None, dtype: str | None) -> Callable[[], Any]:
+    return lambda: load_pipeline(name, device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------- one Generate press
+class Generation:
+    """One video for one session: its model, its live prompt, its chunks so far and their statistics."""
+
+    def __init__(self, shelf: ModelShelf, config: GenerateConfig, settings: DemoSettings) -> None:
+        """Checks everything before any work: a DemoInputError naming the field, or the pipeline's ValueError."""
+        self.model = config.model or shelf.names[0]
+        self.pipe = shelf.get(self.model)
+        self.notes = prompt_notes(self.pipe, config.prompt)  # unknown words: said with the video, not refused
+        self.height, self.width = frame_size(self.pipe, settings)
+        self.fps = settings.fps
+        self.num_frames = frames_for_seconds(self.pipe, config.seconds, settings.fps, config.settings.chunk_frames)
+        self.live = LivePrompt(config.prompt)
+        self._chunks = generate_frames(
+            self.pipe, self.live, self.num_frames, self.height, self.width, config.seed, config.settings
+        )
+        self.chunk_seconds: list[float] = []  # per chunk made so far
+        self.chunk_cache_bytes: list[int] = []
+        self.frames_written = 0
+        self.frames_per_second = 0.0
+
+    def __iter__(self) -> Iterator[Chunk]:
+        """The chunks as they are made, each counted in the statistics before it is handed on."""
+        start = time.perf_counter()
+        for chunk in self._chunks:
+            self.chunk_seconds.append(chunk.seconds)
+            self.chunk_cache_bytes.append(chunk.cache_bytes)
+            self.frames_written += len(chunk.frames)
+            self.frames_per_second = self.frames_written / (time.perf_counter() - start)
+            yield chunk
+
+    def details(self) -> dict[str, Any]:
+        """The run so far, as the page's JSON shows it."""
+        return {
+            "model": self.model,
+            "frames": f"{self.frames_written} / {self.num_frames}",
+            "size": f"{self.height}x{self.width} at {self.fps} fps",
+            "frames_per_second": round(self.frames_per_second, 2),
+            "cache_bytes": self.chunk_cache_bytes[-1],
+            "prompt_schedule": [[frame, text] for frame, text in self.live.applied],
+            "prompt_notes": self.notes + self.live.notes,
+        }
+
+    def tables(self):
+        """The two plots' data: chunk index against milliseconds and against cache KiB (pandas DataFrames)."""
+        import pandas as pd  # Gradio's plots take DataFrames; pandas comes with Gradio
+
+        index = list(range(len(self.chunk_seconds)))
+        times = pd.DataFrame({"chunk": index, "milliseconds": [round(s * 1000.0, 2) for s in self.chunk_seconds]})
+        memory = pd.DataFrame({"chunk": index, "KiB": [round(b / 1024.0, 2) for b in self.chunk_cache_bytes]})
+        return times, memory
+
+
+@dataclass
+class DemoSession:
+    """What one browser session owns: its running generation, if any (what a prompt switch steers)."""
+
+    generation: Generation | None = field(default=None)
+
+    @contextmanager
+    def steering(self, generation: Generation) -> Iterator[Generation]:
+        """While the block runs, prompt switches of this session go to `generation` (unless a newer one starts)."""
+        self.generation = generation
+        try:
+            yield generation
+        finally:
+            if self.generation is generation:
+                self.generation = None
+
+
+def switch_prompt(prompt: Any, session: DemoSession) -> str:
+    """Switch the session's running video to `prompt` at its next chunk; returns what to tell the person."""
+    prompt = prompt.strip() if isinstance(prompt, str) else ""
+    if not prompt:
+        return "Type the prompt to switch to."
+    generation = session.generation
+    if generation is None:
+        return "Nothing is generating: press Generate first."
+    try:
+        notes = prompt_notes(generation.pipe, prompt, "switch prompt")
+    except ValueError as exc:  # no word the model knows: keep the current prompt
+        return f"Not switching: {exc}"
+    if not generation.live.switch(prompt, notes):
+        return "Too late to switch: the last chunk is being made. Press Generate to start with it."
+    return " ".join([f"Switching to “{prompt}” at the next chunk.", *notes])

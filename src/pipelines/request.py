@@ -1,0 +1,238 @@
+"""`VideoRequest`: one video's call arguments, validated once, group by group, into a frozen dataclass.
+
+`ChunkedVideoPipeline.__call__` / `stream` keep diffusers' explicit signature; `VideoRequest.build` checks
+each group of arguments (output, frames and size, steps, guidance, prompts, latents, generator, callback)
+before any model work and derives the run's geometry. Everything downstream (the chunk loop in
+`ChunkStream`, resume, the demo) reads typed fields instead of a `dict` of options looked up by string.
+
+A family's cache options are a frozen dataclass of their own (`CacheOptions` subclasses in the family's
+pipeline file) that resolves call values against the pipeline config and validates itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..caching.layout import ChunkLayout
+from .prompt_schedule import PromptSchedule
+
+OUTPUT_TYPES = ("np", "pil", "pt", "latent")
+
+
+def is_number(value: Any) -> bool:
+    """A real number that is not a bool (`True` is an int in Python, never a step or a scale here)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_int(value: Any, lowest: int) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= lowest
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """A family's cache options: each field is a call argument whose `None` means "the pipeline config's value".
+
+    Subclasses declare their fields and validate them in `__post_init__` (errors name the argument and what is
+    allowed). `resolve` builds one from the call's values and the config.
+    """
+
+    # Call arguments every video family accepts under these names (the Krea-like pipeline's), so callers can
+    # drive every family alike; a family without one of them refuses any value but None.
+    known_names: ClassVar[tuple[str, ...]] = (
+        "chunk_frames",
+        "sink_frames",
+        "window_frames",
+        "position_mode",
+        "attention_bias",
+        "kv_quantization",
+        "kv_offload",
+    )
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def resolve(cls, config: Mapping[str, Any], given: Mapping[str, Any], owner: str) -> CacheOptions:
+        """The options of one call: `given` values where not None, else the pipeline config's."""
+        names = cls.names()
+        unknown = sorted(name for name, value in given.items() if name not in names and value is not None)
+        if unknown:
+            raise TypeError(f"{owner} got unexpected argument(s) {unknown}; its cache options are {list(names)}.")
+        return cls(**{name: config[name] if given.get(name) is None else given[name] for name in names})
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class VideoGeometry:
+    """Frames and sizes of one video, in pixels and latents."""
+
+    num_frames: int
+    height: int
+    width: int
+    num_latent_frames: int
+    chunk_shape: tuple[int, int, int, int, int]  # (batch, channels, chunk_frames, latent height, latent width)
+
+    @property
+    def batch_size(self) -> int:
+        return self.chunk_shape[0]
+
+    @property
+    def chunk_frames(self) -> int:
+        return self.chunk_shape[2]
+
+    @property
+    def num_chunks(self) -> int:
+        return self.num_latent_frames // self.chunk_frames
+
+
+@dataclass(frozen=True)
+class VideoRequest:
+    """Everything one generation needs, validated before any work (see `ChunkedVideoPipeline.build_request`)."""
+
+    geometry: VideoGeometry
+    layout: ChunkLayout
+    options: CacheOptions
+    schedule: PromptSchedule
+    denoising_steps: tuple[float, ...]
+    guidance_scale: float
+    negative_prompt: tuple[str, ...] | None
+    max_sequence_length: int
+    output_type: str
+    prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    latents: torch.Tensor | None = None
+    generator: torch.Generator | list[torch.Generator] | None = None
+    callback_on_step_end: Callable | None = None
+    callback_tensor_inputs: tuple[str, ...] = ("latents",)
+
+    @property
+    def batch_size(self) -> int:
+        return self.geometry.batch_size
+
+    @property
+    def num_chunks(self) -> int:
+        return self.geometry.num_chunks
+
+    @property
+    def chunk_shape(self) -> tuple[int, int, int, int, int]:
+        return self.geometry.chunk_shape
+
+    @property
+    def num_latent_frames(self) -> int:
+        return self.geometry.num_latent_frames
+
+    @property
+    def uses_guidance(self) -> bool:
+        return self.guidance_scale > 1.0
+
+
+# ---------------------------------------------------------------------------------------- argument groups
+def check_output_type(output_type: Any) -> str:
+    if output_type not in OUTPUT_TYPES:
+        raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
+    return output_type
+
+
+def check_num_frames(num_frames: Any) -> int:
+    if not is_int(num_frames, 1):
+        raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
+    return int(num_frames)
+
+
+def check_size(name: str, size: Any, multiple: int, why: str) -> int:
+    """A pixel side: a positive multiple of `multiple` (`why` says where the multiple comes from)."""
+    if not is_int(size, 1) or size % multiple:
+        raise ValueError(f"`{name}` must be a positive multiple of {multiple} ({why}), got {size!r}.")
+    return int(size)
+
+
+def check_denoising_steps(steps: Any) -> tuple[float, ...]:
+    steps = list(steps)
+    if (
+        not steps
+        or not all(is_number(s) and 0 < s <= 1000 for s in steps)
+        or any(a <= b for a, b in zip(steps, steps[1:]))
+    ):
+        raise ValueError(f"`denoising_steps` must be strictly decreasing numbers in (0, 1000], got {steps}.")
+    return tuple(float(s) for s in steps)
+
+
+def check_guidance_scale(guidance_scale: Any) -> float:
+    if not is_number(guidance_scale) or not math.isfinite(guidance_scale) or guidance_scale < 1.0:
+        raise ValueError(
+            f"`guidance_scale` must be a finite number >= 1.0 (1.0 disables guidance), got {guidance_scale!r}."
+        )
+    return float(guidance_scale)
+
+
+def check_embeds(name: str, embeds: Any, batch_size: int | None = None) -> torch.Tensor:
+    if not isinstance(embeds, torch.Tensor) or embeds.ndim != 3:
+        got = f"shape {tuple(embeds.shape)}" if isinstance(embeds, torch.Tensor) else type(embeds).__name__
+        raise ValueError(f"`{name}` must be a (batch, tokens, channels) tensor, got {got}.")
+    if batch_size is not None and embeds.shape[0] != batch_size:
+        raise ValueError(f"`{name}` has batch {embeds.shape[0]}, expected {batch_size}.")
+    if not torch.isfinite(embeds).all():
+        raise ValueError(f"`{name}` contain NaN or infinite values.")
+    return embeds
+
+
+def check_negative_prompt(
+    negative_prompt: Any, negative_prompt_embeds: Any, guidance_scale: float, batch_size: int
+) -> tuple[str, ...] | None:
+    """The negative prompts to encode (None when guidance is off or embeddings are given)."""
+    if negative_prompt_embeds is not None:
+        check_embeds("negative_prompt_embeds", negative_prompt_embeds, batch_size)
+        return None
+    if guidance_scale <= 1.0:
+        return None
+    negatives = [negative_prompt or ""] * batch_size if not isinstance(negative_prompt, list) else negative_prompt
+    if len(negatives) != batch_size or not all(isinstance(text, str) for text in negatives):
+        raise ValueError(
+            f"`negative_prompt` must be a str or a list of {batch_size} str (one per batch element), got "
+            f"{negative_prompt!r}."
+        )
+    return tuple(negatives)
+
+
+def check_latents(latents: Any, shape: tuple[int, ...]) -> torch.Tensor | None:
+    if latents is None:
+        return None
+    if not isinstance(latents, torch.Tensor) or tuple(latents.shape) != shape:
+        got = tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__
+        raise ValueError(f"`latents` must be a tensor of shape {shape}, got {got}.")
+    if not torch.isfinite(latents).all():
+        raise ValueError("`latents` contain NaN or infinite values.")
+    return latents
+
+
+def check_generator(generator: Any, batch_size: int) -> None:
+    if generator is None:
+        return
+    generators = generator if isinstance(generator, list) else [generator]
+    if not all(isinstance(g, torch.Generator) for g in generators):
+        raise TypeError(
+            f"`generator` must be a torch.Generator or a list of them, got {type(generator).__name__} "
+            "(use torch.Generator().manual_seed(seed))."
+        )
+    if isinstance(generator, list) and len(generator) != batch_size:
+        raise ValueError(f"`generator` is a list of {len(generator)}, expected one per batch element ({batch_size}).")
+
+
+def check_callback(callback: Any, names: Any, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    if callback is not None and not callable(callback):
+        raise TypeError(f"`callback_on_step_end` must be callable, got {type(callback).__name__}.")
+    names = ["latents"] if names is None else list(names)
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise ValueError(f"`callback_on_step_end_tensor_inputs` has {unknown}; allowed: {list(allowed)}.")
+    return tuple(names)

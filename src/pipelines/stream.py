@@ -1,0 +1,354 @@
+"""`ChunkStream`: one live generation of a long video, chunk by chunk.
+
+A stream owns everything that changes while a video is generated: one `RollingKVCache` per guidance branch
+(conditional first), the text embeddings per branch, its own scheduler copy, its own streaming decoder, the
+recent clean latents a re-cache after a prompt switch re-runs, and its position. The pipeline it came from is
+only read (weights, config, the family hooks), so one loaded pipeline serves any number of concurrent
+streams, each with the result it gets alone.
+
+Per chunk (`__next__`): apply a prompt switch due at this boundary (the schedule's, or `switch_prompt`'s),
+draw the chunk's noise, denoise it in a few steps (each predicts x0 = x_t - sigma v and re-noises it to the
+next sigma; every step overwrites the same pending cache entries), run one clean context pass at t = 0 that
+writes its K/V (or state), `commit()`, decode the chunk causally and return it. An exception before the
+commit leaves every cache as it was at the last commit (a chunk is a transaction).
+
+Noise: chunk k's starting noise `(batch, channels, chunk_frames, h, w)` is drawn when chunk k starts, then
+one draw per step (the scheduler's re-noise): a seed fixes the whole video, nothing the size of the video is
+ever allocated.
+
+`state_dict()` / `load_state_dict()` round-trip a stream at a chunk boundary (caches through their layers'
+extra state, decoder memory, latents, generators, position), which is all `rolldiff.pipelines.resume` saves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.utils.torch_utils import randn_tensor
+
+from .request import VideoRequest, check_embeds
+
+if TYPE_CHECKING:
+    from .chunked_video import ChunkedVideoPipeline
+
+STREAM_STATE_VERSION = 2  # bumped whenever the keys of `ChunkStream.state_dict` change meaning
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    """The generator `randn_tensor` draws from when the call passes none."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0]
+    return torch.default_generator
+
+
+class ChunkStream(Iterator[Any]):
+    """One live generation: iterate it for each chunk's decoded frames (or latents, for `output_type="latent"`).
+
+    Made by `pipe.stream(...)`, which validated every argument first. Each item is what `__call__` returns for
+    those frames: `(batch, frames, H, W, 3)` np in [0, 1] for "np", PIL lists for "pil", `(batch, frames, 3, H,
+    W)` torch for "pt", or the chunk's latents `(batch, channels, chunk_frames, h, w)` for "latent".
+
+    Public surface: iteration, `switch_prompt`, `state_dict` / `load_state_dict`, `close`, and read-only
+    properties (`request`, `num_chunks`, `next_chunk`, `caches`, `frames_emitted`, `memory_bytes()`).
+    """
+
+    def __init__(self, pipe: ChunkedVideoPipeline, request: VideoRequest) -> None:
+        self._pipe = pipe
+        self._request = request
+        self._started = False
+        self._closed = False
+        self._next_chunk = 0
+        self._step_index = 0  # denoising steps done over the video (what callbacks see)
+        self._frames_emitted = 0
+        self._active_prompt = 0  # index into the prompt schedule
+        self._pending: torch.Tensor | None = None  # embeddings of a `switch_prompt` not applied yet
+        self._caches: list = []
+        self._embeds: list[torch.Tensor] = []
+        self._recent: torch.Tensor | None = None
+        self._decoder = None
+        self._progress = None
+        self._scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            pipe.scheduler.config, stochastic_sampling=True, use_dynamic_shifting=False
+        )  # its own: concurrent streams never share step counters
+
+    # ---------------------------------------------------------------------------------------- properties
+    @property
+    def pipeline(self) -> ChunkedVideoPipeline:
+        """The pipeline this stream reads (weights, config, family hooks); it holds none of the stream's state."""
+        return self._pipe
+
+    @property
+    def request(self) -> VideoRequest:
+        """The validated arguments of this video."""
+        return self._request
+
+    @property
+    def num_chunks(self) -> int:
+        return self._request.num_chunks
+
+    @property
+    def next_chunk(self) -> int:
+        """Index of the chunk the next iteration generates (chunks done so far)."""
+        return self._next_chunk
+
+    @property
+    def frames_emitted(self) -> int:
+        """Pixel frames (latent frames for "latent") this stream has returned so far."""
+        return self._frames_emitted
+
+    @property
+    def active_prompt(self) -> int:
+        """Index of the prompt-schedule entry in effect (`switch_prompt` does not change it)."""
+        return self._active_prompt
+
+    @property
+    def caches(self) -> tuple:
+        """The stream's caches, one per guidance branch (conditional first); empty before the first chunk."""
+        return tuple(self._caches)
+
+    @property
+    def last_chunk_start(self) -> int:
+        """The first pixel frame of the video's last chunk (a later switch could never apply)."""
+        return self._pipe.latent_to_pixel_start(self._request.num_latent_frames - self._request.chunk_shape[2])
+
+    @property
+    def embeds(self) -> tuple[torch.Tensor, ...]:
+        """The text embeddings in use, one per guidance branch (conditional first); empty before the first chunk."""
+        return tuple(self._embeds)
+
+    def memory_bytes(self) -> int:
+        """Bytes the stream's caches hold now."""
+        return sum(cache.memory_bytes() for cache in self._caches)
+
+    # ---------------------------------------------------------------------------------------- prompts
+    def switch_prompt(self, prompt: str | list[str] | None = None, *, prompt_embeds: torch.Tensor | None = None):
+        """Switch to `prompt` (or precomputed `prompt_embeds`) at the next chunk boundary.
+
+        The text is checked now (unknown words warned about, a prompt with no known word refused) and encoded
+        now, so the loop never waits on it; the next chunk then re-caches the recent context under it (the
+        family's re-cache). A later call before that boundary replaces an earlier one.
+        """
+        if (prompt is None) == (prompt_embeds is None):
+            raise ValueError("`switch_prompt` takes either `prompt` or `prompt_embeds`.")
+        batch_size = self._request.batch_size
+        if prompt_embeds is not None:
+            embeds = check_embeds("prompt_embeds", prompt_embeds, batch_size)
+        else:
+            prompts = [prompt] * batch_size if isinstance(prompt, str) else prompt
+            if (
+                not isinstance(prompts, list)
+                or len(prompts) != batch_size
+                or not all(isinstance(p, str) and p.strip() for p in prompts)
+            ):
+                raise ValueError(
+                    f"`prompt` must be a non-empty str or a list of {batch_size} non-empty str, got {prompt!r}."
+                )
+            self._pipe.check_prompt_text(prompts, self._request.max_sequence_length, "prompt")
+            embeds = self._pipe.encode_prompt(prompts, self._request.max_sequence_length)
+        self._pending = embeds.to(device=self._pipe.execution_device, dtype=self._pipe.transformer.dtype)
+
+    def _switch_to(self, embeds: torch.Tensor) -> None:
+        """New cross-attention K/V for the conditional branch, then the family's re-cache of recent context."""
+        self._embeds[0] = embeds
+        self._pipe.set_conditioning(self._caches[0], embeds)
+        if self._recent is not None and self._recent.shape[2] > 0:
+            self._pipe.recache(self._recent, embeds, self._caches[0], self._request)
+
+    def _apply_due_switches(self) -> None:
+        request = self._request
+        start = self._next_chunk * request.chunk_shape[2]
+        now_active = request.schedule.active_index(self._pipe.latent_to_pixel_start(start))
+        if now_active != self._active_prompt:
+            self._active_prompt = now_active
+            self._switch_to(self._pipe.branch_embeds(request, now_active))
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._switch_to(pending)
+
+    # ---------------------------------------------------------------------------------------- start
+    def _start(self) -> None:
+        """Encode the prompts, make the caches and the decoder (once, before the first chunk or a load)."""
+        if self._started:
+            return
+        pipe, request = self._pipe, self._request
+        device, dtype = pipe.execution_device, pipe.transformer.dtype
+        embeds = [pipe.branch_embeds(request, 0)]
+        if request.uses_guidance:
+            negative = request.negative_prompt_embeds
+            if negative is None:
+                negative = pipe.encode_prompt(list(request.negative_prompt), request.max_sequence_length)
+            embeds.append(negative.to(device=device, dtype=dtype))
+        caches = [pipe.make_stream_cache(request, dtype, device) for _ in embeds]
+        for cache, branch_embeds in zip(caches, embeds):
+            pipe.set_conditioning(cache, branch_embeds)
+        chunk_shape = request.chunk_shape
+        self._recent = torch.zeros((*chunk_shape[:2], 0, *chunk_shape[3:]), device=device, dtype=dtype)
+        self._decoder = pipe.make_decoder() if request.output_type != "latent" else None
+        self._caches, self._embeds = caches, embeds
+        pipe.interrupt = False
+        self._started = True
+
+    # ---------------------------------------------------------------------------------------- iteration
+    def __iter__(self) -> ChunkStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed or self._next_chunk >= self.num_chunks:
+            self.close()
+            raise StopIteration
+        with torch.no_grad():
+            self._start()
+            if self._progress is None:
+                self._progress = self._pipe.progress_bar(total=self.num_chunks)
+                self._progress.update(self._next_chunk)  # a resumed stream starts part-way
+            clean = self._generate_chunk()
+            if clean is None:  # interrupted (`pipe.interrupt = True`) before the chunk finished
+                self.close()
+                raise StopIteration
+            self._progress.update()
+            return self._emit(clean)
+
+    def _generate_chunk(self) -> torch.Tensor | None:
+        """Denoise, context-pass and commit the next chunk; its clean latents in the model's dtype."""
+        pipe, request = self._pipe, self._request
+        device, dtype = pipe.execution_device, pipe.transformer.dtype
+        chunk_frames = request.chunk_shape[2]
+        start = self._next_chunk * chunk_frames
+        self._apply_due_switches()
+        if request.latents is None:  # drawn now, chunk by chunk: nothing the size of the video exists
+            noisy = randn_tensor(request.chunk_shape, generator=request.generator, device=device, dtype=torch.float32)
+        else:
+            noisy = request.latents[:, :, start : start + chunk_frames].to(device=device, dtype=torch.float32)
+        scheduler = self._scheduler
+        scheduler.set_timesteps(sigmas=[s / 1000.0 for s in request.denoising_steps], device=device)
+        for timestep in scheduler.timesteps:
+            if pipe.interrupt:
+                return None
+            velocity = self._velocity(noisy.to(dtype), float(timestep))
+            noisy = scheduler.step(velocity.float(), timestep, noisy, generator=request.generator).prev_sample
+            noisy = self._after_step(noisy.float(), timestep)
+        clean = noisy.to(dtype)  # the last step re-noises to sigma 0: the clean chunk
+        if not torch.isfinite(clean).all():
+            raise FloatingPointError(
+                f"Chunk {self._next_chunk} produced NaN or infinite latents; generation stopped (frames before it "
+                "are kept)."
+            )
+        pipe.context_pass(clean, self._embeds, self._caches, request)
+        keep = pipe.recache_frames(request.layout, start + chunk_frames)
+        held = self._recent.shape[2] + chunk_frames
+        self._recent = torch.cat([self._recent, clean], dim=2)[:, :, max(0, held - keep) :]
+        self._next_chunk += 1
+        return clean
+
+    def _velocity(self, chunk: torch.Tensor, timestep: float) -> torch.Tensor:
+        """The velocity for one chunk at `timestep` (guided when a negative branch exists)."""
+        request = self._request
+        t = torch.full((chunk.shape[0],), timestep, device=chunk.device, dtype=torch.float32)
+        velocity = self._pipe.transformer_step(chunk, t, self._embeds[0], self._caches[0], request)
+        if len(self._caches) > 1:
+            unconditional = self._pipe.transformer_step(chunk, t, self._embeds[1], self._caches[1], request)
+            velocity = unconditional + request.guidance_scale * (velocity - unconditional)
+        return velocity
+
+    def _after_step(self, latents: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """Run `callback_on_step_end` (its returned `latents` replace the next step's input)."""
+        callback = self._request.callback_on_step_end
+        index, self._step_index = self._step_index, self._step_index + 1
+        if callback is None:
+            return latents
+        values = {"latents": latents, "prompt_embeds": self._embeds[0]}
+        result = callback(self._pipe, index, timestep, {k: values[k] for k in self._request.callback_tensor_inputs})
+        if result is None:
+            return latents
+        if not isinstance(result, dict):
+            raise TypeError(f"`callback_on_step_end` must return a dict (or None), got {type(result).__name__}.")
+        new = result.get("latents", latents)
+        if not isinstance(new, torch.Tensor) or new.shape != latents.shape:
+            raise ValueError(
+                f"`callback_on_step_end` returned `latents` that are not a {tuple(latents.shape)} tensor."
+            )
+        return new.float()
+
+    def _emit(self, clean: torch.Tensor) -> Any:
+        if self._decoder is None:
+            self._frames_emitted += clean.shape[2]
+            return clean
+        video = self._decoder.decode(clean)  # (batch, 3, frames, H, W) in [-1, 1]
+        self._frames_emitted += video.shape[2]
+        return self._pipe.postprocess(video, self._request.output_type)
+
+    def close(self) -> None:
+        """End the stream: close its progress bar and release offload hooks; iteration then stops."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._progress is not None:
+            self._progress.close()
+        self._pipe.maybe_free_model_hooks()
+
+    # ---------------------------------------------------------------------------------------- state
+    def _generators(self) -> list[torch.Generator]:
+        generator = self._request.generator
+        if generator is None:
+            return [default_generator(self._pipe.execution_device)]
+        return generator if isinstance(generator, list) else [generator]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The stream at its chunk boundary: tensors, plus each cache layer's host counters (`*._extra_state`).
+
+        Keys: `cache.<branch>.<...>` (each cache's `state_dict()`: the stream layers' buffers and extra state;
+        the cross-attention K/V are recomputed from `embeds.<branch>` on load), `decoder.<...>`, `recent`,
+        `embeds.<branch>`, `pending_embeds` (a switch not applied yet), `generator.<i>` (the random
+        generators' states) and `position` (version, next chunk, steps done, frames emitted, active prompt).
+        """
+        self._start()
+        state: dict[str, Any] = {}
+        for branch, cache in enumerate(self._caches):
+            state.update({f"cache.{branch}.{key}": value for key, value in cache.state_dict().items()})
+        if self._decoder is not None:
+            state.update({f"decoder.{key}": value for key, value in self._decoder.state_dict().items()})
+        state.update({f"embeds.{branch}": embeds for branch, embeds in enumerate(self._embeds)})
+        if self._pending is not None:
+            state["pending_embeds"] = self._pending
+        state["recent"] = self._recent
+        for index, generator in enumerate(self._generators()):
+            state[f"generator.{index}"] = generator.get_state()
+        position = [STREAM_STATE_VERSION, self._next_chunk, self._step_index, self._frames_emitted]
+        state["position"] = torch.tensor([*position, self._active_prompt], dtype=torch.int64)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()` of a stream made with the same arguments (before iterating this one)."""
+        if self._next_chunk or self._closed:
+            raise RuntimeError("load_state_dict() must come before the stream's first chunk.")
+        position = state.get("position")
+        if not isinstance(position, torch.Tensor) or position.numel() != 5 or int(position[0]) != STREAM_STATE_VERSION:
+            raise ValueError(
+                f"This state is not a ChunkStream state of version {STREAM_STATE_VERSION} (saved by another "
+                "rolldiff version); start the video over."
+            )
+        self._start()
+        device, dtype = self._pipe.execution_device, self._pipe.transformer.dtype
+        for branch, cache in enumerate(self._caches):
+            prefix = f"cache.{branch}."
+            cache.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
+        if self._decoder is not None:
+            self._decoder.load_state_dict({k[8:]: v for k, v in state.items() if k.startswith("decoder.")})
+        self._embeds = [
+            state[f"embeds.{branch}"].to(device=device, dtype=dtype) for branch in range(len(self._caches))
+        ]
+        for cache, embeds in zip(self._caches, self._embeds):
+            self._pipe.set_conditioning(cache, embeds)
+        pending = state.get("pending_embeds")
+        self._pending = None if pending is None else pending.to(device=device, dtype=dtype)
+        self._recent = state["recent"].to(device=device, dtype=dtype)
+        generators = self._generators()
+        saved = sorted(k for k in state if k.startswith("generator."))
+        if len(saved) != len(generators):
+            raise ValueError(f"The state holds {len(saved)} generator state(s); this stream has {len(generators)}.")
+        for index, generator in enumerate(generators):
+            generator.set_state(state[f"generator.{index}"])
+        _, self._next_chunk, self._step_index, self._frames_emitted, self._active_prompt = map(int, position)

@@ -1,0 +1,259 @@
+"""Causal, chunk-by-chunk encoding of pixel frames into Wan VAE latents (the input side of image- and
+video-to-video).
+
+`AutoencoderKLWan.encode` runs its causal 3D encoder over one pixel frame, then over groups of 4 frames, with a
+feature cache (the last frames every causal conv saw) that it clears at every call, so encoding a long or live
+video chunk by chunk with it leaves seams. `StreamingWanEncoder` runs the same per-group loop as
+`AutoencoderKLWan._encode` with a feature cache of its own that lives across calls:
+
+    pixel frames   f0 | f1 f2 f3 f4 | f5 f6 f7 f8 | ...     (groups of `temporal_downsample` frames; 4 for Wan 2.1)
+    latent frames  z0 | z1          | z2          | ...
+
+Every group goes through the encoder as it would inside one `vae.encode` of the whole clip (diffusers groups by
+4 whatever the VAE's temporal downsampling; ours by that downsampling, the same for Wan 2.1 and 2.2), so the
+concatenated chunks equal that one call to fp32 rounding: the encoder's outputs match bit for bit when the groups
+match, and the 1x1x1 `quant_conv`, applied per chunk, rounds a shorter chunk differently (measured <= 5e-7 on
+tiny random VAEs). Memory is that of one chunk.
+The cache is the encoder's own, never the VAE's `_enc_feat_map`: several streams may share one VAE.
+"""
+
+import torch
+from diffusers import AutoencoderKLWan
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, patchify
+from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+# How a feature-cache slot is written into `state_dict()["feat_cache_kinds"]`: empty, a tensor, or diffusers'
+# "Rep" marker (written by temporal upsampling; the decoder's convs use it, the encoder's keep the slot generic).
+_EMPTY, _TENSOR, _REP = 0, 1, 2
+_REP_MARKER = "Rep"
+
+
+def normalize_wan_latents(latents: torch.Tensor, vae: AutoencoderKLWan) -> torch.Tensor:
+    """Map latents from the space `vae.encode` returns to the diffusion model's normalised space.
+
+    Applies `(latents - latents_mean) / latents_std` with the per-channel statistics in `vae.config`, as diffusers'
+    `WanImageToVideoPipeline.prepare_latents` does; the inverse of `denormalize_wan_latents`.
+
+    Args:
+        latents: `(batch, z_dim, latent_frames, height, width)`, the posterior's mean or a sample of it.
+        vae: the `AutoencoderKLWan` whose `config.latents_mean` / `config.latents_std` apply.
+
+    Returns:
+        `(batch, z_dim, latent_frames, height, width)` in `latents`' dtype and device.
+    """
+    z_dim = vae.config.z_dim
+    if latents.ndim != 5 or latents.shape[1] != z_dim:
+        raise ValueError(
+            f"`latents` must have shape (batch, {z_dim}, latent_frames, height, width), got {tuple(latents.shape)}."
+        )
+    mean = torch.tensor(vae.config.latents_mean, dtype=latents.dtype, device=latents.device).view(1, z_dim, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std, dtype=latents.dtype, device=latents.device).view(1, z_dim, 1, 1, 1)
+    return (latents - mean) / std
+
+
+class StreamingWanEncoder:
+    """Encode a Wan video's pixel frames a chunk at a time, with the VAE's causal feature cache kept between chunks.
+
+    Frame rule, with `t = temporal_downsample` (4 for Wan 2.1 and 2.2): the first chunk of a video holds `1 + t*k`
+    pixel frames (k >= 0) and becomes `1 + k` latent frames; every later chunk holds `t*k` frames (k >= 1) and
+    becomes `k` latent frames. So 3-latent-frame chunks take 9 pixel frames, then 12 (Krea Realtime's webcam sizes).
+
+    Latents are the posterior's mean by default (deterministic: the same frames always give the same latents, the
+    mode diffusers' Wan image-to-video pipeline uses); `encode(..., sample=True, generator=...)` draws from the
+    posterior instead, chunk by chunk. One instance streams one video at a time; `reset()` starts the next.
+    `state_dict()` / `load_state_dict()` save and restore the position and the feature cache (resume).
+
+    Spatial tiling (`vae.use_tiling`) and slicing are not applied: each chunk is encoded whole, in one batch.
+    Runs under `torch.no_grad()`. A chunk is a transaction: if encoding fails part-way, the encoder is left as it
+    was before the call.
+
+    Args:
+        vae: the `AutoencoderKLWan` to encode with (any dtype, any device, offload hooks honoured).
+    """
+
+    def __init__(self, vae: AutoencoderKLWan) -> None:
+        self.vae = vae
+        # Every causal conv of the encoder owns one cache slot, in call order.
+        self._num_cached_convs = sum(isinstance(module, WanCausalConv3d) for module in vae.encoder.modules())
+        # The first pixel frame encodes to 1 latent frame; every later group of `temporal_downsample` to one.
+        self.temporal_downsample = 2 ** sum(vae.config.temperal_downsample)
+        patch_size = vae.config.patch_size or 1
+        # Computed from the layers, not `config.scale_factor_spatial`, which tiny configs leave at its default 8.
+        self.spatial_downsample = 2 ** len(vae.config.temperal_downsample) * patch_size
+        self.in_channels = vae.config.in_channels // patch_size**2  # RGB: 3
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new video: drop the cached features and forget the previous video's shape."""
+        self._feat_cache: list[torch.Tensor | str | None] = [None] * self._num_cached_convs
+        self._latent_frames_encoded = 0
+        self._video_shape: tuple[int, int, int] | None = None  # (batch, height, width) of the current video
+
+    @property
+    def latent_frames_encoded(self) -> int:
+        """Latent frames of the current video encoded so far."""
+        return self._latent_frames_encoded
+
+    def num_latent_frames(self, pixel_frames: int) -> int:
+        """Latent frames the next `encode` of `pixel_frames` pixel frames will return; raises if the count breaks
+        the frame rule."""
+        self._check_pixel_frames(pixel_frames)
+        first = 1 if self._latent_frames_encoded == 0 else 0
+        return first + (pixel_frames - first) // self.temporal_downsample
+
+    def num_pixel_frames(self, latent_frames: int) -> int:
+        """Pixel frames the next `encode` needs to return `latent_frames` latent frames (9, then 12, for 3)."""
+        if isinstance(latent_frames, bool) or not isinstance(latent_frames, int) or latent_frames < 1:
+            raise ValueError(f"`latent_frames` must be an int >= 1, got {latent_frames!r}.")
+        first = 1 if self._latent_frames_encoded == 0 else 0
+        return first + (latent_frames - first) * self.temporal_downsample
+
+    def _check_pixel_frames(self, pixel_frames: int) -> None:
+        if isinstance(pixel_frames, bool) or not isinstance(pixel_frames, int):
+            raise ValueError(f"`pixel_frames` must be an int, got {pixel_frames!r}.")
+        t = self.temporal_downsample
+        if self._latent_frames_encoded == 0:
+            offset, smallest = 1, 1
+            rule = f"the first chunk of a video takes 1 + {t}*k pixel frames (k >= 0)"
+        else:
+            offset, smallest = 0, t
+            rule = f"after the first chunk, a chunk takes {t}*k pixel frames (k >= 1)"
+        if pixel_frames >= smallest and (pixel_frames - offset) % t == 0:
+            return
+        below = offset + t * ((pixel_frames - offset) // t)
+        nearest = [count for count in (below, below + t) if count >= smallest]
+        raise ValueError(
+            f"`frames` holds {pixel_frames} pixel frames, but {rule}, the VAE's temporal downsampling being {t}; "
+            f"nearest valid counts: {' or '.join(map(str, nearest))}."
+        )
+
+    def _check_frames(self, frames: torch.Tensor) -> tuple[int, int, int]:
+        """Validate a chunk before any work; returns its (batch, height, width)."""
+        c, s = self.in_channels, self.spatial_downsample
+        if not isinstance(frames, torch.Tensor) or frames.ndim != 5:
+            shape = tuple(frames.shape) if isinstance(frames, torch.Tensor) else type(frames).__name__
+            raise ValueError(f"`frames` must be a 5-D tensor (batch, {c}, frames, height, width), got {shape}.")
+        if frames.shape[1] != c:
+            raise ValueError(f"`frames` must have {c} channels (RGB) on dim 1, got shape {tuple(frames.shape)}.")
+        if not frames.is_floating_point():
+            raise ValueError(f"`frames` must be a float tensor with values in [-1, 1], got dtype {frames.dtype}.")
+        batch, _, pixel_frames, height, width = frames.shape
+        if batch == 0 or height == 0 or width == 0 or height % s or width % s:
+            raise ValueError(
+                f"`frames` batch must be >= 1 and height and width multiples of the VAE's spatial downsampling {s}, "
+                f"got shape {tuple(frames.shape)}."
+            )
+        video_shape = (batch, height, width)
+        if self._video_shape is not None and video_shape != self._video_shape:
+            raise ValueError(
+                f"`frames` (batch, height, width) must stay {self._video_shape} within one video, got {video_shape}; "
+                "call reset() to start a new video."
+            )
+        self._check_pixel_frames(pixel_frames)
+        return video_shape
+
+    @torch.no_grad()
+    def encode(
+        self, frames: torch.Tensor, sample: bool = False, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """Encode the next chunk of the current video.
+
+        Args:
+            frames: `(batch, 3, pixel_frames, height, width)` in [-1, 1] (what `load_start_image` and
+                `VideoInput.next_chunk` return), `pixel_frames` by the frame rule (see the class), height and width
+                multiples of `spatial_downsample`. Cast to the VAE's dtype and device. Batch and spatial size must
+                stay the same for every chunk of one video.
+            sample: draw the latents from the posterior instead of taking its mean.
+            generator: the random generator for `sample=True` (on the VAE's device).
+
+        Returns:
+            `(batch, z_dim, latent_frames, height / s, width / s)` in the diffusion model's normalised space
+            (`normalize_wan_latents` applied), in the VAE's dtype, with `latent_frames = num_latent_frames(...)`
+            and `s = spatial_downsample`.
+        """
+        if generator is not None and not sample:
+            raise ValueError("`generator` is only used with `sample=True` (the default takes the posterior's mean).")
+        video_shape = self._check_frames(frames)
+
+        # Same as `apply_forward_hook` on `vae.encode`: lets model offloading move the VAE onto its device.
+        hook = getattr(self.vae, "_hf_hook", None)
+        if hook is not None and hasattr(hook, "pre_forward"):
+            hook.pre_forward(self.vae)
+        weight = self.vae.quant_conv.weight
+        x = frames.to(device=weight.device, dtype=weight.dtype)
+        if self.vae.config.patch_size is not None:
+            x = patchify(x, patch_size=self.vae.config.patch_size)  # (batch, 3 * patch**2, F, H / patch, W / patch)
+
+        # A shallow copy: the convs replace cache entries and never write into them, so until the swap below the
+        # committed cache is untouched, whatever fails part-way. Entries may sit elsewhere after an offload move.
+        cache = [entry.to(weight.device) if isinstance(entry, torch.Tensor) else entry for entry in self._feat_cache]
+        groups = self._groups(x.shape[2])
+        outputs = []
+        for start, stop in groups:
+            conv_idx = [0]  # the encoder walks its convs in order, advancing this index into our cache
+            outputs.append(self.vae.encoder(x[:, :, start:stop], feat_cache=cache, feat_idx=conv_idx))
+        # quant_conv is 1x1x1 (no temporal context): applied per chunk it is exact up to fp32 rounding.
+        moments = self.vae.quant_conv(torch.cat(outputs, dim=2))  # (batch, 2 * z_dim, latent_frames, h, w)
+
+        posterior = DiagonalGaussianDistribution(moments)
+        latents = normalize_wan_latents(posterior.sample(generator) if sample else posterior.mode(), self.vae)
+        self._feat_cache = cache
+        self._latent_frames_encoded += len(groups)
+        self._video_shape = video_shape
+        return latents
+
+    def _groups(self, pixel_frames: int) -> list[tuple[int, int]]:
+        """(start, stop) of each encoder call in a chunk: the video's first frame alone, then `t` frames at a time."""
+        first = 1 if self._latent_frames_encoded == 0 else 0
+        t = self.temporal_downsample
+        return [(0, 1)] * first + [(start, start + t) for start in range(first, pixel_frames, t)]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The position and the feature cache, tensors only (for `safetensors` or `torch.save`).
+
+        Keys: `latent_frames_encoded` (int64 scalar), `video_shape` (int64 `(batch, height, width)`, or empty before
+        the first chunk), `feat_cache_kinds` (int8, one per cached conv: 0 empty, 1 tensor, 2 diffusers' "Rep"
+        marker) and `feat_cache.{i}` for every tensor slot. The tensors are the live ones, not copies: encoding
+        replaces cache entries and never writes into them, so a saved dict stays valid as the video goes on.
+        """
+        kinds = [_EMPTY if e is None else _REP if isinstance(e, str) else _TENSOR for e in self._feat_cache]
+        state = {
+            "latent_frames_encoded": torch.tensor(self._latent_frames_encoded, dtype=torch.int64),
+            "video_shape": torch.tensor(self._video_shape or (), dtype=torch.int64),
+            "feat_cache_kinds": torch.tensor(kinds, dtype=torch.int8),
+        }
+        for i, entry in enumerate(self._feat_cache):
+            if isinstance(entry, torch.Tensor):
+                state[f"feat_cache.{i}"] = entry
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Continue a video from `state_dict()`'s result (same VAE layout); the next `encode` picks up where the
+        saved encoder stopped. Checked whole before anything changes. Tensors move to the VAE's device at the next
+        `encode`."""
+        kinds = state_dict.get("feat_cache_kinds")
+        if not isinstance(kinds, torch.Tensor) or kinds.shape != (self._num_cached_convs,):
+            found = tuple(kinds.shape) if isinstance(kinds, torch.Tensor) else None
+            raise ValueError(
+                "`state_dict` must come from StreamingWanEncoder.state_dict() for a VAE with the same layout: "
+                f"feat_cache_kinds of shape ({self._num_cached_convs},), one per causal encoder conv, got {found}."
+            )
+        kinds = kinds.tolist()
+        expected = {"latent_frames_encoded", "video_shape", "feat_cache_kinds"}
+        expected |= {f"feat_cache.{i}" for i, kind in enumerate(kinds) if kind == _TENSOR}
+        if set(state_dict) != expected or not set(kinds) <= {_EMPTY, _TENSOR, _REP}:
+            raise ValueError(
+                f"`state_dict` keys or feat_cache_kinds do not match: missing {sorted(expected - set(state_dict))}, "
+                f"unexpected {sorted(set(state_dict) - expected)}, kinds {sorted(set(kinds))} (allowed 0, 1, 2)."
+            )
+        video_shape = tuple(state_dict["video_shape"].tolist())
+        if len(video_shape) not in (0, 3):
+            raise ValueError(
+                f"`state_dict['video_shape']` must be empty or (batch, height, width), got {video_shape}."
+            )
+        self._feat_cache = [
+            state_dict[f"feat_cache.{i}"] if kind == _TENSOR else _REP_MARKER if kind == _REP else None
+            for i, kind in enumerate(kinds)
+        ]
+        self._latent_frames_encoded = int(state_dict["latent_frames_encoded"])
+        self._video_shape = video_shape or None

@@ -1,0 +1,235 @@
+"""The demo's checks, without a server: the Generate form's fields (`rolldiff.demo.fields`) and the one address
+check that the demo's `launch`, its example script and `rolldiff demo` share (`rolldiff.demo.serving`).
+
+Every refusal names the field (or argument), says what is allowed and repeats the value received.
+"""
+
+import math
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from rolldiff.cli import main
+from rolldiff.demo import (
+    MAX_SEED,
+    ChunkSettings,
+    DemoInputError,
+    DemoSettings,
+    GenerateConfig,
+    GenerateFields,
+    check_address,
+    parse_position_mode,
+    parse_prompt,
+    parse_seconds,
+    parse_steps,
+    parse_whole_number,
+)
+
+RED = "a red circle moving left"
+
+
+# ---------------------------------------------------------------------------------------- one field
+@pytest.mark.parametrize(("raw", "number"), [(3, 3), (3.0, 3), ("3", 3), (" 12 ", 12), ("4.0", 4), (0, 0)])
+def test_a_whole_number_is_read_from_a_number_or_its_text(raw, number):
+    assert parse_whole_number("Seed", raw, 0, 100) == number
+    assert type(parse_whole_number("Seed", raw, 0, 100)) is int
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (2.5, "Seed: type a whole number from 0 to 100, got 2.5."),
+        (101, "Seed: type a whole number from 0 to 100, got 101."),
+        (-1, "Seed: type a whole number from 0 to 100, got -1."),
+        ("two", "Seed: type a number, got 'two'."),
+        (True, "Seed: type a number, got True."),  # a bool is not a number a person typed
+        ([3], "Seed: type a number, got [3]."),
+        (math.inf, "Seed: type a finite number, got inf."),
+        ("nan", "Seed: type a finite number, got 'nan'."),
+    ],
+)
+def test_a_bad_whole_number_names_the_field_the_range_and_the_value(raw, message):
+    with pytest.raises(DemoInputError) as refused:
+        parse_whole_number("Seed", raw, 0, 100)
+    assert str(refused.value) == message
+
+
+def test_a_whole_number_without_an_upper_bound_says_from_lowest_up():
+    assert parse_whole_number("Chunk frames", "1000000", 1) == 1_000_000
+    with pytest.raises(DemoInputError, match=r"^Chunk frames: type a whole number from 1 up, got 0\.$"):
+        parse_whole_number("Chunk frames", 0, 1)
+
+
+def test_seconds_are_above_zero_and_at_most_the_demos_limit():
+    assert parse_seconds("2.5", 60) == 2.5 and parse_seconds(60, 60) == 60.0
+    for raw in (0, -1, 60.5):
+        with pytest.raises(
+            DemoInputError, match=rf"^Length \(seconds\): type a number above 0 and at most 60, got {raw!r}"
+        ):
+            parse_seconds(raw, 60)
+
+
+def test_a_prompt_is_stripped_and_an_empty_one_gets_an_example():
+    assert parse_prompt(f"  {RED}\n") == RED
+    for empty in (None, "", "   "):
+        with pytest.raises(DemoInputError, match="^Prompt: type a prompt first, for example “a red circle"):
+            parse_prompt(empty)
+    with pytest.raises(DemoInputError, match=r"^Switch prompt: type some words, got \['a'\]\.$"):
+        parse_prompt(["a"], label="Switch prompt")
+
+
+@pytest.mark.parametrize(
+    ("raw", "steps"),
+    [
+        ("1000, 750, 500, 250", [1000, 750, 500, 250]),
+        ("1000 500", [1000, 500]),
+        ("900,", [900]),
+        ([1000, 500], [1000, 500]),
+    ],
+)
+def test_denoising_steps_are_read_from_commas_or_spaces_or_a_list(raw, steps):
+    assert parse_steps(raw) == steps
+
+
+@pytest.mark.parametrize("empty", [None, "", "  "])
+def test_empty_denoising_steps_mean_the_models_own(empty):
+    assert parse_steps(empty) is None
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ("500, 1000", "Denoising steps: type strictly decreasing numbers in 1..1000"),
+        ("1000, 1000", "Denoising steps: type strictly decreasing numbers in 1..1000"),
+        ("1000, 0", "Denoising steps: type a whole number from 1 to 1000, got '0'."),
+        ("fast", "Denoising steps: type a number, got 'fast'."),
+        (750, "Denoising steps: type decreasing numbers from 1000 down"),
+    ],
+)
+def test_bad_denoising_steps_say_what_to_type(raw, message):
+    with pytest.raises(DemoInputError) as refused:
+        parse_steps(raw)
+    assert str(refused.value).startswith(message)
+
+
+def test_the_position_mode_is_one_of_the_caches_or_empty():
+    assert parse_position_mode("relative") == "relative" and parse_position_mode("") is None
+    with pytest.raises(DemoInputError, match=r"^Position mode: choose one of absolute, relative, got 'up'\.$"):
+        parse_position_mode("up")
+
+
+# ---------------------------------------------------------------------------------------- the Advanced section
+def test_empty_advanced_fields_are_the_models_own_and_set_ones_are_numbers():
+    assert ChunkSettings.parse("", None, " ", "", "") == ChunkSettings()
+    assert ChunkSettings.parse("2", 0, "6", "1000, 500", "absolute") == ChunkSettings(
+        chunk_frames=2, sink_frames=0, window_frames=6, denoising_steps=[1000, 500], position_mode="absolute"
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (("0", None, None), "Chunk frames: type a whole number from 1 up, got '0'."),
+        ((None, "-1", None), "Sink frames: type a whole number from 0 up, got '-1'."),
+        ((None, None, "1.5"), "Window frames: type a whole number from 1 up, got '1.5'."),
+    ],
+)
+def test_a_bad_cache_field_is_named_by_its_label(fields, message):
+    with pytest.raises(DemoInputError) as refused:
+        ChunkSettings.parse(*fields, None, None)
+    assert str(refused.value) == message
+
+
+# ---------------------------------------------------------------------------------------- the whole form
+def test_the_form_checks_into_one_config_with_the_demos_defaults():
+    config = GenerateFields(prompt=f" {RED} ", seconds="3", chunk_frames="1").check(max_seconds=60)
+    assert config == GenerateConfig(
+        prompt=RED, seconds=3.0, seed=0, model=None, settings=ChunkSettings(chunk_frames=1)
+    )
+    assert GenerateFields(RED, 1, MAX_SEED, "sana").check(60).model == "sana"
+
+
+def test_the_forms_fields_are_the_generate_apis_arguments_in_the_pages_order():
+    assert GenerateFields.names() == [
+        "prompt", "seconds", "seed", "model", "chunk_frames", "sink_frames", "window_frames", "denoising_steps",
+        "position_mode",
+    ]  # fmt: skip
+
+
+def test_the_first_bad_field_in_the_pages_order_is_the_one_named():
+    form = GenerateFields(prompt=RED, seconds="long", seed=-1, chunk_frames=0)
+    with pytest.raises(DemoInputError, match=r"^Length \(seconds\): type a number, got 'long'\.$"):
+        form.check(60)
+
+
+def test_the_form_is_frozen():
+    form = GenerateFields(prompt=RED, seconds=1)
+    with pytest.raises(AttributeError):
+        form.seconds = 2
+
+
+@pytest.mark.parametrize("setting", ["fps", "max_seconds", "max_concurrency"])
+@pytest.mark.parametrize("value", [0, -2, 2.5, True, "16"])
+def test_a_bad_demo_setting_names_the_argument(setting, value):
+    with pytest.raises(ValueError, match=rf"^`{setting}` must be a positive whole number, got {value!r}\.$"):
+        DemoSettings(**{setting: value})
+
+
+# ---------------------------------------------------------------------------------------- the address check
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "localhost"])
+def test_an_address_of_this_machine_on_a_free_port_is_accepted_and_left_free(host):
+    port = _free_port()
+    check_address(host, port)
+    with socket.socket() as server:  # the check released what it bound: the server can take it
+        server.bind(("127.0.0.1", port))
+
+
+BAD_ADDRESSES = {
+    "port-too-big": ("127.0.0.1", 70000, "`port` must be a whole number from 1 to 65535, got 70000."),
+    "port-zero": ("127.0.0.1", 0, "`port` must be a whole number from 1 to 65535, got 0."),
+    "host-empty": ("", 7860, "`host` must be an address of this machine such as 127.0.0.1 or 0.0.0.0, got ''."),
+    "host-not-ipv4": ("999.1.1.1", 7860, "`host` '999.1.1.1' is not a valid IPv4 address (four numbers 0-255)."),
+    "host-unresolvable": ("no-such-host.invalid", 7860, "`host` 'no-such-host.invalid' is not an address or a name"),
+    "host-label-too-long": ("a" * 64 + ".com", 7860, f"`host` '{'a' * 64}.com' is not an address or a name"),
+    "host-not-this-machine": ("192.0.2.1", 7860, "cannot serve on `host` '192.0.2.1' `port` 7860:"),
+}
+
+
+@pytest.mark.parametrize(("host", "port", "message"), BAD_ADDRESSES.values(), ids=BAD_ADDRESSES.keys())
+def test_the_demo_and_the_command_refuse_an_address_with_the_same_words(host, port, message, monkeypatch, capsys):
+    with pytest.raises(ValueError) as refused:
+        check_address(host, port)
+    assert str(refused.value).startswith(message)
+
+    monkeypatch.setattr("rolldiff.demo.build_demo", lambda *a, **k: pytest.fail("the demo was built"))
+    assert main(["demo", "--host", host, "--port", str(port)]) == 2
+    as_flags = message.replace("`host`", "--host").replace("`port`", "--port")
+    assert capsys.readouterr().err.startswith(f"rolldiff: error: {as_flags}")
+
+
+def test_a_port_in_use_is_refused_by_both_with_the_same_words(monkeypatch, capsys):
+    monkeypatch.setattr("rolldiff.demo.build_demo", lambda *a, **k: pytest.fail("the demo was built"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"^cannot serve on `host` '127.0.0.1' `port` {port}: Address already"):
+            check_address("127.0.0.1", port)
+        assert main(["demo", "--port", str(port)]) == 2
+    assert f"cannot serve on --host '127.0.0.1' --port {port}: Address already in use" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- no UI below the page
+def test_the_checks_and_the_session_logic_import_without_gradio():
+    """Only `rolldiff.demo.page` imports Gradio: the rest runs (and is tested) without a UI."""
+    code = "import sys, rolldiff.demo.session, rolldiff.demo.fields, rolldiff.demo.serving; print('gradio' in sys.modules)"
+    imported = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert imported.stdout.strip() == "False"
