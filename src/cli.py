@@ -186,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--kv-offload", action="store_true", default=None, help="keep the K/V window in CPU memory between blocks"
     )
+    generate.add_argument("--image", type=Path, help="start frame (image-to-video): a PNG/JPEG the video starts on")
+    generate.add_argument(
+        "--video", type=Path, help="input video (video-to-video), read chunk by chunk; the output ends with it"
+    )
+    generate.add_argument(
+        "--strength",
+        type=float,
+        help="with --video: how much of each input chunk is regenerated, in (0, 1] (default 0.8)",
+    )
     generate.add_argument(
         "--quality",
         type=_quality,
@@ -232,6 +241,19 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _start_image(path: Path | None):
+    """`--image` read as an RGB picture, or a usage error naming the file."""
+    if path is None:
+        return None
+    import PIL.Image
+
+    try:
+        with PIL.Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--image: cannot read {str(path)!r} as an image ({exc})") from None
+
+
 # ---------------------------------------------------------------------------------------- commands
 def run_generate(args: argparse.Namespace) -> int:
     try:
@@ -241,6 +263,9 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.prompt is None and not any(frame == 0 for frame, _ in args.prompt_at):
         raise UsageError("give --prompt, or a --prompt-at 0:TEXT for the first frames")
 
+    image = _start_image(args.image)  # read (and refused) before the model loads
+    if args.video is not None and not args.video.is_file():
+        raise UsageError(f"--video: no such file {str(args.video)!r}")
     device = args.device or default_device()
     pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
     pipe.set_progress_bar_config(disable=True)  # ours counts chunks of the whole video instead
@@ -259,13 +284,16 @@ def run_generate(args: argparse.Namespace) -> int:
         position_mode=args.position_mode,
         kv_quantization=args.kv_quantization,
         kv_offload=args.kv_offload,
+        image=image,
+        video=None if args.video is None else str(args.video),
+        strength=args.strength,
     )
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PromptWarning)
             # Checks every argument and names the bad one; nothing runs until the stream is iterated.
-            pipe.stream(args.prompt, num_frames, height, width, **options)
-    except (ValueError, TypeError) as exc:
+            pipe.stream(args.prompt, num_frames, height, width, **options).close()
+    except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from exc
     _report_warnings(caught)
     rounded = " (rounded up to whole chunks)" if num_frames != round(args.seconds * args.fps) else ""

@@ -224,10 +224,11 @@ def test_each_chunk_plots_its_time_and_a_flat_cache_memory(server):
 
 
 def test_the_memory_plot_reads_the_running_cache(server):
-    """A longer window (Advanced) holds more tokens: the plotted bytes follow the cache actually used."""
+    """A longer window (Advanced) holds more tokens: the plotted bytes follow the cache actually used. 2 s (8
+    latent frames) fill both windows: a window past the video would be shortened to what the video fills."""
     client = _client(server)
-    default = client.predict(RED, 1, 0, api_name="/generate")[-1]["cache_bytes"]
-    longer = client.predict(RED, 1, 0, window_frames=6, api_name="/generate")[-1]["cache_bytes"]
+    default = client.predict(RED, 2, 0, api_name="/generate")[-1]["cache_bytes"]
+    longer = client.predict(RED, 2, 0, window_frames=6, api_name="/generate")[-1]["cache_bytes"]
     sink_tokens, window_tokens = 2, 4  # the tiny pipeline's sink and window, in latent frames
     assert longer > default
     assert longer - default == pytest.approx(default * 2 / (sink_tokens + window_tokens), rel=0.25)

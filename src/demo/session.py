@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from ..defaults import embedded_models, frames_for_seconds, load_pipeline, native_size
-from ..pipelines.chunked_video import StreamState
 from .fields import ChunkSettings, DemoInputError, DemoSettings, GenerateConfig, prompt_notes
 
 
@@ -75,68 +74,47 @@ class LivePrompt:
             return latest, self._prompts[latest]
 
 
-# ======================================================================================== THE STREAM BOUNDARY
-# The only code of the demo that touches the pipeline's stream internals (today's `StreamState`, `run.schedule`,
-# `_latent_to_pixel_start`, `_check_size`). Porting to `ChunkStream` changes this class only:
-#   - `__init__`: `self._stream = pipe.stream(...)` (no `state=`), no schedule swap; `live.last_chunk_start` from
-#     the stream's `num_chunks` (the last chunk's first pixel frame);
-#   - `__next__`: before pulling a chunk, `number, prompt = self._live.at_chunk(<first pixel frame of
-#     stream.next_chunk>)` and, when `number` changed, `self._stream.switch_prompt(prompt)`; then `next(...)`;
-#   - `cache_bytes`: `self._stream.memory_bytes()`; `active_index`, `prompts`, `batch_size`, `may_switch` go.
 class LiveStream:
-    """One generation's decoded chunks, following a `LivePrompt` as it changes, and its cache's size.
+    """One generation's decoded chunks (a `ChunkStream`), following a `LivePrompt` as it changes.
 
-    Today it also stands in for the chunk loop's `PromptSchedule` (`active_index`, `prompts`): the loop asks it
-    for the active prompt at every chunk boundary, which is how a live switch reaches the loop.
+    Before each chunk it asks the live prompt which switch is in effect at that chunk's first frame and, when
+    it changed, hands it to the stream's `switch_prompt` (applied at that chunk boundary, with the re-cache).
     """
-
-    batch_size = 1
-    may_switch = True  # switches can come at any chunk: the loop keeps the recent latents a re-cache needs
 
     def __init__(
         self, pipe, live: LivePrompt, num_frames: int, height: int, width: int, seed: int, settings: ChunkSettings
     ) -> None:
         """Checks every argument now (the pipeline's ValueError) and does no work yet."""
-        self._live = live
-        self._texts = {0: live.prompt}  # switch number -> prompt, for `prompts`
-        self._state = StreamState()  # this video's own caches (what `cache_bytes` reads) and decoder
-        self._chunks = pipe.stream(
+        self._pipe, self._live, self._switch = pipe, live, 0
+        self._stream = pipe.stream(
             live.prompt, num_frames, height, width, denoising_steps=settings.denoising_steps,
-            generator=torch.Generator("cpu").manual_seed(seed), output_type="np", state=self._state,
+            generator=torch.Generator("cpu").manual_seed(seed), output_type="np",
             **settings.cache_options(pipe),
         )  # fmt: skip
-        run = self._state.run
-        run.schedule = self  # asked for the active prompt at every chunk boundary
-        live.last_chunk_start = pipe._latent_to_pixel_start(run.num_latent_frames - run.chunk_shape[2])  # noqa: SLF001
+        live.last_chunk_start = self._stream.last_chunk_start
 
     def __iter__(self) -> LiveStream:
         return self
 
     def __next__(self) -> np.ndarray:
         """The next chunk's frames `(1, frames, height, width, 3)` in [0, 1]; StopIteration after the last."""
-        return next(self._chunks)
+        stream = self._stream
+        first_frame = self._pipe.latent_to_pixel_start(stream.next_chunk * stream.request.chunk_shape[2])
+        number, prompt = self._live.at_chunk(first_frame)
+        if number != self._switch:
+            self._switch = number
+            stream.switch_prompt(prompt)
+        return next(stream)
 
     def cache_bytes(self) -> int:
         """What the stream's KV caches (one per guidance branch) hold now, in bytes."""
-        return sum(cache.memory_bytes() for cache in self._state.caches)
-
-    def active_index(self, frame: int) -> int:
-        number, prompt = self._live.at_chunk(frame)
-        self._texts[number] = prompt
-        return number
-
-    def prompts(self, index: int) -> list[str]:
-        return [self._texts[index]]
+        return self._stream.memory_bytes()
 
     @staticmethod
     def check_frame_size(pipe, height: int, width: int) -> None:
         """Refuse a frame size `pipe.stream` would refuse (multiples of VAE factor x patch), with its message."""
-        _, patch_height, patch_width = pipe.transformer.config.patch_size
-        pipe._check_size("height", height, patch_height)  # noqa: SLF001
-        pipe._check_size("width", width, patch_width)  # noqa: SLF001
-
-
-# ======================================================================================== END OF THE BOUNDARY
+        pipe.check_size("height", height)
+        pipe.check_size("width", width)
 
 
 @dataclass

@@ -65,6 +65,7 @@ PIPELINE_HOOKS: dict[str, bool] = {  # name -> required
     "cache_storage": False,
     "make_stream_cache": False,
     "make_decoder": False,
+    "make_encoder": False,
     "encode_prompt": False,
 }
 

@@ -28,6 +28,7 @@ from diffusers.video_processor import VideoProcessor
 
 from ..caching.layout import ChunkLayout
 from ..models.weights import check_pipeline_weights
+from .conditioning import build_conditioning
 from .prompt_schedule import PromptSchedule
 from .request import (
     CacheOptions,
@@ -46,6 +47,7 @@ from .request import (
 )
 from .stream import ChunkStream
 from .streaming_decode import StreamingWanDecoder
+from .streaming_encode import StreamingWanEncoder
 from .text_encoding import check_max_sequence_length, check_prompts, encode_prompts
 
 
@@ -98,6 +100,13 @@ _ARGUMENTS = """
                 kv_offload: the family's cache options (`cache_options`; the family's pipeline docstring says
                 what each means); `None` takes the pipeline config's value, and a family refuses an option it
                 does not have. A window longer than the video is shortened to what the video can fill.
+            image: a start frame (image-to-video): a PIL image, an `(H, W, 3)` array, a `(3, H, W)` tensor, or one
+                per batch element; resized like diffusers' `VideoProcessor`. It is encoded, repeated over the first
+                chunk, and becomes the clean first chunk: frame 0 of the video is the image.
+            video: an input video (video-to-video), streamed chunk by chunk: a file path, an `(F, H, W, 3)` array,
+                or any iterator of frames (endless included, e.g. a webcam). The output ends with the input.
+            strength: how much of each input chunk is replaced, in (0, 1] (default 0.8, diffusers'); of the N
+                denoising steps the last `int(N * strength)` run. 1.0 equals text-to-video with the same noise.
 """
 
 
@@ -197,6 +206,9 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         attention_bias: float | None = None,
         kv_quantization: str | None = None,
         kv_offload: bool | None = None,
+        image: Any = None,
+        video: Any = None,
+        strength: float | None = None,
     ) -> ChunkStream:
         """A live generation (`ChunkStream`): iterate it for each chunk's frames as soon as they are made.
 
@@ -228,6 +240,15 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         self._check_schedule_text(schedule, negatives, max_sequence_length, prompt_embeds is not None, prompt is None)
         latent_shape = (*geometry.chunk_shape[:2], geometry.num_latent_frames, *geometry.chunk_shape[3:])
         check_generator(generator, batch_size)
+        conditioning = build_conditioning(
+            image,
+            video,
+            strength,
+            batch_size,
+            geometry.height,
+            geometry.width,
+            self.latent_to_frames(layout.chunk_frames),
+        )
         request = VideoRequest(
             geometry=geometry,
             layout=layout,
@@ -248,6 +269,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             callback_tensor_inputs=check_callback(
                 callback_on_step_end, callback_on_step_end_tensor_inputs, tuple(self._callback_tensor_inputs)
             ),
+            conditioning=conditioning,
         )
         return ChunkStream(self, request)
 
@@ -334,6 +356,9 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         attention_bias: float | None = None,
         kv_quantization: str | None = None,
         kv_offload: bool | None = None,
+        image: Any = None,
+        video: Any = None,
+        strength: float | None = None,
         return_dict: bool = True,
     ) -> ChunkedVideoPipelineOutput | tuple:
         """Generate a whole video: the frames of one `stream(...)` with the same arguments, joined.
@@ -366,6 +391,9 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             attention_bias=attention_bias,
             kv_quantization=kv_quantization,
             kv_offload=kv_offload,
+            image=image,
+            video=video,
+            strength=strength,
         )
         frames = concat_chunks(list(stream), output_type)
         if not return_dict:
@@ -472,6 +500,10 @@ class ChunkedVideoPipeline(DiffusionPipeline):
     def cache_storage(self, request: VideoRequest) -> dict[str, Any]:
         """Keyword arguments of the transformer's `make_cache` beyond the layout (e.g. quantized storage)."""
         return {}
+
+    def make_encoder(self) -> StreamingWanEncoder:
+        """A fresh streaming encoder for one stream's start image or input video (its own feature cache)."""
+        return StreamingWanEncoder(self.vae)
 
     def make_decoder(self):
         """A fresh streaming decoder for one stream: the Wan VAE's causal decoder with a feature cache of its own."""

@@ -16,12 +16,15 @@ import math
 import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from ..caching.layout import ChunkLayout
 from .prompt_schedule import PromptSchedule
+
+if TYPE_CHECKING:
+    from .conditioning import Conditioning
 
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 
@@ -114,6 +117,7 @@ class VideoRequest:
     generator: torch.Generator | list[torch.Generator] | None = None
     callback_on_step_end: Callable | None = None
     callback_tensor_inputs: tuple[str, ...] = ("latents",)
+    conditioning: Conditioning | None = None  # a start image or an input video (`rolldiff.pipelines.conditioning`)
 
     @property
     def batch_size(self) -> int:

@@ -29,6 +29,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
+from .conditioning import ConditioningInput, strength_steps
 from .request import VideoRequest, check_embeds
 
 if TYPE_CHECKING:
@@ -69,6 +70,7 @@ class ChunkStream(Iterator[Any]):
         self._embeds: list[torch.Tensor] = []
         self._recent: torch.Tensor | None = None
         self._decoder = None
+        self._inputs: ConditioningInput | None = None  # a start image or an input video, with its encoder
         self._progress = None
         self._scheduler = FlowMatchEulerDiscreteScheduler.from_config(
             pipe.scheduler.config, stochastic_sampling=True, use_dynamic_shifting=False
@@ -187,6 +189,8 @@ class ChunkStream(Iterator[Any]):
         chunk_shape = request.chunk_shape
         self._recent = torch.zeros((*chunk_shape[:2], 0, *chunk_shape[3:]), device=device, dtype=dtype)
         self._decoder = pipe.make_decoder() if request.output_type != "latent" else None
+        if request.conditioning is not None:
+            self._inputs = ConditioningInput(request.conditioning, pipe.make_encoder())
         self._caches, self._embeds = caches, embeds
         pipe.interrupt = False
         self._started = True
@@ -212,25 +216,21 @@ class ChunkStream(Iterator[Any]):
             return self._emit(clean)
 
     def _generate_chunk(self) -> torch.Tensor | None:
-        """Denoise, context-pass and commit the next chunk; its clean latents in the model's dtype."""
+        """Denoise, context-pass and commit the next chunk; its clean latents in the model's dtype (None: the
+        input video ended, or `pipe.interrupt` was set)."""
         pipe, request = self._pipe, self._request
-        device, dtype = pipe.execution_device, pipe.transformer.dtype
-        chunk_frames = request.chunk_shape[2]
+        dtype, chunk_frames = pipe.transformer.dtype, request.chunk_shape[2]
         start = self._next_chunk * chunk_frames
         self._apply_due_switches()
-        if request.latents is None:  # drawn now, chunk by chunk: nothing the size of the video exists
-            noisy = randn_tensor(request.chunk_shape, generator=request.generator, device=device, dtype=torch.float32)
+        given = None if self._inputs is None else self._inputs.latents(self._next_chunk, chunk_frames)
+        if given is None and self._inputs is not None and self._inputs.is_video:
+            return None  # the input ended: the output ends with it, at its last whole chunk
+        if given is not None and not self._inputs.is_video:
+            clean = given.to(dtype)  # the start image's chunk: clean context, nothing to denoise
         else:
-            noisy = request.latents[:, :, start : start + chunk_frames].to(device=device, dtype=torch.float32)
-        scheduler = self._scheduler
-        scheduler.set_timesteps(sigmas=[s / 1000.0 for s in request.denoising_steps], device=device)
-        for timestep in scheduler.timesteps:
-            if pipe.interrupt:
+            clean = self._denoise_chunk(start, given)
+            if clean is None:
                 return None
-            velocity = self._velocity(noisy.to(dtype), float(timestep))
-            noisy = scheduler.step(velocity.float(), timestep, noisy, generator=request.generator).prev_sample
-            noisy = self._after_step(noisy.float(), timestep)
-        clean = noisy.to(dtype)  # the last step re-noises to sigma 0: the clean chunk
         if not torch.isfinite(clean).all():
             raise FloatingPointError(
                 f"Chunk {self._next_chunk} produced NaN or infinite latents; generation stopped (frames before it "
@@ -242,6 +242,30 @@ class ChunkStream(Iterator[Any]):
         self._recent = torch.cat([self._recent, clean], dim=2)[:, :, max(0, held - keep) :]
         self._next_chunk += 1
         return clean
+
+    def _denoise_chunk(self, start: int, given: torch.Tensor | None) -> torch.Tensor | None:
+        """The chunk from fresh noise (text-to-video) or from `given` input latents noised to `strength`."""
+        pipe, request = self._pipe, self._request
+        device, dtype, chunk_frames = pipe.execution_device, pipe.transformer.dtype, request.chunk_shape[2]
+        if request.latents is None:  # drawn now, chunk by chunk: nothing the size of the video exists
+            noisy = randn_tensor(request.chunk_shape, generator=request.generator, device=device, dtype=torch.float32)
+        else:
+            noisy = request.latents[:, :, start : start + chunk_frames].to(device=device, dtype=torch.float32)
+        steps = request.denoising_steps
+        if given is not None:
+            steps = strength_steps(steps, request.conditioning.strength)
+        scheduler = self._scheduler
+        scheduler.set_timesteps(sigmas=[s / 1000.0 for s in steps], device=device)
+        if given is not None:  # flow matching: x_sigma = sigma * noise + (1 - sigma) * x0 (sigma 1: the noise)
+            sigma = scheduler.sigmas[0].to(device)
+            noisy = sigma * noisy + (1.0 - sigma) * given.to(device=device, dtype=torch.float32)
+        for timestep in scheduler.timesteps:
+            if pipe.interrupt:
+                return None
+            velocity = self._velocity(noisy.to(dtype), float(timestep))
+            noisy = scheduler.step(velocity.float(), timestep, noisy, generator=request.generator).prev_sample
+            noisy = self._after_step(noisy.float(), timestep)
+        return noisy.to(dtype)  # the last step re-noises to sigma 0: the clean chunk
 
     def _velocity(self, chunk: torch.Tensor, timestep: float) -> torch.Tensor:
         """The velocity for one chunk at `timestep` (guided when a negative branch exists)."""
@@ -285,6 +309,8 @@ class ChunkStream(Iterator[Any]):
         if self._closed:
             return
         self._closed = True
+        if self._inputs is not None:
+            self._inputs.close()
         if self._progress is not None:
             self._progress.close()
         self._pipe.maybe_free_model_hooks()
@@ -314,6 +340,8 @@ class ChunkStream(Iterator[Any]):
         if self._pending is not None:
             state["pending_embeds"] = self._pending
         state["recent"] = self._recent
+        if self._inputs is not None:
+            state.update({f"inputs.{key}": value for key, value in self._inputs.state_dict().items()})
         for index, generator in enumerate(self._generators()):
             state[f"generator.{index}"] = generator.get_state()
         position = [STREAM_STATE_VERSION, self._next_chunk, self._step_index, self._frames_emitted]
@@ -345,6 +373,8 @@ class ChunkStream(Iterator[Any]):
         pending = state.get("pending_embeds")
         self._pending = None if pending is None else pending.to(device=device, dtype=dtype)
         self._recent = state["recent"].to(device=device, dtype=dtype)
+        if self._inputs is not None:
+            self._inputs.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("inputs.")})
         generators = self._generators()
         saved = sorted(k for k in state if k.startswith("generator."))
         if len(saved) != len(generators):

@@ -1,0 +1,63 @@
+"""`rolldiff generate --image` / `--video --strength` with the embedded default model, resume included."""
+
+from __future__ import annotations
+
+import imageio.v3 as iio
+import numpy as np
+import PIL.Image
+import pytest
+
+from rolldiff.cli import main
+from rolldiff.pipelines.video_writer import StreamingVideoWriter
+from rolldiff.toyworld import render_video
+
+BASE = ["generate", "--prompt", "a blue square moving up", "--seconds", "1", "--fps", "12"]
+
+
+def _read(path) -> np.ndarray:
+    return iio.imread(path, plugin="FFMPEG", index=None)
+
+
+def test_image_to_video_starts_on_the_image(tmp_path):
+    image = render_video("a red circle moving left", num_frames=1, seed=2)[0]
+    PIL.Image.fromarray(image).save(tmp_path / "start.png")
+    out = tmp_path / "video.mp4"
+    assert main([*BASE, "--image", str(tmp_path / "start.png"), "--out", str(out), "--quality", "10"]) == 0
+    first = _read(out)[0].astype(float)
+    assert np.abs(first - image).mean() < 0.05 * 255  # the VAE round trip of the start image
+
+
+def test_video_to_video_follows_the_input_and_resumes(tmp_path, monkeypatch):
+    source = tmp_path / "input.mp4"
+    iio.imwrite(source, render_video("a red circle moving left", num_frames=12, seed=1), fps=12, codec="libx264")
+    arguments = [*BASE, "--video", str(source), "--strength", "0.5", "--state-every", "0"]
+    whole = tmp_path / "whole.mp4"
+    assert main([*arguments, "--out", str(whole)]) == 0
+    assert _read(whole).shape[0] == 12  # one second of input: the output ends with it
+
+    out, real_write, writes = tmp_path / "video.mp4", StreamingVideoWriter.write, []
+
+    def write_then_fail(self, frames):
+        real_write(self, frames)
+        writes.append(len(frames))
+        if len(writes) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(StreamingVideoWriter, "write", write_then_fail)
+    assert main([*arguments, "--out", str(out)]) == 130
+    monkeypatch.setattr(StreamingVideoWriter, "write", real_write)
+    assert main([*arguments, "--out", str(out), "--resume"]) == 0
+    assert _read(out).shape == _read(whole).shape
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--image", "missing.png"], "--image"),
+        (["--video", "missing.mp4"], "--video"),
+        (["--strength", "0.5"], "strength"),
+    ],
+)
+def test_bad_conditioning_flags_exit_2_with_the_flag_named(tmp_path, capsys, extra, message):
+    assert main([*BASE, *extra, "--out", str(tmp_path / "video.mp4")]) == 2
+    assert message in capsys.readouterr().err
