@@ -29,13 +29,11 @@ from rolldiff import KreaRealtimeTransformer3DModel, KreaRealtimeVideoPipeline
 from rolldiff.cli import main
 from rolldiff.defaults import ModelNotFoundError, load_pipeline
 from rolldiff.models.wan_conversion import (
-    StrictWeightsMixin,
-    WeightsMismatchError,
-    check_weights_match_config,
     convert_original_wan_state_dict,
     infer_wan_config,
     load_original_wan_checkpoint,
 )
+from rolldiff.models.weights import StrictWeightsMixin, WeightsMismatchError, check_weights_match_config
 from rolldiff.pipelines.text_encoding import PromptWarning, check_max_sequence_length
 from rolldiff.pipelines.video_writer import StreamingVideoWriter
 

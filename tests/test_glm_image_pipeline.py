@@ -60,6 +60,21 @@ def test_editing_with_two_references_equals_diffusers(pipelines, guidance_scale)
     assert np.abs(image - other).max() > 1e-3  # the references reach the decoder
 
 
+def test_training_mode_first_call_equals_diffusers():
+    """Dropout draws from the global generator, which the prior reseeds: the draws must come in diffusers' order."""
+    ours, theirs = tiny_pipelines()
+    for pipe in (ours, theirs):
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.train()
+    assert ours.text_encoder.config.dropout_rate > 0  # the glyph encoder's dropout is live
+    images = []
+    for pipe in (ours, theirs):
+        torch.manual_seed(123)  # the same global state before the call
+        images.append(generate(pipe, steps=1, prompt="a 'red' cat"))
+    assert_same(*images)
+
+
 def test_editing_with_num_images_per_prompt_equals_diffusers(pipelines):
     """One sample's conditions written at batch 1, read by a batch of 2."""
     ours, theirs = pipelines
@@ -92,6 +107,17 @@ def test_references_of_different_sizes_per_prompt_equal_each_prompt_alone(pipeli
         np.testing.assert_allclose(batch[s], image[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
         theirs(prompts, image=references, latents=latents, **given, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    ["a cat", "a 'red' cat", "'a' \"b\" 'c' cat", ["a cat", "the 'big' \u201cred\u201d dog"], "'" + "x" * 40 + "'"],
+)
+def test_glyph_tokens_counts_what_encode_prompt_gives(pipelines, prompt):
+    """The cache capacity is checked from the tokenizer alone, before the prior and the glyph encoder run."""
+    ours, _ = pipelines
+    embeds, _ = ours.encode_prompt(prompt, False, max_sequence_length=16, device=torch.device("cpu"))
+    assert ours.glyph_tokens(prompt, max_sequence_length=16) == embeds.shape[1]
 
 
 def test_reused_condition_cache_gives_the_same_image(pipelines):
@@ -208,7 +234,7 @@ BAD_INPUTS = {
     "condition larger than the cache": (
         dict(prompt="a cat", image=[reference_image(64, 64)], condition_cache=ConditionKVCache(1, max_tokens=16)),
         ValueError,
-        "16 condition tokens \\+ 4 current tokens = 20",
+        "16 condition tokens \\+ 5 current tokens = 21",
     ),
     "batch larger than an allocated cache": (
         dict(prompt="a cat", image=[reference_image()], num_images_per_prompt=3, condition_cache=allocated_cache(2)),

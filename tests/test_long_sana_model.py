@@ -160,6 +160,50 @@ def test_without_a_cache_the_model_is_diffusers_sana_video(models):
     torch.testing.assert_close(received, expected, atol=0, rtol=0)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize(
+    "timestep_form",
+    ["(batch,)", "(batch, 1)", "(batch, tokens)", "(batch * tokens,)", "scalar", "(batch, frames)"],
+)
+def test_without_a_cache_every_timestep_form_diffusers_accepts_gives_diffusers_output(models, timestep_form):
+    """diffusers embeds any timestep with batch or batch x tokens entries; ours must give the same output for each.
+
+    `(batch, frames)` (one noise level per frame, expanded to its tokens) is ours only; diffusers gets the
+    expanded `(batch, tokens)` form.
+    """
+    reference, ours = models
+    batch = 1 if timestep_form == "scalar" else 2
+    latents, text = inputs(frames=3, batch=batch)
+    tokens = 3 * TOKENS_PER_FRAME
+    per_token = torch.rand(batch, tokens, generator=torch.Generator().manual_seed(2)) * 1000
+    per_frame = torch.tensor([[100.0, 500.0, 900.0], [200.0, 300.0, 400.0]])
+    timestep, diffusers_timestep = {
+        "(batch,)": (torch.tensor([300.0, 700.0]), None),
+        "(batch, 1)": (torch.tensor([[300.0], [700.0]]), None),
+        "(batch, tokens)": (per_token, None),
+        "(batch * tokens,)": (per_token.flatten(), None),
+        "scalar": (torch.tensor(450.0), None),
+        "(batch, frames)": (per_frame, per_frame.repeat_interleave(TOKENS_PER_FRAME, dim=1)),
+    }[timestep_form]
+    expected = reference(latents, text, timestep if diffusers_timestep is None else diffusers_timestep).sample
+    torch.testing.assert_close(ours(latents, text, timestep).sample, expected, atol=0, rtol=0)
+
+
+def test_seeded_model_is_diffusers_model_and_leaves_the_generator_where_diffusers_does():
+    """Same seed -> diffusers' exact weights, and the global generator in the same state afterwards."""
+    torch.manual_seed(7)
+    reference = SanaVideoTransformer3DModel(**TINY_SANA)
+    after_reference = torch.get_rng_state()
+    torch.manual_seed(7)
+    ours = LongSanaTransformer3DModel(**TINY_SANA)
+    assert torch.equal(torch.get_rng_state(), after_reference)
+    expected = reference.state_dict()
+    received = ours.state_dict()
+    assert received.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(received[name], tensor, atol=0, rtol=0, msg=name)
+
+
 def test_state_dict_keys_are_diffusers(models):
     reference, ours = models
     assert ours.state_dict().keys() == reference.state_dict().keys()
@@ -314,6 +358,8 @@ def test_bad_calls_are_refused_before_any_work(models):
         ours(latents, text, torch.tensor([1.0]), layout=sana_layout(16, 2))
     with pytest.raises(ValueError, match="whole chunks"):
         ours(latents[:, :, :3], text, torch.tensor([1.0]), layout=layout)
+    with pytest.raises(ValueError, match=r"`timestep` of shape \(1, 5\) fits neither .* \(1, 4\)"):
+        ours(latents, text, torch.ones(1, 5))
     with pytest.raises(ValueError, match="sink"):
         ours.make_cache(sana_layout(4, 2).__class__(4, chunk_frames=2, sink_frames=1, window_frames=4))
     assert cache.get_seq_length() == 0

@@ -47,7 +47,7 @@ from ..caching.layout import POSITION_MODES, ChunkLayout
 from .call_context import CallContextSlot, bind_call_context
 from .patch_grid import tokens_per_latent_frame
 from .placement import block_devices
-from .wan_conversion import StrictWeightsMixin
+from .weights import StrictWeightsMixin
 
 __all__ = [
     "POSITION_MODES",

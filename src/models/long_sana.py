@@ -299,6 +299,15 @@ class BlockCausalTemporalConv(torch.nn.Conv2d):
         self.index = index
         self.slot = slot
 
+    @classmethod
+    def taking_over(cls, conv: torch.nn.Conv2d, index: int, slot: CallContextSlot) -> BlockCausalTemporalConv:
+        """This conv holding `conv`'s own parameters: built on the meta device, so there is no second
+        initialisation and no draw from the global generator (a seeded model stays diffusers' model)."""
+        with torch.device("meta"):
+            temporal = cls(conv.in_channels, index, slot)
+        temporal.load_state_dict(conv.state_dict(), assign=True)
+        return temporal
+
     def forward(self, frames: torch.Tensor) -> torch.Tensor:
         context = self.slot.context
         if context is None or (context.conv_layers is None and context.chunk_frames == 0):
@@ -342,6 +351,24 @@ class LongSanaRotaryPosEmbed(WanRotaryPosEmbed):
         return tables[0], tables[1]
 
 
+def per_token_timestep(timestep: torch.Tensor, batch_size: int, frames: int, tokens_per_frame: int) -> torch.Tensor:
+    """`timestep` in a form diffusers' SANA-Video embeds: one entry per sample or one per token.
+
+    Those forms (`batch` or `batch x tokens` entries, any shape) pass unchanged, so without a cache the model
+    stays diffusers'; `(batch, frames)`, a noise level per latent frame, becomes `(batch, tokens)`.
+    """
+    tokens = frames * tokens_per_frame
+    if timestep.numel() in (batch_size, batch_size * tokens):
+        return timestep
+    if timestep.shape == (batch_size, frames):
+        return timestep.repeat_interleave(tokens_per_frame, dim=1)
+    raise ValueError(
+        f"`timestep` of shape {tuple(timestep.shape)} fits neither diffusers' forms ({batch_size} or "
+        f"{batch_size} x {tokens} entries: one per sample or per token) nor one per latent frame "
+        f"{(batch_size, frames)}."
+    )
+
+
 # ----------------------------------------------------------------------------------------- model
 class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
     """`SanaVideoTransformer3DModel` that generates chunk by chunk from a constant-size state cache.
@@ -359,12 +386,11 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
         self.rope = LongSanaRotaryPosEmbed(
             config.attention_head_dim, config.patch_size, config.rope_max_seq_len, self._call_slot
         )
-        inner_dim = config.num_attention_heads * config.attention_head_dim
         for index, block in enumerate(self.transformer_blocks):
             block.attn1.set_processor(LongSanaLinearAttnProcessor(index, self._call_slot))
             if block.attn2 is not None:
                 block.attn2.set_processor(LongSanaCrossAttnProcessor(index, self._call_slot))
-            block.ff.conv_temp = BlockCausalTemporalConv(inner_dim, index, self._call_slot)
+            block.ff.conv_temp = BlockCausalTemporalConv.taking_over(block.ff.conv_temp, index, self._call_slot)
 
     # The config is exactly SANA-Video's: ConfigMixin reads the accepted keys from this signature.
     __init__.__signature__ = inspect.signature(SanaVideoTransformer3DModel.__init__)
@@ -500,7 +526,8 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
           (call `kv_cache.commit()` after the clean t = 0 pass);
         - `layout` only: the whole-sequence block-causal reference, starting at frame 0; with
           `teacher_forcing` the frames are `[clean; noisy]` halves (noisy chunk i sees clean chunks < i).
-        `timestep` is `(batch,)`, or `(batch, frames)` for a noise level per frame.
+        `timestep`: every form diffusers takes (`batch` or `batch x tokens` entries: `(batch,)`, `(batch, 1)`,
+        `(batch, tokens)`, ...), or `(batch, frames)` for a noise level per latent frame.
         """
         if kv_cache is not None and layout is None:
             raise ValueError("`layout` (a ChunkLayout, see `sana_layout`) is required together with `kv_cache`.")
@@ -509,12 +536,7 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
         batch_size, _, num_frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.config.patch_size
         grid_frames, grid_h, grid_w = num_frames // p_t, height // p_h, width // p_w
-        if timestep.ndim == 2:  # per-frame noise levels -> per token (diffusers' SANA embeds any token count)
-            if timestep.shape != (batch_size, grid_frames):
-                raise ValueError(
-                    f"`timestep` must be (batch,) or {(batch_size, grid_frames)}, got {tuple(timestep.shape)}."
-                )
-            timestep = timestep.repeat_interleave(grid_h * grid_w, dim=1)
+        timestep = per_token_timestep(timestep, batch_size, grid_frames, grid_h * grid_w)
         context = None
         if layout is not None:
             if grid_h * grid_w != layout.tokens_per_frame:

@@ -27,7 +27,7 @@ from diffusers.utils import BaseOutput
 from diffusers.video_processor import VideoProcessor
 
 from ..caching.layout import ChunkLayout
-from ..models.wan_conversion import check_pipeline_weights
+from ..models.weights import check_pipeline_weights
 from .conditioning import build_conditioning
 from .prompt_schedule import PromptSchedule
 from .request import (

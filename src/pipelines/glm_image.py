@@ -37,7 +37,8 @@ from ..models.glm_image import GlmImageCachedTransformer2DModel
 __all__ = ["GlmImageCachedPipeline", "GlmImagePipelineOutput"]
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-_LOAD_KWARGS = ("cache_dir", "local_files_only", "revision", "token", "variant", "torch_dtype", "use_safetensors")
+_DIFFUSERS_DECODER = ("diffusers", "GlmImageTransformer2DModel")  # what a diffusers GLM-Image folder names
+_OUR_DECODER = (GlmImageCachedTransformer2DModel.__module__, GlmImageCachedTransformer2DModel.__name__)
 
 
 def feature_maps(pooler_output: Sequence[torch.Tensor] | torch.Tensor, grids: torch.Tensor) -> list[torch.Tensor]:
@@ -80,14 +81,18 @@ class GlmImageCachedPipeline(GlmImagePipeline):
         super().__init__(tokenizer, processor, text_encoder, vision_language_encoder, vae, transformer, scheduler)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """Load a diffusers GLM-Image folder (or one we saved); the decoder comes up as our class."""
-        if "transformer" not in kwargs:
-            load = {k: kwargs[k] for k in _LOAD_KWARGS if k in kwargs}
-            kwargs["transformer"] = GlmImageCachedTransformer2DModel.from_pretrained(
-                pretrained_model_name_or_path, subfolder="transformer", **load
-            )
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+    def extract_init_dict(cls, config_dict: dict, **kwargs) -> tuple[dict, dict, dict]:
+        """`model_index.json`'s components, with diffusers' decoder class swapped for ours.
+
+        diffusers' `from_pretrained` builds every component from the `[library, class]` this returns, so
+        the decoder loads through diffusers' own loader, with every argument and per-component rule it
+        applies (`dtype` or a per-component dict, `variant`, `device_map`, `quantization_config`, ...).
+        A folder we saved already names our class; a decoder passed as `transformer=` is used as given.
+        """
+        init_dict, unused_kwargs, hidden_dict = super().extract_init_dict(config_dict, **kwargs)
+        if list(init_dict.get("transformer") or []) == list(_DIFFUSERS_DECODER):
+            init_dict["transformer"] = list(_OUR_DECODER)
+        return init_dict, unused_kwargs, hidden_dict
 
     # ------------------------------------------------------------------------------------ sizes
     @property
@@ -191,6 +196,20 @@ class GlmImageCachedPipeline(GlmImagePipeline):
                 "editing with `prior_token_ids` also needs `prior_token_image_ids` and `source_image_grid_thw` "
                 "(all three come from `generate_prior_tokens`)."
             )
+
+    def glyph_tokens(self, prompt: str | list[str], max_sequence_length: int = 2048) -> int:
+        """Glyph tokens `encode_prompt` will give a batch of `prompt`s, counted by the tokenizer alone.
+
+        diffusers' rule: each prompt's quoted texts (or one empty text) are tokenized, each prefixed by one
+        pad token when the prompt has an even number of them, and concatenated; prompts are padded to the
+        longest. Lets the cache capacity be checked before the prior runs, without running the encoder.
+        """
+        lengths = []
+        for texts in self.get_glyph_texts(prompt):
+            texts = texts or [""]
+            ids = self.tokenizer(texts, max_length=max_sequence_length, truncation=True).input_ids
+            lengths.append(sum(len(text_ids) for text_ids in ids) + len(ids) * ((len(ids) + 1) % 2))
+        return max(lengths)
 
     def condition_tokens(self, images: list[list[PIL.Image.Image]] | None) -> list[int]:
         """Decoder tokens of each prompt's reference images (what the condition cache holds per sample)."""
@@ -394,12 +413,23 @@ class GlmImageCachedPipeline(GlmImagePipeline):
         if condition_cache is None:  # rows that repeat a sample would repeat its conditions in every block
             condition_cache = self.transformer.make_cache(shared_workspace=num_images_per_prompt > 1)
         cache = condition_cache
+        # 2. The cache's capacity (glyph tokens counted by the tokenizer alone), before the prior runs
         image_tokens = (height // self.token_pixels) * (width // self.token_pixels)
+        if prompt_embeds is not None:
+            glyph_tokens = prompt_embeds.shape[1]
+        else:
+            glyph_tokens = self.glyph_tokens(prompt, max_sequence_length)
         cache.check_fits(
-            self.condition_tokens(images), image_tokens, batch_size * num_images_per_prompt
-        )  # + glyphs below
+            self.condition_tokens(images), glyph_tokens + image_tokens, batch_size * num_images_per_prompt
+        )
 
-        # 2. Glyph embeddings (cheap), then the exact cache-capacity check before the prior runs
+        # 3. Prior tokens (the autoregressive prior, which reseeds the global generator), unless given; then the
+        #    glyph embeddings: diffusers' order, so dropout in training mode draws the same numbers
+        if prior_token_ids is None:
+            prior_token_ids, prior_token_image_ids, source_image_grid_thw = self.generate_prior_tokens(
+                prompt, height, width, image=images, device=device,
+                generator=generator[0] if isinstance(generator, list) else generator,
+            )  # fmt: skip
         prompt_embeds, negative_prompt_embeds = self.encode_prompt(
             prompt,
             self.do_classifier_free_guidance,
@@ -410,14 +440,6 @@ class GlmImageCachedPipeline(GlmImagePipeline):
             device=device,
             dtype=self.dtype,
         )
-        cache.check_fits(self.condition_tokens(images), prompt_embeds.shape[1] + image_tokens)
-
-        # 3. Prior tokens (the autoregressive prior), unless given
-        if prior_token_ids is None:
-            prior_token_ids, prior_token_image_ids, source_image_grid_thw = self.generate_prior_tokens(
-                prompt, height, width, image=images, device=device,
-                generator=generator[0] if isinstance(generator, list) else generator,
-            )  # fmt: skip
 
         # 4. Latents; the reference images' K/V into the condition cache (batch 1 per sample)
         latents = self.prepare_latents(

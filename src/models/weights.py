@@ -1,0 +1,148 @@
+"""Weight checks shared by every model family: a checkpoint's weights must fit the model its config describes.
+
+diffusers' `from_pretrained` loads a config saying 2 layers over weights with 4 (or the reverse, leaving layers
+random) with only a warning, so a wrong checkpoint would generate noise. `check_weights_match_config` reads the
+safetensors headers (no tensor data), builds the model from its config on the meta device, and refuses missing,
+unexpected or mis-shaped weights by name, before any weight is loaded. `StrictWeightsMixin` runs it in a model's
+`from_pretrained`; `check_pipeline_weights` runs it over every diffusers model of a saved pipeline folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from diffusers import ModelMixin
+from safetensors import safe_open
+
+__all__ = [
+    "StrictWeightsMixin",
+    "WeightsMismatchError",
+    "check_pipeline_weights",
+    "check_weights_match_config",
+    "preview_keys",
+]
+
+KEYS_IN_ERRORS = 5  # keys an error message names before it says how many there are in all
+
+
+def preview_keys(keys: Iterable[str], limit: int = KEYS_IN_ERRORS) -> str:
+    """The first `limit` keys, quoted, and how many there are in all: what an error about weights names."""
+    keys = list(keys)
+    shown = ", ".join(repr(key) for key in keys[:limit])
+    return shown + (f", ... ({len(keys)} in all)" if len(keys) > limit else "")
+
+
+class WeightsMismatchError(ValueError):
+    """A checkpoint's weights do not fit the model its config describes (missing, unexpected or mis-shaped keys)."""
+
+
+def _checkpoint_shapes(folder: Path, weights_name: str) -> dict[str, tuple[int, ...]] | None:
+    """Names and shapes of the tensors in `folder`'s safetensors weights (one file or shards), read from headers
+    only; None when the folder holds no safetensors weights under `weights_name` (nothing to check)."""
+    single = folder / weights_name
+    index = folder / f"{weights_name}.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as weights:
+            for key in weights.keys():
+                shapes[key] = tuple(weights.get_slice(key).get_shape())
+    return shapes
+
+
+def _blocks(keys: list[str]) -> str:
+    """ " in blocks [2, 3]" for keys of numbered blocks: which layers a wrong `num_layers` adds or drops."""
+    indices = sorted({int(match.group(1)) for key in keys if (match := re.match(r"^\w+\.(\d+)\.", key))})
+    return f" (in blocks {indices})" if indices else ""
+
+
+def check_weights_match_config(
+    model_class, folder: str | os.PathLike, weights_name: str = "diffusion_pytorch_model.safetensors"
+) -> None:
+    """Refuse a diffusers-format model folder whose weights do not fit its `config.json`, before loading them.
+
+    Args:
+        model_class: the `ModelMixin` subclass the folder is loaded as (its config builds the expected weights).
+        folder: the model's folder (`.../transformer`), holding `config.json` and safetensors weights.
+        weights_name: the weights file (sharded checkpoints: its `.index.json`).
+
+    Raises:
+        WeightsMismatchError: naming the missing, unexpected and mis-shaped keys (a few of each, and how many).
+    """
+    folder = Path(folder)
+    shapes = _checkpoint_shapes(folder, weights_name)
+    if shapes is None:
+        return
+    with torch.device("meta"):  # shapes only: no memory, no initialisation time, even for 14B
+        model = model_class.from_config(model_class.load_config(folder))
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    ignored = [
+        re.compile(pattern) for pattern in getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or []
+    ]
+    missing = [key for key in expected if key not in shapes]
+    unexpected = [key for key in shapes if key not in expected and not any(p.search(key) for p in ignored)]
+    misshaped = [
+        f"{key} {shapes[key]} (config: {expected[key]})"
+        for key in expected
+        if key in shapes and shapes[key] != expected[key]
+    ]
+    if not (missing or unexpected or misshaped):
+        return
+    problems = []
+    if missing:
+        problems.append(
+            f"missing {len(missing)} weight(s) the config needs{_blocks(missing)}: {preview_keys(missing)}"
+        )
+    if unexpected:
+        problems.append(
+            f"{len(unexpected)} weight(s) the config has no place for{_blocks(unexpected)}: {preview_keys(unexpected)}"
+        )
+    if misshaped:
+        problems.append(f"{len(misshaped)} weight(s) of another shape: {', '.join(misshaped[:KEYS_IN_ERRORS])}")
+    raise WeightsMismatchError(
+        f"The weights in {str(folder)!r} do not match its config.json ({model_class.__name__}, "
+        f"num_layers={model.config.get('num_layers', '?')}): {'; '.join(problems)}. The config and the weights "
+        "come from different checkpoints; use the config.json saved with these weights."
+    )
+
+
+class StrictWeightsMixin:
+    """Put first in a `ModelMixin` subclass's bases: `from_pretrained` of a local folder runs
+    `check_weights_match_config` before loading, so mismatched weights are an error, not a warning."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        folder = Path(str(pretrained_model_name_or_path)).expanduser() / (kwargs.get("subfolder") or "")
+        if folder.is_dir() and kwargs.get("variant") is None:
+            check_weights_match_config(cls, folder)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+
+def check_pipeline_weights(folder: str | os.PathLike) -> None:
+    """`check_weights_match_config` for every diffusers model of a saved pipeline folder (its `model_index.json`
+    names each component's library and class); tokenizers, schedulers and transformers models are skipped."""
+    folder = Path(folder)
+    index = folder / "model_index.json"
+    if not index.is_file():
+        return
+    for name, entry in json.loads(index.read_text()).items():
+        if name.startswith("_") or not (isinstance(entry, list) and len(entry) == 2 and all(entry)):
+            continue
+        library, class_name = entry
+        try:
+            model_class = getattr(importlib.import_module(library), class_name)
+        except (ImportError, AttributeError):
+            continue  # from_pretrained reports a component it cannot import
+        if isinstance(model_class, type) and issubclass(model_class, ModelMixin) and (folder / name).is_dir():
+            check_weights_match_config(model_class, folder / name)
