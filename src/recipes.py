@@ -106,7 +106,9 @@ def get_recipe(name: str, pipeline: str | None = None) -> Recipe:
     """The recipe `name`; a clear error naming the recipes there are (for `pipeline`) otherwise."""
     recipe = RECIPES.get(name)
     if recipe is None or (pipeline is not None and recipe.pipeline != pipeline):
-        raise ValueError(f"`recipe` must be one of {list_recipes(pipeline)} for {pipeline or 'rolldiff'}, got {name!r}.")
+        raise ValueError(
+            f"`recipe` must be one of {list_recipes(pipeline)} for {pipeline or 'rolldiff'}, got {name!r}."
+        )
     return recipe
 
 

@@ -28,6 +28,7 @@ from diffusers.video_processor import VideoProcessor
 
 from ..caching.layout import ChunkLayout
 from ..models.weights import check_pipeline_weights
+from ..recipes import get_recipe
 from .conditioning import build_conditioning
 from .prompt_schedule import PromptSchedule
 from .request import (
@@ -35,7 +36,8 @@ from .request import (
     VideoGeometry,
     VideoRequest,
     check_callback,
-    check_denoising_steps,
+    check_context_noise,
+    check_context_policy,
     check_embeds,
     check_generator,
     check_guidance_scale,
@@ -44,11 +46,15 @@ from .request import (
     check_num_frames,
     check_output_type,
     check_size,
+    is_number,
 )
+from .steps import StepPlan, plan_steps
 from .stream import ChunkStream
 from .streaming_decode import StreamingWanDecoder
 from .streaming_encode import StreamingWanEncoder
 from .text_encoding import check_max_sequence_length, check_prompts, encode_prompts
+
+FIRST_CHUNK_RULES = ("whole", "remainder")
 
 
 class CacheAllocationError(MemoryError):
@@ -209,6 +215,14 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         image: Any = None,
         video: Any = None,
         strength: float | None = None,
+        recipe: str | None = None,
+        sigma_mapping: str | None = None,
+        sigmas: Sequence[float] | None = None,
+        integer_timesteps: bool | None = None,
+        timestep_shift: float | None = None,
+        context_noise: float | None = None,
+        context_policy: str | None = None,
+        first_chunk: str | None = None,
     ) -> ChunkStream:
         """A live generation (`ChunkStream`): iterate it for each chunk's frames as soon as they are made.
 
@@ -218,7 +232,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         also takes `switch_prompt(...)` at chunk boundaries and round-trips through `state_dict()`.
         """
         check_output_type(output_type)
-        given = dict(
+        settings = self.recipe_settings(
+            recipe,
             chunk_frames=chunk_frames,
             sink_frames=sink_frames,
             window_frames=window_frames,
@@ -226,9 +241,18 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             attention_bias=attention_bias,
             kv_quantization=kv_quantization,
             kv_offload=kv_offload,
+            denoising_steps=denoising_steps,
+            sigma_mapping=sigma_mapping,
+            sigmas=sigmas,
+            integer_timesteps=integer_timesteps,
+            timestep_shift=timestep_shift,
+            context_noise=context_noise,
+            context_policy=context_policy,
+            first_chunk=first_chunk,
         )
+        given = {name: settings.pop(name) for name in CacheOptions.known_names}
         options = self.options_class.resolve(self.config, given, type(self).__name__)
-        geometry, layout = self._geometry(num_frames, height, width, options)
+        geometry, layout = self._geometry(num_frames, height, width, options, settings["first_chunk"] or "whole")
         schedule = self._schedule(prompt, prompt_schedule, prompt_embeds, geometry)
         guidance_scale = check_guidance_scale(guidance_scale)
         max_sequence_length = check_max_sequence_length(
@@ -254,9 +278,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             layout=layout,
             options=options,
             schedule=schedule,
-            denoising_steps=check_denoising_steps(
-                self.config.denoising_steps if denoising_steps is None else denoising_steps
-            ),
+            step_plan=self._step_plan(settings),
             guidance_scale=guidance_scale,
             negative_prompt=negatives,
             max_sequence_length=max_sequence_length,
@@ -270,11 +292,40 @@ class ChunkedVideoPipeline(DiffusionPipeline):
                 callback_on_step_end, callback_on_step_end_tensor_inputs, tuple(self._callback_tensor_inputs)
             ),
             conditioning=conditioning,
+            context_noise=check_context_noise(settings["context_noise"] or 0.0),
+            context_policy=check_context_policy(settings["context_policy"] or "rolling"),
+            recipe=settings["recipe"],
         )
         return ChunkStream(self, request)
 
-    def _geometry(self, num_frames, height, width, options: CacheOptions) -> tuple[VideoGeometry, ChunkLayout]:
-        """Frames, sizes and the cache layout of one video; whole chunks only, inside the positions' range."""
+    def recipe_settings(self, recipe: str | None, **given: Any) -> dict[str, Any]:
+        """The call's recipe-settable arguments: the given ones, else the recipe's (the call's, or the one the
+        pipeline folder names in `model_index.json`), else None (the config's default)."""
+        name = recipe if recipe is not None else self.config.get("recipe")
+        settings = {} if name is None else dict(get_recipe(name, type(self).__name__).settings)
+        settings.update({key: value for key, value in given.items() if value is not None})
+        return {**dict.fromkeys(given), **settings, "recipe": name}
+
+    def _step_plan(self, settings: dict[str, Any]) -> StepPlan:
+        steps = settings["denoising_steps"]
+        shift = settings["timestep_shift"]
+        if shift is not None and not (is_number(shift) and shift > 0):
+            raise ValueError(f"`timestep_shift` must be a positive number, got {shift!r}.")
+        return plan_steps(
+            self.config.denoising_steps if steps is None else steps,
+            settings["sigma_mapping"] or "shift",
+            float(self.scheduler.config.shift if shift is None else shift),
+            bool(settings["integer_timesteps"]),
+            settings["sigmas"],
+        )
+
+    def _geometry(
+        self, num_frames, height, width, options: CacheOptions, first_chunk: str
+    ) -> tuple[VideoGeometry, ChunkLayout]:
+        """Frames, sizes and the cache layout of one video: whole chunks (or a first chunk that takes the leftover
+        frames, `first_chunk="remainder"`), inside the positions' range."""
+        if first_chunk not in FIRST_CHUNK_RULES:
+            raise ValueError(f"`first_chunk` must be one of {FIRST_CHUNK_RULES}, got {first_chunk!r}.")
         num_frames = check_num_frames(num_frames)
         height = self.check_size("height", self.config.height if height is None else height)
         width = self.check_size("width", self.config.width if width is None else width)
@@ -283,12 +334,16 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         tokens_per_frame = self.transformer.tokens_per_frame(height // spatial, width // spatial)
         layout = self.make_layout(tokens_per_frame, options, latent_frames)
         chunk_frames = layout.chunk_frames
-        if (num_frames - 1) % self.vae_scale_factor_temporal or latent_frames % chunk_frames:
+        leftover = latent_frames % chunk_frames if first_chunk == "remainder" and latent_frames > chunk_frames else 0
+        if (num_frames - 1) % self.vae_scale_factor_temporal or (latent_frames % chunk_frames and not leftover):
             below, above = self.valid_num_frames(num_frames, chunk_frames)
             raise ValueError(
                 f"`num_frames`={num_frames} cannot be made of whole chunks of {chunk_frames} latent frames "
-                f"(VAE temporal factor {self.vae_scale_factor_temporal}); nearest valid values: {below} or {above}."
+                f"(VAE temporal factor {self.vae_scale_factor_temporal}); nearest valid values: {below} or {above}"
+                " (or `first_chunk='remainder'`: the first chunk takes the leftover frames)."
             )
+        if leftover:  # the model and cache are sized by the largest chunk, the first
+            layout = self.make_layout(tokens_per_frame, options, latent_frames, chunk_frames + leftover)
         self.transformer.check_frame_budget(latent_frames, layout)
         return VideoGeometry(
             num_frames=num_frames,
@@ -296,6 +351,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             width=width,
             num_latent_frames=latent_frames,
             chunk_shape=(1, self.transformer.config.in_channels, chunk_frames, height // spatial, width // spatial),
+            first_chunk_frames=chunk_frames + leftover if leftover else 0,
         ), layout
 
     def _schedule(self, prompt, prompt_schedule, prompt_embeds, geometry: VideoGeometry) -> PromptSchedule:
@@ -359,6 +415,14 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         image: Any = None,
         video: Any = None,
         strength: float | None = None,
+        recipe: str | None = None,
+        sigma_mapping: str | None = None,
+        sigmas: Sequence[float] | None = None,
+        integer_timesteps: bool | None = None,
+        timestep_shift: float | None = None,
+        context_noise: float | None = None,
+        context_policy: str | None = None,
+        first_chunk: str | None = None,
         return_dict: bool = True,
     ) -> ChunkedVideoPipelineOutput | tuple:
         """Generate a whole video: the frames of one `stream(...)` with the same arguments, joined.
@@ -394,6 +458,14 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             image=image,
             video=video,
             strength=strength,
+            recipe=recipe,
+            sigma_mapping=sigma_mapping,
+            sigmas=sigmas,
+            integer_timesteps=integer_timesteps,
+            timestep_shift=timestep_shift,
+            context_noise=context_noise,
+            context_policy=context_policy,
+            first_chunk=first_chunk,
         )
         frames = concat_chunks(list(stream), output_type)
         if not return_dict:
@@ -440,9 +512,12 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         if getattr(self.transformer, "_hf_hook", None) is None:  # offloaded: filled lazily by the first step
             self.transformer.prepare_conditioning(cache, embeds)
 
-    def context_pass(self, clean: torch.Tensor, embeds: Sequence[torch.Tensor], caches: Sequence, request) -> None:
-        """Write the clean chunk's K/V at t = 0 into every branch's cache and commit."""
-        timestep = torch.zeros(clean.shape[0], device=clean.device)
+    def context_pass(
+        self, clean: torch.Tensor, embeds: Sequence[torch.Tensor], caches: Sequence, request, timestep: float = 0.0
+    ) -> None:
+        """Write the clean chunk's K/V at `timestep` (0; Self-Forcing's `context_noise`) into every branch's cache
+        and commit."""
+        timestep = torch.full((clean.shape[0],), float(timestep), device=clean.device)
         for branch_embeds, cache in zip(embeds, caches):
             self.transformer_step(clean, timestep, branch_embeds, cache, request)
             cache.commit()
@@ -476,8 +551,11 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         return None if len(set(device_map.values())) > 1 else device
 
     # ---------------------------------------------------------------------------------------- family hooks
-    def make_layout(self, tokens_per_frame: int, options: CacheOptions, num_latent_frames: int) -> ChunkLayout:
-        """The family's cache geometry for a video of `num_latent_frames`, never larger than the video fills."""
+    def make_layout(
+        self, tokens_per_frame: int, options: CacheOptions, num_latent_frames: int, largest_chunk: int | None = None
+    ) -> ChunkLayout:
+        """The family's cache geometry for a video of `num_latent_frames`, never larger than the video fills;
+        `largest_chunk` (latent frames) when the first chunk is longer than `options.chunk_frames`."""
         raise NotImplementedError
 
     def make_stream_cache(self, request: VideoRequest, dtype: torch.dtype, device: torch.device):
@@ -513,8 +591,9 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         """One forward of the chunk through `cache`; returns the velocity."""
         raise NotImplementedError
 
-    def recache_frames(self, layout: ChunkLayout, committed_frames: int) -> int:
-        """Clean latent frames to keep for a re-cache after a prompt switch."""
+    def recache_frames(self, layout: ChunkLayout, committed_frames: int, chunk_frames: int) -> int:
+        """Clean latent frames to keep for a re-cache after a prompt switch (`chunk_frames`: the chunk just
+        committed, which is not every chunk's size when the first takes the leftover frames)."""
         raise NotImplementedError
 
     def recache(self, recent: torch.Tensor, embeds: torch.Tensor, cache, request: VideoRequest) -> None:

@@ -104,6 +104,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         attention_bias: float = 1.0,
         height: int = 480,
         width: int = 832,
+        recipe: str | None = None,
         kv_quantization: str | None = None,
         kv_offload: bool = False,
     ) -> None:
@@ -121,13 +122,25 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             attention_bias=attention_bias,
             height=height,
             width=width,
+            recipe=recipe,
             kv_quantization=kv_quantization,
             kv_offload=kv_offload,
         )
         self.set_vae_factors(vae)
 
     # ---------------------------------------------------------------------------------------- family hooks
-    def make_layout(self, tokens_per_frame: int, options: KreaCacheOptions, num_latent_frames: int) -> ChunkLayout:
+    def make_layout(
+        self,
+        tokens_per_frame: int,
+        options: KreaCacheOptions,
+        num_latent_frames: int,
+        largest_chunk: int | None = None,
+    ) -> ChunkLayout:
+        if largest_chunk is not None:
+            raise ValueError(
+                "`first_chunk='remainder'` needs chunks of one size in the sliding window (the window counts the "
+                "chunk); give `num_frames` as whole chunks (`valid_num_frames`)."
+            )
         layout = ChunkLayout(
             tokens_per_frame=tokens_per_frame,
             chunk_frames=options.chunk_frames,
@@ -152,7 +165,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             attention_bias=float(request.options.attention_bias),
         ).sample
 
-    def recache_frames(self, layout: ChunkLayout, committed_frames: int) -> int:
+    def recache_frames(self, layout: ChunkLayout, committed_frames: int, chunk_frames: int) -> int:
         return layout.rewindable_frames(committed_frames)
 
     def recache(

@@ -106,6 +106,7 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
         max_sequence_length: int = 300,
         height: int = 480,
         width: int = 832,
+        recipe: str | None = None,
     ) -> None:
         super().__init__()
         self.register_modules(
@@ -120,12 +121,19 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
             max_sequence_length=max_sequence_length,
             height=height,
             width=width,
+            recipe=recipe,
         )
         self.set_vae_factors(vae)
 
     # ---------------------------------------------------------------------------------------- family hooks
-    def make_layout(self, tokens_per_frame: int, options: LongSanaCacheOptions, num_latent_frames: int) -> ChunkLayout:
-        chunk, window, mode = options.chunk_frames, options.window_frames, options.position_mode
+    def make_layout(
+        self,
+        tokens_per_frame: int,
+        options: LongSanaCacheOptions,
+        num_latent_frames: int,
+        largest_chunk: int | None = None,
+    ) -> ChunkLayout:
+        chunk, window, mode = largest_chunk or options.chunk_frames, options.window_frames, options.position_mode
         table = self.transformer.config.rope_max_seq_len
         if mode == "relative" and 2 * chunk > table:
             raise ValueError(
@@ -159,9 +167,9 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
         if committed + chunk_frames > table:
             self.transformer.rebase_positions(cache, committed - table // 2)
 
-    def recache_frames(self, layout: ChunkLayout, committed_frames: int) -> int:
-        """LongSANA re-runs only the last chunk on a prompt switch."""
-        return min(layout.chunk_frames, committed_frames)
+    def recache_frames(self, layout: ChunkLayout, committed_frames: int, chunk_frames: int) -> int:
+        """LongSANA re-runs only the last chunk on a prompt switch (`chunk_frames`: the chunk just committed)."""
+        return min(chunk_frames, committed_frames)
 
     def recache(
         self, recent: torch.Tensor, embeds: torch.Tensor, cache: RollingKVCache, request: VideoRequest

@@ -137,6 +137,7 @@ class VideoRequest:
     callback_on_step_end: Callable | None = None
     callback_tensor_inputs: tuple[str, ...] = ("latents",)
     conditioning: Conditioning | None = None  # a start image or an input video (`rolldiff.pipelines.conditioning`)
+    context_policy: str = "rolling"  # "recompute": each chunk rebuilds its context in one t = 0 pass (Krea)
     context_noise: float = 0.0  # the timestep of the context pass (Self-Forcing's `context_noise`; 0: clean)
     recipe: str | None = None  # the named recipe these settings came from (`rolldiff.recipes`)
 
@@ -183,6 +184,15 @@ def check_size(name: str, size: Any, multiple: int, why: str) -> int:
     if not is_int(size, 1) or size % multiple:
         raise ValueError(f"`{name}` must be a positive multiple of {multiple} ({why}), got {size!r}.")
     return int(size)
+
+
+CONTEXT_POLICIES = ("rolling", "recompute")
+
+
+def check_context_policy(policy: Any) -> str:
+    if policy not in CONTEXT_POLICIES:
+        raise ValueError(f"`context_policy` must be one of {CONTEXT_POLICIES}, got {policy!r}.")
+    return policy
 
 
 def check_context_noise(context_noise: Any) -> float:

@@ -70,6 +70,7 @@ class ChunkStream(Iterator[Any]):
         self._caches: list = []
         self._embeds: list[torch.Tensor] = []
         self._recent: torch.Tensor | None = None
+        self._first_frame: torch.Tensor | None = None  # chunk 0's first clean latent frame (the recompute policy)
         self._decoder = None
         self._inputs: ConditioningInput | None = None  # a start image or an input video, with its encoder
         self._progress = None
@@ -118,7 +119,8 @@ class ChunkStream(Iterator[Any]):
     @property
     def last_chunk_start(self) -> int:
         """The first pixel frame of the video's last chunk (a later switch could never apply)."""
-        return self._pipe.latent_to_pixel_start(self._request.num_latent_frames - self._request.chunk_shape[2])
+        geometry = self._request.geometry
+        return self._pipe.latent_to_pixel_start(geometry.chunk_start(geometry.num_chunks - 1))
 
     @property
     def embeds(self) -> tuple[torch.Tensor, ...]:
@@ -160,12 +162,13 @@ class ChunkStream(Iterator[Any]):
         """New cross-attention K/V for the conditional branch, then the family's re-cache of recent context."""
         self._embeds[0] = embeds
         self._pipe.set_conditioning(self._caches[0], embeds)
-        if self._recent is not None and self._recent.shape[2] > 0:
+        recompute = self._request.context_policy == "recompute"  # the next chunk rebuilds its context anyway
+        if self._recent is not None and self._recent.shape[2] > 0 and not recompute:
             self._pipe.recache(self._recent, embeds, self._caches[0], self._request)
 
     def _apply_due_switches(self) -> None:
         request = self._request
-        start = self._next_chunk * request.chunk_shape[2]
+        start = request.geometry.chunk_start(self._next_chunk)
         now_active = request.schedule.active_index(self._pipe.latent_to_pixel_start(start))
         if now_active != self._active_prompt:
             self._active_prompt = now_active
@@ -223,38 +226,65 @@ class ChunkStream(Iterator[Any]):
         """Denoise, context-pass and commit the next chunk; its clean latents in the model's dtype (None: the
         input video ended, or `pipe.interrupt` was set)."""
         pipe, request = self._pipe, self._request
-        dtype, chunk_frames = pipe.transformer.dtype, request.chunk_shape[2]
-        start = self._next_chunk * chunk_frames
+        geometry, index = request.geometry, self._next_chunk
+        start, chunk_frames = geometry.chunk_start(index), geometry.chunk_size(index)
         self._apply_due_switches()
-        given = None if self._inputs is None else self._inputs.latents(self._next_chunk, chunk_frames)
+        given = None if self._inputs is None else self._inputs.latents(index, chunk_frames)
         if given is None and self._inputs is not None and self._inputs.is_video:
             return None  # the input ended: the output ends with it, at its last whole chunk
+        recompute = request.context_policy == "recompute"
+        if recompute:
+            self._rebuild_context()
         if given is not None and not self._inputs.is_video:
-            clean = given.to(dtype)  # the start image's chunk: clean context, nothing to denoise
+            clean = given.to(pipe.transformer.dtype)  # the start image's chunk: clean context, nothing to denoise
         else:
             clean = self._denoise_chunk(start, given)
             if clean is None:
                 return None
         if not torch.isfinite(clean).all():
             raise FloatingPointError(
-                f"Chunk {self._next_chunk} produced NaN or infinite latents; generation stopped (frames before it "
-                "are kept)."
+                f"Chunk {index} produced NaN or infinite latents; generation stopped (frames before it are kept)."
             )
-        pipe.context_pass(clean, self._embeds, self._caches, request, timestep=request.context_noise)
-        keep = pipe.recache_frames(request.layout, start + chunk_frames)
+        if index == 0:
+            self._first_frame = clean[:, :, :1]
+        if not recompute:  # the recompute policy writes no context pass: the next chunk rebuilds its context
+            pipe.context_pass(clean, self._embeds, self._caches, request, timestep=request.context_noise)
+        keep = (
+            self._context_frames() - 1
+            if recompute
+            else pipe.recache_frames(request.layout, start + chunk_frames, chunk_frames)
+        )
         held = self._recent.shape[2] + chunk_frames
         self._recent = torch.cat([self._recent, clean], dim=2)[:, :, max(0, held - keep) :]
         self._next_chunk += 1
         return clean
 
+    def _context_frames(self) -> int:
+        """Latent frames a rebuilt context holds (the recompute policy): the window less the chunk."""
+        layout = self._request.layout
+        return layout.sink_frames + layout.window_frames - layout.chunk_frames
+
+    def _rebuild_context(self) -> None:
+        """The recompute policy (Krea Realtime's `GenerationSession`): every branch's cache emptied, then refilled
+        in one t = 0 pass over [the first latent frame, the last clean frames], bidirectional among themselves and
+        committed at positions 0..; the chunk then attends to them and to itself. Nothing before chunk 1."""
+        if self._next_chunk == 0:
+            return
+        context = torch.cat([self._first_frame, self._recent], dim=2)[:, :, : self._context_frames()]
+        for cache, embeds in zip(self._caches, self._embeds):
+            cache.reset()
+            self._pipe.set_conditioning(cache, embeds)
+        self._pipe.context_pass(context, self._embeds, self._caches, self._request)
+
     def _denoise_chunk(self, start: int, given: torch.Tensor | None) -> torch.Tensor | None:
         """The chunk from fresh noise (text-to-video) or from `given` input latents noised to `strength`."""
         pipe, request = self._pipe, self._request
-        device, dtype, chunk_frames = pipe.execution_device, pipe.transformer.dtype, request.chunk_shape[2]
+        device, dtype = pipe.execution_device, pipe.transformer.dtype
+        shape = request.geometry.shape_of(self._next_chunk)
         if request.latents is None:  # drawn now, chunk by chunk: nothing the size of the video exists
-            noisy = randn_tensor(request.chunk_shape, generator=request.generator, device=device, dtype=torch.float32)
+            noisy = randn_tensor(shape, generator=request.generator, device=device, dtype=torch.float32)
         else:
-            noisy = request.latents[:, :, start : start + chunk_frames].to(device=device, dtype=torch.float32)
+            noisy = request.latents[:, :, start : start + shape[2]].to(device=device, dtype=torch.float32)
         plan = request.step_plan
         if given is not None:
             plan = plan.tail(strength_steps(len(plan.steps), request.conditioning.strength))
@@ -354,6 +384,8 @@ class ChunkStream(Iterator[Any]):
         if self._pending is not None:
             state["pending_embeds"] = self._pending
         state["recent"] = self._recent
+        if self._first_frame is not None:
+            state["first_frame"] = self._first_frame
         if self._inputs is not None:
             state.update({f"inputs.{key}": value for key, value in self._inputs.state_dict().items()})
         for index, generator in enumerate(self._generators()):
@@ -387,6 +419,8 @@ class ChunkStream(Iterator[Any]):
         pending = state.get("pending_embeds")
         self._pending = None if pending is None else pending.to(device=device, dtype=dtype)
         self._recent = state["recent"].to(device=device, dtype=dtype)
+        first_frame = state.get("first_frame")
+        self._first_frame = None if first_frame is None else first_frame.to(device=device, dtype=dtype)
         if self._inputs is not None:
             self._inputs.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("inputs.")})
         generators = self._generators()

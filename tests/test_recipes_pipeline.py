@@ -1,0 +1,125 @@
+"""The pipelines' `recipe=` against the goldens recorded from the authors' code (tests/goldens/, tools/record_*).
+
+Each test builds the pipeline on the golden's tiny weights (upstream key layout, through our converter), feeds the
+recorded text embeddings and hands the stream the noise upstream drew, in upstream's order, then asserts that every
+chunk's clean latents equal upstream's within 1e-4 (the floor, upstream fp32 vs upstream fp64, is printed).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
+from recipe_goldens import Golden, load_golden, load_transformer
+from tiny_components import tiny_vae
+
+from rolldiff import LongSanaVideoPipeline
+from rolldiff.pipelines import stream as stream_module
+from rolldiff.recipes import describe_recipe, get_recipe, list_recipes
+from rolldiff.training.sana_components import SanaTinyConfig, build_gemma_text_encoder, build_gemma_tokenizer
+
+TOLERANCE = 1e-4
+
+
+class InjectedNoise:
+    """Stands in for `randn_tensor` in the stream and the scheduler: upstream's draws, in upstream's order.
+
+    Per chunk the pipeline draws the chunk's noise, then one re-noise per step; upstream draws no re-noise after
+    the last step (it would be multiplied by sigma 0), so that draw gets zeros.
+    """
+
+    def __init__(self, golden: Golden, steps: int) -> None:
+        self.noise, self.steps, self.draws = golden.noise(), steps, 0
+
+    def __call__(self, shape, generator=None, device=None, dtype=None, **kwargs) -> torch.Tensor:
+        chunk, step = divmod(self.draws, self.steps + 1)
+        self.draws += 1
+        if step == self.steps:
+            return torch.zeros(shape, device=device, dtype=dtype)
+        drawn = self.noise.draw(chunk, step)
+        assert tuple(drawn.shape) == tuple(shape), (chunk, step, drawn.shape, shape)
+        return drawn.to(device=device, dtype=dtype)
+
+
+def _errors(golden: Golden, chunks: list[torch.Tensor]) -> list[float]:
+    assert len(chunks) == len(golden.clean)
+    return [float((made.float() - expected).abs().max()) for made, expected in zip(chunks, golden.clean)]
+
+
+# ----------------------------------------------------------------------------------------- LongSANA
+def _longsana_pipeline(golden: Golden) -> LongSanaVideoPipeline:
+    transformer = load_transformer("longsana")
+    tokenizer = build_gemma_tokenizer()
+    text_encoder = build_gemma_text_encoder(
+        SanaTinyConfig(text_dim=transformer.config.caption_channels), len(tokenizer)
+    )
+    height, width = (4 * side for side in golden.meta["latent_size"])  # the tiny VAE's factor 4
+    pipe = LongSanaVideoPipeline(
+        tokenizer=tokenizer,
+        text_encoder=text_encoder,
+        transformer=transformer,
+        vae=tiny_vae(temporal=False),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # the recipe's own shift (7) must win
+        max_sequence_length=golden.meta["settings"]["text_len"],
+        height=height,
+        width=width,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.mark.parametrize("scenario", ["plain", "switch_late"])
+@torch.no_grad()
+def test_longsana_recipe_matches_upstream(scenario, monkeypatch):
+    golden = load_golden("longsana", scenario)
+    pipe = _longsana_pipeline(golden)
+    noise = InjectedNoise(golden, steps=len(get_recipe("longsana").settings["denoising_steps"]))
+    monkeypatch.setattr(stream_module, "randn_tensor", noise)
+    monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
+    prompts = golden.settings["chunk_prompts"]
+    stream = pipe.stream(
+        num_frames=golden.meta["latent_frames"], prompt_embeds=golden.text[prompts[0]], output_type="latent",
+        recipe="longsana",
+    )  # fmt: skip
+    chunks = []
+    for index in range(stream.num_chunks):
+        if index and prompts[index] != prompts[index - 1]:
+            stream.switch_prompt(prompt_embeds=golden.text[prompts[index]])
+        chunks.append(next(stream))
+    errors = _errors(golden, chunks)
+    print(f"\nlongsana/{scenario} through the pipeline: {[f'{e:.1e}' for e in errors]}, floor {golden.floor:.1e}")
+    assert noise.noise.exhausted
+    assert max(errors) <= TOLERANCE, errors
+
+
+# ----------------------------------------------------------------------------------------- the registry
+def test_every_recipe_names_its_pipeline_upstream_and_settings():
+    assert set(list_recipes()) == {"self-forcing", "longlive", "krea-realtime", "longsana"}
+    assert list_recipes("LongSanaVideoPipeline") == ["longsana"]
+    for name in list_recipes():
+        text = describe_recipe(name)
+        assert get_recipe(name).upstream in text and "denoising_steps" in text
+
+
+def test_a_recipe_of_another_pipeline_is_refused_by_name(monkeypatch):
+    golden = load_golden("longsana", "plain")
+    pipe = _longsana_pipeline(golden)
+    with pytest.raises(ValueError, match=r"`recipe` must be one of \['longsana'\]"):
+        pipe.stream(num_frames=53, prompt_embeds=golden.text["a"], recipe="krea-realtime")
+
+
+def test_explicit_arguments_override_the_recipe_and_a_folder_may_name_one(tmp_path):
+    golden = load_golden("longsana", "plain")
+    pipe = _longsana_pipeline(golden)
+    request = pipe.stream(num_frames=53, prompt_embeds=golden.text["a"], recipe="longsana").request
+    assert request.geometry.first_chunk == 13 and request.step_plan.timesteps == (1000.0, 960.0, 889.0, 727.0)
+    assert request.step_plan.sigmas[1] == pytest.approx(0.959957, abs=1e-6)
+    overridden = pipe.stream(
+        num_frames=50, prompt_embeds=golden.text["a"], recipe="longsana", denoising_steps=[1000, 500]
+    ).request
+    assert overridden.step_plan.steps == (1000.0, 500.0) and overridden.geometry.first_chunk == 10
+    pipe.register_to_config(recipe="longsana")
+    pipe.save_pretrained(tmp_path)
+    loaded = LongSanaVideoPipeline.from_pretrained(tmp_path)
+    assert loaded.stream(num_frames=53, prompt_embeds=golden.text["a"]).request.recipe == "longsana"
