@@ -1,0 +1,93 @@
+"""Load the recipes' upstream goldens (`tests/goldens/<recipe>/`, written by `tools/record_*_goldens.py`).
+
+A recipe folder holds the tiny transformer in the authors' own key layout (`transformer.safetensors`), `meta.json`
+(upstream repo and commit, the tiny config in upstream terms and as our diffusers config, the recipe's settings
+and, per scenario, the exact timesteps / sigmas fed, the order noise is drawn in and the fp32-vs-fp64 floor), and
+one `golden.<scenario>.safetensors` per scenario: the text embeddings fed to the model (`text.<name>`), every noise
+tensor upstream drew (`noise.<chunk>.<step>`) and each chunk's clean latents (`clean.<chunk>`), all in diffusers'
+layout `(batch, channels, frames, height, width)`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from rolldiff.models import KreaRealtimeTransformer3DModel
+from rolldiff.models.wan_conversion import convert_original_wan_state_dict
+
+GOLDENS = Path(__file__).parent / "goldens"
+
+
+class RecordedNoise:
+    """Hands out upstream's noise in the order upstream drew it; asking out of order is an error."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], order: list[str]) -> None:
+        self.tensors, self.order, self.position = tensors, order, 0
+
+    def draw(self, chunk: int, step: int) -> torch.Tensor:
+        """The noise upstream drew for `chunk` at denoising `step` (0: the chunk's initial noise)."""
+        name = f"noise.{chunk}.{step}"
+        expected = self.order[self.position] if self.position < len(self.order) else "nothing (all used)"
+        if name != expected:
+            raise AssertionError(f"The loop asked for {name}, but upstream drew {expected} next.")
+        self.position += 1
+        return self.tensors[name]
+
+    @property
+    def exhausted(self) -> bool:
+        return self.position == len(self.order)
+
+
+@dataclass
+class Golden:
+    """One scenario of a recipe: its settings, inputs and the upstream clean latents per chunk."""
+
+    recipe: str
+    scenario: str
+    meta: dict  # the recipe's meta.json
+    settings: dict  # meta["scenarios"][scenario]
+    text: dict[str, torch.Tensor]
+    clean: list[torch.Tensor]
+    _tensors: dict[str, torch.Tensor] = field(repr=False, default_factory=dict)
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.meta["tokens_per_frame"]
+
+    @property
+    def floor(self) -> float:
+        """max |upstream fp32 - upstream fp64| over the clean latents: the tolerance nobody can beat."""
+        return self.settings["floor"]
+
+    def noise(self) -> RecordedNoise:
+        """A fresh noise source for one replay."""
+        noise = {k: v for k, v in self._tensors.items() if k.startswith("noise.")}
+        return RecordedNoise(noise, self.settings["noise_order"])
+
+
+@cache
+def _meta(recipe: str) -> dict:
+    return json.loads((GOLDENS / recipe / "meta.json").read_text())
+
+
+def load_golden(recipe: str, scenario: str) -> Golden:
+    meta = _meta(recipe)
+    tensors = load_file(GOLDENS / recipe / f"golden.{scenario}.safetensors")
+    text = {k.removeprefix("text."): v for k, v in tensors.items() if k.startswith("text.")}
+    num_chunks = sum(1 for k in tensors if k.startswith("clean."))
+    clean = [tensors[f"clean.{i}"] for i in range(num_chunks)]
+    return Golden(recipe, scenario, meta, meta["scenarios"][scenario], text, clean, tensors)
+
+
+def load_transformer(recipe: str) -> KreaRealtimeTransformer3DModel:
+    """The recipe's tiny transformer: upstream-format weights through our converter into our model class."""
+    weights = load_file(GOLDENS / recipe / "transformer.safetensors")
+    model = KreaRealtimeTransformer3DModel(**_meta(recipe)["diffusers_config"])
+    model.load_state_dict(convert_original_wan_state_dict(weights), strict=True)
+    return model.eval().requires_grad_(False)

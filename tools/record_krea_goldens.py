@@ -1,0 +1,262 @@
+"""Record the `krea-realtime` goldens: Krea Realtime's own server loop, run on CPU with tiny random weights.
+
+Usage:
+    python tools/record_krea_goldens.py --upstream /work/upstream/krea --out tests/goldens/krea-realtime/
+
+Upstream: github.com/krea-ai/realtime-video at acf4b7b4e1a3049a0e04782e751d12203334038d. What runs is the
+authors' `GenerationSession` (`release_server.py`) itself, block by block through `generate_block_internal`:
+- `init_models` (`:542-559`): cache of `kv_cache_num_frames + 3` frames, blocks with `local_attn_size=-1`, the
+  scheduler `FlowMatchScheduler(shift=5, sigma_min=0, extra_one_step=True)` with 1000 training steps and a 0
+  appended; `get_denoising_schedule` (`v2v.py:133-136`) picks t = 1000, 937.5, 833.3, 625, 0 from it.
+- `recompute_kv_cache` (`:596-637`): every block from block 1 builds a fresh K/V buffer in one t=0 forward over
+  3 clean context frames at positions 0..2 under the block mask of one 3-frame block (bidirectional);
+  `get_clean_context_frames` (`:563-576`): block 1 `[z0, z1, z2]`, later `[z0, z[n-2], z[n-1]]` with
+  `keep_first_frame=True` (otherwise the first slot is a VAE re-encode; not recorded here, see below).
+- the denoising steps (`:639-706`): the chunk at positions 3..5 (0..2 in block 0), x0 predicted at each step and
+  re-noised to the next t with a fresh draw; the t=0 step is the last, its x0 is the block's latents; no context
+  pass after it.
+- prompt change (`interpolate_prompt_embeds`, `:459-468`, called by the websocket loop `:1049-1056`): the embeddings
+  lerped over 4 blocks; each block pops one after its context rebuild (`:658-662`), resetting the text K/V.
+Model: `wan/modules/causal_model.py` (`CausalWanModel`, built tiny) inside `utils/wan_wrapper.py`
+(`WanDiffusionWrapper`, x0 from the flow prediction with the sigma of the nearest table entry, `:236-258`).
+
+Stubs needed to run it on a CPU-only torch (nothing else is changed):
+- `torch.cuda.current_device()` -> "cpu" (import time and `device=` arguments), inert `torch.cuda.Stream/Event`.
+- imports the inference path never calls: `cv2`, `msgpack`, `omegaconf`, `dotenv`, `torchvision` as empty
+  modules; `demo_utils.memory` (builds `torch.device("cuda:N")` at import) as names only; the `pipeline` and `wan`
+  packages registered by path (their `__init__`s import training code and the 14B/I2V generators).
+- attention: `causal_model.attention` and the cross-attention's flash path routed to SDPA at the input dtype (the
+  SDPA fallback casts to bf16); `flex_attention` run eagerly (upstream wraps it in `torch.compile` at import).
+- hard-coded Wan-1.3B sizes: `frame_seqlen = 1560` in `CausalWanSelfAttention.forward` (a line patch) and
+  `CausalInferencePipeline.frame_seq_length` set from the tiny model.
+- bf16: `release_server`'s `torch.bfloat16` names the working dtype (fp32, or fp64 for the floor) via a module
+  proxy whose `randn` hands out recorded noise; the models run in the working dtype.
+- the text encoder returns the stored embeddings; the VAE decoder returns zeros (its pixels only feed the
+  first-frame re-encode, which `keep_first_frame=True` skips).
+- `CausalWanModel.from_pretrained` returns the tiny model; `fuse_projections()` runs as in `load_transformer`.
+The VAE re-encode variant (`keep_first_frame=False`) is not recorded: it needs a tiny Wan VAE through the
+authors' `demo_utils/vae_block3.py` wrappers, which hard-code 16 channels, 480x832 and fp16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+from pathlib import Path
+from unittest import mock
+
+import torch
+from _wan_upstream import (
+    NoiseTape,
+    UpstreamTree,
+    cpu_cuda_stubs,
+    max_abs,
+    proxied_torch,
+    randomize_,
+    sdpa_at_input_dtype,
+    to_diffusers_layout,
+)
+from safetensors.torch import save_file
+
+UPSTREAM = {"repo": "krea-ai/realtime-video", "commit": "acf4b7b4e1a3049a0e04782e751d12203334038d"}
+# CausalWanModel init arguments (upstream terms): 3 blocks, 2 heads x 16, text padded to 8 tokens.
+TINY_MODEL = {
+    "model_type": "t2v", "patch_size": [1, 2, 2], "text_len": 8, "in_dim": 16, "dim": 32, "ffn_dim": 64,
+    "freq_dim": 16, "text_dim": 16, "out_dim": 16, "num_heads": 2, "num_layers": 3, "local_attn_size": -1,
+    "sink_size": 0, "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6,
+}  # fmt: skip
+DIFFUSERS_CONFIG = {
+    "patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 16,
+    "out_channels": 16, "text_dim": 16, "freq_dim": 16, "ffn_dim": 64, "num_layers": 3, "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
+}  # fmt: skip
+HEIGHT, WIDTH = 32, 48  # pixels; latent 4 x 6, 2 x 3 = 6 tokens per latent frame
+TOKENS_PER_FRAME = 6
+WEIGHT_SEED, NOISE_SEED = 0, 1
+PROMPTS = {"a": 5, "b": 6}  # name -> tokens before the zero padding (UMT5 zeroes the padded positions)
+SCENARIOS = {
+    "keep_first_frame": {"num_blocks": 6, "keep_first_frame": True, "switch": None},
+    "prompt_lerp": {"num_blocks": 7, "keep_first_frame": True, "switch": {"before_block": 2, "to": "b", "steps": 4}},
+}
+
+
+def text_embeddings() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    embeds = {}
+    for name, length in PROMPTS.items():
+        embed = torch.randn(1, TINY_MODEL["text_len"], TINY_MODEL["text_dim"], generator=generator)
+        embed[:, length:] = 0.0
+        embeds[name] = embed
+    return embeds
+
+
+def load_upstream(root: Path) -> types.SimpleNamespace:
+    cpu_cuda_stubs()
+    tree = UpstreamTree(
+        root,
+        patches={"wan.modules.causal_model": [("frame_seqlen = 1560", f"frame_seqlen = {TOKENS_PER_FRAME}")]},
+        bare_packages=["pipeline", "wan", "wan.modules"],
+        stubs={
+            "cv2": {}, "ftfy": {}, "msgpack": {"packb": None, "unpackb": None}, "omegaconf": {"OmegaConf": None},
+            "dotenv": {"load_dotenv": lambda *a, **k: None}, "torchvision": {}, "torchvision.transforms": {},
+            "torchvision.transforms.functional": {},
+            "demo_utils.memory": dict.fromkeys(
+                ["gpu", "get_cuda_free_memory_gb", "DynamicSwapInstaller", "move_model_to_device_with_memory_preservation"]
+            ),
+        },
+    )  # fmt: skip
+    causal_model = tree.module("wan.modules.causal_model")
+    model_module = tree.module("wan.modules.model")
+    causal_model.attention = sdpa_at_input_dtype
+    causal_model.flex_attention = torch.nn.attention.flex_attention.flex_attention  # eager, not compiled
+    model_module.FLASH_ATTN_2_AVAILABLE = True  # cross-attention: its flash branch, routed to SDPA below
+    model_module.flash_attention = sdpa_at_input_dtype
+    return types.SimpleNamespace(
+        causal_model=causal_model,
+        wan_wrapper=tree.module("utils.wan_wrapper"),
+        causal_inference=tree.module("pipeline.causal_inference"),
+        server=tree.module("release_server"),
+    )
+
+
+def build_models(up: types.SimpleNamespace, weights: dict[str, torch.Tensor], embeds, dtype: torch.dtype):
+    """The server's `Models` around the tiny transformer, as `load_all` wires them."""
+    model = up.causal_model.CausalWanModel(**TINY_MODEL)
+    with mock.patch.object(up.causal_model.CausalWanModel, "from_pretrained", lambda *a, **k: model):
+        transformer = up.wan_wrapper.WanDiffusionWrapper(model_name="tiny", timestep_shift=5.0, is_causal=True)
+    transformer.load_state_dict(weights)
+    transformer = transformer.to(dtype).eval().requires_grad_(False)
+    for block in transformer.model.blocks:  # as `load_transformer` does
+        block.self_attn.fuse_projections()
+
+    def text_encoder(text_prompts):
+        return {"prompt_embeds": embeds[text_prompts[0]].to(dtype).clone()}
+
+    def vae_decoder(latents, *feature_cache):  # (B, F, C, h, w) -> pixels (B, frames, 3, H, W)
+        first = feature_cache[0] is None
+        pixel_frames = 4 * latents.shape[1] - (3 if first else 0)
+        return torch.zeros(latents.shape[0], pixel_frames, 3, HEIGHT, WIDTH, dtype=dtype), ["decoded"] * 55
+
+    config = types.SimpleNamespace(
+        denoising_step_list=[1000, 937, 833, 625, 0], warp_denoising_step=False, num_frame_per_block=3,
+        independent_first_frame=False, use_taehv=False,
+    )  # fmt: skip
+    pipeline = up.causal_inference.CausalInferencePipeline(
+        config, device="cpu", generator=transformer, text_encoder=text_encoder, vae=vae_decoder
+    )
+    pipeline.frame_seq_length = TOKENS_PER_FRAME  # hard-coded 1560 (Wan-1.3B at 480x832)
+    return up.server.Models(text_encoder, transformer, pipeline, None, vae_decoder), config
+
+
+def run_scenario(up, weights, embeds, scenario: dict, tape: NoiseTape, dtype: torch.dtype) -> dict:
+    """One session, block by block; returns its clean latents and the schedule it used."""
+    models, config = build_models(up, weights, embeds, dtype)
+    params = up.server.GenerateParams(
+        prompt="a", width=WIDTH, height=HEIGHT, seed=0, keep_first_frame=scenario["keep_first_frame"],
+        kv_cache_num_frames=3, num_blocks=scenario["num_blocks"], num_denoising_steps=5,
+    )  # fmt: skip
+    clean = []
+    with proxied_torch([up.server], tape, dtype):
+        session = up.server.GenerationSession(params, config, frame_callback=lambda *a: None, models=models)
+        for block in range(scenario["num_blocks"]):
+            switch = scenario["switch"]
+            if switch is not None and block == switch["before_block"]:  # the websocket loop, `:1049-1056`
+                session.params.prompt = switch["to"]
+                session.interpolate_prompt_embeds(models, switch["to"], switch["steps"])
+            session.generate_block_internal(models)
+            clean.append(to_diffusers_layout(session.last_pred))
+    scheduler = models.pipeline.scheduler
+    timesteps = [float(t) for t in session.denoising_step_list]
+    nearest = [int((scheduler.timesteps - t).abs().argmin()) for t in timesteps]
+    return {"clean": clean, "timesteps": timesteps, "sigmas": [float(scheduler.sigmas[i]) for i in nearest]}
+
+
+def noise_tensors(tape: NoiseTape, num_blocks: int, num_steps: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Draw 0 is the whole video's initial noise `(1, frames, C, h, w)`; then one `(3, C, h, w)` per re-noise."""
+    initial, *renoise = tape.draws
+    if len(renoise) != num_blocks * (num_steps - 1):
+        raise RuntimeError(f"Expected {num_blocks * (num_steps - 1)} re-noise draws, upstream made {len(renoise)}.")
+    tensors, order = {}, []
+    for block in range(num_blocks):
+        for step in range(num_steps):
+            if step == 0:
+                draw = initial[:, 3 * block : 3 * block + 3]
+            else:
+                draw = renoise[block * (num_steps - 1) + step - 1][None]
+            order.append(f"noise.{block}.{step}")
+            tensors[order[-1]] = to_diffusers_layout(draw)
+    return tensors, order
+
+
+def record(upstream: Path, out: Path) -> None:
+    torch.manual_seed(0)
+    up = load_upstream(upstream)
+    model = up.causal_model.CausalWanModel(**TINY_MODEL)
+    randomize_(model, WEIGHT_SEED)
+    weights = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}  # Krea's flat `model.` keys
+    embeds = text_embeddings()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out / "transformer.safetensors")
+    scenarios = {}
+    for name, scenario in SCENARIOS.items():
+        tape = NoiseTape(NOISE_SEED)
+        fp32 = run_scenario(up, weights, embeds, scenario, tape, torch.float32)
+        fp64 = run_scenario(up, weights, embeds, scenario, NoiseTape(NOISE_SEED, replay=tape.draws), torch.float64)
+        floor = max_abs(fp32["clean"], fp64["clean"])
+        noise, order = noise_tensors(tape, scenario["num_blocks"], len(fp32["timesteps"]))
+        tensors = {f"text.{k}": v for k, v in embeds.items()} | noise
+        tensors |= {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"golden.{name}.safetensors")
+        scenarios[name] = {
+            "num_blocks": scenario["num_blocks"],
+            "keep_first_frame": scenario["keep_first_frame"],
+            "prompt": "a",
+            "prompt_switch": scenario["switch"],
+            "timesteps": fp32["timesteps"],
+            "sigmas": fp32["sigmas"],
+            "noise_order": order,
+            "floor": floor,
+        }
+        print(f"{name}: {scenario['num_blocks']} blocks, floor (fp32 vs fp64) {floor:.3e}")
+    meta = {
+        "upstream": UPSTREAM,
+        "recipe": "krea-realtime",
+        "upstream_model_config": TINY_MODEL,
+        "diffusers_config": DIFFUSERS_CONFIG,
+        "latent_size": [HEIGHT // 8, WIDTH // 8],
+        "tokens_per_frame": TOKENS_PER_FRAME,
+        "settings": {
+            "chunk_frames": 3,
+            "context_frames": 3,
+            "context_policy": "recompute every block: fresh K/V, one t=0 pass over 3 clean frames at positions "
+            "0..2 (block 1: z0, z1, z2; later: z0, z[n-2], z[n-1]), chunk at positions 3..5; block 0: no context",
+            "context_pass_after_chunk": False,
+            "sink_frames": 0,
+            "kv_cache_frames": 6,
+            "timestep_shift": 5.0,
+            "raw_steps": [1000, 750, 500, 250, 0],
+            "x0": "x_t - sigma * flow; sigma of the nearest entry of the 1000-entry table (t=0 -> its last entry)",
+            "renoise": "(1 - sigma_next) * x0 + sigma_next * noise, sigma_next of the nearest table entry",
+            "text_len": TINY_MODEL["text_len"],
+            "text_tokens": PROMPTS,
+            "prompt_lerp": "torch.lerp(old, new, linspace(0, 1, steps)[i]) for the i-th block after the change; "
+            "the context rebuild of a block runs before its step pops (previous embedding), the denoising after",
+            "eps": 1e-6,
+            "dtype": "float32 (upstream bf16, cast away)",
+        },
+        "scenarios": scenarios,
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream", type=Path, required=True, help="extracted krea-ai/realtime-video tree")
+    parser.add_argument("--out", type=Path, required=True, help="golden folder, e.g. tests/goldens/krea-realtime/")
+    args = parser.parse_args()
+    record(args.upstream, args.out)
+
+
+if __name__ == "__main__":
+    main()
