@@ -101,3 +101,96 @@ def krea_model() -> KreaRealtimeTransformer3DModel:
 def test_krea_realtime_matches_upstream(krea_model, scenario):
     golden = load_golden("krea-realtime", scenario)
     _check(golden, replay_krea(krea_model, golden))
+
+
+# ----------------------------------------------------------------------------------------- longlive
+def _write_kv(cache, keys_values: list[tuple[torch.Tensor, torch.Tensor]], chunk_tokens: int) -> None:
+    """Commit given per-block K/V `(batch, tokens, heads, head_dim)` (post-RoPE) into `cache`, chunk by chunk."""
+    for start in range(0, keys_values[0][0].shape[1], chunk_tokens):
+        for layer, (key, value) in zip(cache, keys_values):
+            layer.update(key[:, start : start + chunk_tokens], value[:, start : start + chunk_tokens])
+        cache.commit()
+
+
+def longlive_recache(model, cache, layout: ChunkLayout, history: torch.Tensor, text, frame: int, local_attn: int):
+    """LongLive's re-cache at a prompt switch at `frame` (`interactive_causal_inference.py:34-90`); returns the cache.
+
+    Upstream re-runs the last `min(local_attn_size, frame)` clean frames in ONE cached t=0 forward under the new
+    prompt, with no mask, so every re-cached frame sees all the others (and the sink). Where the new K/V go
+    (`causal_model.py:295-332`):
+    - pass starting at frame 0 (a switch at frame <= local_attn_size): written from slot 0, the sink rewritten too;
+    - pass starting later (`is_recompute`): written from the slot after the sink, which keeps its K/V; the pass's
+      first `sink` frames are computed but their K/V are neither written nor attended, so they change nothing and
+      are left out here.
+    Our cache takes a chunk of at most `chunk_frames`, so the pass runs in a scratch cache sized for it (holding
+    the kept sink at its positions, the stream position moved to the first written frame with `crop`), and its
+    K/V are then committed into the stream's cache in place of the window (`rewind`) or of everything.
+    """
+    tokens, sink = layout.tokens_per_frame, layout.sink_frames
+    start = frame - min(local_attn, frame)
+    written_start = 0 if start == 0 else start + sink
+    frames = history[:, :, written_start:frame]
+    num_frames = frames.shape[2]
+    scratch_layout = ChunkLayout(
+        tokens, chunk_frames=num_frames, sink_frames=sink, window_frames=max(2 * num_frames, frame + 1)
+    )
+    scratch = model.make_cache(scratch_layout)
+    if written_start > 0:
+        kept_sink = [tuple(t[:, : sink * tokens] for t in layer.get()) for layer in cache]
+        _write_kv(scratch, kept_sink, sink * tokens)
+        heads, head_dim = kept_sink[0][0].shape[2:]
+        filler = torch.zeros(1, (written_start - sink) * tokens, heads, head_dim)
+        _write_kv(scratch, [(filler, filler)] * len(cache), filler.shape[1])
+        scratch.crop(sink * tokens)  # the stream stands at `written_start`; only the sink stays visible
+    model.prepare_conditioning(scratch, text)
+    model(frames, torch.zeros(1), text, kv_cache=scratch, layout=scratch_layout)
+    scratch.commit()
+    recached = [tuple(t[:, -num_frames * tokens :] for t in layer.get()) for layer in scratch]
+    if written_start == 0:  # every slot rewritten: the stream's cache is exactly the re-cached frames
+        cache = model.make_cache(layout)
+        _write_kv(cache, recached, layout.chunk_tokens)
+        return cache
+    window = layout.rewindable_frames(frame) * tokens  # the frames the next chunk sees after the sink
+    cache.rewind(window)
+    _write_kv(cache, [(k[:, -window:], v[:, -window:]) for k, v in recached], layout.chunk_tokens)
+    return cache
+
+
+@torch.no_grad()
+def replay_longlive(model: KreaRealtimeTransformer3DModel, golden: Golden) -> list[torch.Tensor]:
+    """LongLive inference (`pipeline/causal_inference.py:59-238`; with switches `interactive_causal_inference.py`)."""
+    settings, config = golden.settings, golden.meta["settings"]
+    # `local_attn_size` = sink + window, counting the chunk (`causal_model.py:324-331`): our sink + window.
+    layout = ChunkLayout(
+        golden.tokens_per_frame, config["chunk_frames"], config["sink_frames"], config["window_frames"]
+    )  # keys stored after RoPE at absolute positions (`causal_rope_apply`, start frame = the chunk's)
+    cache, noise, chunks = model.make_cache(layout), golden.noise(), []
+    prompts, switches = settings["prompts"], settings["switch_frames"]
+    text = golden.text[prompts[0]]
+    model.prepare_conditioning(cache, text)
+    for chunk in range(settings["num_chunks"]):
+        frame = chunk * layout.chunk_frames
+        if frame in switches:  # `:193-205`: the switch lands on the first chunk at or after its frame
+            text = golden.text[prompts[switches.index(frame) + 1]]
+            history = torch.cat(chunks, dim=2)
+            cache = longlive_recache(model, cache, layout, history, text, frame, config["local_attn_size"])
+            model.prepare_conditioning(cache, text)  # text K/V reset after the re-cache (`:86-89`)
+        clean = _denoise_chunk(model, noise.draw(chunk, 0), text, cache, layout, golden, chunk, noise)
+        chunks.append(clean)
+        # The context pass (`:250-259`): the clean chunk at t = context_noise (0) writes its K/V; only then
+        # does the cache advance.
+        model(clean, torch.full((1,), float(config["context_noise"])), text, kv_cache=cache, layout=layout)
+        cache.commit()
+    assert noise.exhausted, "upstream drew noise this loop never used"
+    return chunks
+
+
+@pytest.fixture(scope="module")
+def longlive_model() -> KreaRealtimeTransformer3DModel:
+    return load_transformer("longlive")
+
+
+@pytest.mark.parametrize("scenario", ["plain", "prompt_switch"])
+def test_longlive_matches_upstream(longlive_model, scenario):
+    golden = load_golden("longlive", scenario)
+    _check(golden, replay_longlive(longlive_model, golden))

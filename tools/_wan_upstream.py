@@ -27,9 +27,38 @@ import sys
 import types
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
+
+# The tiny causal Wan every recording uses. CausalWanModel init arguments (upstream terms): 3 blocks, 2 heads x 16,
+# 16 latent channels (Wan's), text padded to 8 tokens inside the model.
+TINY_MODEL = {
+    "model_type": "t2v", "patch_size": [1, 2, 2], "text_len": 8, "in_dim": 16, "dim": 32, "ffn_dim": 64,
+    "freq_dim": 16, "text_dim": 16, "out_dim": 16, "num_heads": 2, "num_layers": 3, "qk_norm": True,
+    "cross_attn_norm": True, "eps": 1e-6,
+}  # fmt: skip
+# The same model as diffusers' `WanTransformer3DModel` config (what our model class is built from).
+DIFFUSERS_CONFIG = {
+    "patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 16,
+    "out_channels": 16, "text_dim": 16, "freq_dim": 16, "ffn_dim": 64, "num_layers": 3, "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
+}  # fmt: skip
+HEIGHT, WIDTH = 32, 48  # pixels; latent 4 x 6, patch 2 x 2: 2 x 3 = 6 tokens per latent frame
+LATENT_SIZE = (HEIGHT // 8, WIDTH // 8)
+TOKENS_PER_FRAME = 6
+WEIGHT_SEED, NOISE_SEED, TEXT_SEED = 0, 1, 2
+# Imports the inference paths never call, stubbed so the trees import on a bare CPU environment.
+COMMON_STUBS = {
+    "cv2": {}, "ftfy": {}, "msgpack": {"packb": None, "unpackb": None}, "omegaconf": {"OmegaConf": None},
+    "dotenv": {"load_dotenv": lambda *a, **k: None}, "torchvision": {}, "torchvision.transforms": {},
+    "torchvision.transforms.functional": {}, "torchvision.io": {"write_video": None},
+}  # fmt: skip
+MEMORY_HELPERS = [  # `demo_utils.memory` / `utils.memory` build `torch.device("cuda:N")` at import: names only
+    "gpu", "get_cuda_free_memory_gb", "DynamicSwapInstaller", "move_model_to_device_with_memory_preservation",
+    "log_gpu_memory",
+]  # fmt: skip
 
 LinePatches = Mapping[str, Sequence[tuple[str, str]]]  # module name -> [(exact upstream text, replacement)]
 
@@ -155,6 +184,8 @@ class TorchProxy(types.ModuleType):
             return self._dtype
         if name == "randn":
             return self._tape.randn
+        if name == "randn_like":
+            return lambda like, **kwargs: self._tape.randn(like.shape)
         return getattr(torch, name)
 
 
@@ -187,6 +218,43 @@ def randomize_(module: torch.nn.Module, seed: int) -> None:
         else:
             value = 0.1 * noise
         parameter.copy_(value.to(parameter.dtype))
+
+
+def text_embeddings(lengths: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """Seeded `(1, text_len, text_dim)` prompt embeddings, zero after `lengths[name]` tokens as UMT5's padding is."""
+    generator = torch.Generator().manual_seed(TEXT_SEED)
+    embeds = {}
+    for name, length in lengths.items():
+        embed = torch.randn(1, TINY_MODEL["text_len"], TINY_MODEL["text_dim"], generator=generator)
+        embed[:, length:] = 0.0
+        embeds[name] = embed
+    return embeds
+
+
+def route_attention(causal_model: types.ModuleType, model_module: types.ModuleType) -> None:
+    """Self-attention (`attention`) and cross-attention (`flash_attention`) to SDPA at the input dtype; the
+    block-mask path's `flex_attention` eager (the trees wrap it in `torch.compile` at import)."""
+    causal_model.attention = sdpa_at_input_dtype
+    causal_model.flex_attention = torch.nn.attention.flex_attention.flex_attention
+    model_module.FLASH_ATTN_2_AVAILABLE = True  # Krea's cross-attention takes its flash branch only if set
+    model_module.flash_attention = sdpa_at_input_dtype
+
+
+def tiny_weights(causal_model: types.ModuleType, **model_kwargs) -> dict[str, torch.Tensor]:
+    """Seeded weights of the tiny `CausalWanModel`, keyed as the released checkpoints are (`model.` + Wan names)."""
+    model = causal_model.CausalWanModel(**TINY_MODEL, **model_kwargs)
+    randomize_(model, WEIGHT_SEED)
+    return {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+
+
+def tiny_wrapper(wan_wrapper: types.ModuleType, causal_model: types.ModuleType, weights, dtype, **kwargs):
+    """The tree's `WanDiffusionWrapper` around the tiny model (its `from_pretrained` would read a 1.3B folder)."""
+    model_kwargs = {k: kwargs[k] for k in ("local_attn_size", "sink_size") if k in kwargs}
+    model = causal_model.CausalWanModel(**TINY_MODEL, **model_kwargs)
+    with mock.patch.object(causal_model.CausalWanModel, "from_pretrained", lambda *a, **k: model):
+        wrapper = wan_wrapper.WanDiffusionWrapper(model_name="tiny", is_causal=True, **kwargs)
+    wrapper.load_state_dict(weights)
+    return wrapper.to(dtype).eval().requires_grad_(False)
 
 
 def to_diffusers_layout(latents: torch.Tensor) -> torch.Tensor:

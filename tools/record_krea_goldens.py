@@ -44,51 +44,38 @@ import argparse
 import json
 import types
 from pathlib import Path
-from unittest import mock
 
 import torch
 from _wan_upstream import (
+    COMMON_STUBS,
+    DIFFUSERS_CONFIG,
+    HEIGHT,
+    LATENT_SIZE,
+    MEMORY_HELPERS,
+    NOISE_SEED,
+    TINY_MODEL,
+    TOKENS_PER_FRAME,
+    WIDTH,
     NoiseTape,
     UpstreamTree,
     cpu_cuda_stubs,
     max_abs,
     proxied_torch,
-    randomize_,
-    sdpa_at_input_dtype,
+    route_attention,
+    text_embeddings,
+    tiny_weights,
+    tiny_wrapper,
     to_diffusers_layout,
 )
 from safetensors.torch import save_file
 
 UPSTREAM = {"repo": "krea-ai/realtime-video", "commit": "acf4b7b4e1a3049a0e04782e751d12203334038d"}
-# CausalWanModel init arguments (upstream terms): 3 blocks, 2 heads x 16, text padded to 8 tokens.
-TINY_MODEL = {
-    "model_type": "t2v", "patch_size": [1, 2, 2], "text_len": 8, "in_dim": 16, "dim": 32, "ffn_dim": 64,
-    "freq_dim": 16, "text_dim": 16, "out_dim": 16, "num_heads": 2, "num_layers": 3, "local_attn_size": -1,
-    "sink_size": 0, "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6,
-}  # fmt: skip
-DIFFUSERS_CONFIG = {
-    "patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 16,
-    "out_channels": 16, "text_dim": 16, "freq_dim": 16, "ffn_dim": 64, "num_layers": 3, "cross_attn_norm": True,
-    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
-}  # fmt: skip
-HEIGHT, WIDTH = 32, 48  # pixels; latent 4 x 6, 2 x 3 = 6 tokens per latent frame
-TOKENS_PER_FRAME = 6
-WEIGHT_SEED, NOISE_SEED = 0, 1
-PROMPTS = {"a": 5, "b": 6}  # name -> tokens before the zero padding (UMT5 zeroes the padded positions)
+MODEL_KWARGS = {"local_attn_size": -1, "sink_size": 0}  # the server sets -1 on every block (`init_models`)
+PROMPTS = {"a": 5, "b": 6}  # name -> tokens before the zero padding
 SCENARIOS = {
     "keep_first_frame": {"num_blocks": 6, "keep_first_frame": True, "switch": None},
     "prompt_lerp": {"num_blocks": 7, "keep_first_frame": True, "switch": {"before_block": 2, "to": "b", "steps": 4}},
 }
-
-
-def text_embeddings() -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(2)
-    embeds = {}
-    for name, length in PROMPTS.items():
-        embed = torch.randn(1, TINY_MODEL["text_len"], TINY_MODEL["text_dim"], generator=generator)
-        embed[:, length:] = 0.0
-        embeds[name] = embed
-    return embeds
 
 
 def load_upstream(root: Path) -> types.SimpleNamespace:
@@ -97,21 +84,10 @@ def load_upstream(root: Path) -> types.SimpleNamespace:
         root,
         patches={"wan.modules.causal_model": [("frame_seqlen = 1560", f"frame_seqlen = {TOKENS_PER_FRAME}")]},
         bare_packages=["pipeline", "wan", "wan.modules"],
-        stubs={
-            "cv2": {}, "ftfy": {}, "msgpack": {"packb": None, "unpackb": None}, "omegaconf": {"OmegaConf": None},
-            "dotenv": {"load_dotenv": lambda *a, **k: None}, "torchvision": {}, "torchvision.transforms": {},
-            "torchvision.transforms.functional": {},
-            "demo_utils.memory": dict.fromkeys(
-                ["gpu", "get_cuda_free_memory_gb", "DynamicSwapInstaller", "move_model_to_device_with_memory_preservation"]
-            ),
-        },
-    )  # fmt: skip
+        stubs=COMMON_STUBS | {"demo_utils.memory": dict.fromkeys(MEMORY_HELPERS)},
+    )
     causal_model = tree.module("wan.modules.causal_model")
-    model_module = tree.module("wan.modules.model")
-    causal_model.attention = sdpa_at_input_dtype
-    causal_model.flex_attention = torch.nn.attention.flex_attention.flex_attention  # eager, not compiled
-    model_module.FLASH_ATTN_2_AVAILABLE = True  # cross-attention: its flash branch, routed to SDPA below
-    model_module.flash_attention = sdpa_at_input_dtype
+    route_attention(causal_model, tree.module("wan.modules.model"))
     return types.SimpleNamespace(
         causal_model=causal_model,
         wan_wrapper=tree.module("utils.wan_wrapper"),
@@ -122,11 +98,7 @@ def load_upstream(root: Path) -> types.SimpleNamespace:
 
 def build_models(up: types.SimpleNamespace, weights: dict[str, torch.Tensor], embeds, dtype: torch.dtype):
     """The server's `Models` around the tiny transformer, as `load_all` wires them."""
-    model = up.causal_model.CausalWanModel(**TINY_MODEL)
-    with mock.patch.object(up.causal_model.CausalWanModel, "from_pretrained", lambda *a, **k: model):
-        transformer = up.wan_wrapper.WanDiffusionWrapper(model_name="tiny", timestep_shift=5.0, is_causal=True)
-    transformer.load_state_dict(weights)
-    transformer = transformer.to(dtype).eval().requires_grad_(False)
+    transformer = tiny_wrapper(up.wan_wrapper, up.causal_model, weights, dtype, timestep_shift=5.0, **MODEL_KWARGS)
     for block in transformer.model.blocks:  # as `load_transformer` does
         block.self_attn.fuse_projections()
 
@@ -192,10 +164,8 @@ def noise_tensors(tape: NoiseTape, num_blocks: int, num_steps: int) -> tuple[dic
 def record(upstream: Path, out: Path) -> None:
     torch.manual_seed(0)
     up = load_upstream(upstream)
-    model = up.causal_model.CausalWanModel(**TINY_MODEL)
-    randomize_(model, WEIGHT_SEED)
-    weights = {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}  # Krea's flat `model.` keys
-    embeds = text_embeddings()
+    weights = tiny_weights(up.causal_model, **MODEL_KWARGS)  # Krea's flat `model.` keys
+    embeds = text_embeddings(PROMPTS)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, out / "transformer.safetensors")
     scenarios = {}
@@ -222,9 +192,9 @@ def record(upstream: Path, out: Path) -> None:
     meta = {
         "upstream": UPSTREAM,
         "recipe": "krea-realtime",
-        "upstream_model_config": TINY_MODEL,
+        "upstream_model_config": TINY_MODEL | MODEL_KWARGS,
         "diffusers_config": DIFFUSERS_CONFIG,
-        "latent_size": [HEIGHT // 8, WIDTH // 8],
+        "latent_size": list(LATENT_SIZE),
         "tokens_per_frame": TOKENS_PER_FRAME,
         "settings": {
             "chunk_frames": 3,
