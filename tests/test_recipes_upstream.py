@@ -194,3 +194,38 @@ def longlive_model() -> KreaRealtimeTransformer3DModel:
 def test_longlive_matches_upstream(longlive_model, scenario):
     golden = load_golden("longlive", scenario)
     _check(golden, replay_longlive(longlive_model, golden))
+
+
+# ----------------------------------------------------------------------------------------- self-forcing
+@torch.no_grad()
+def replay_self_forcing(model: KreaRealtimeTransformer3DModel, golden: Golden) -> list[torch.Tensor]:
+    """Self-Forcing inference (`pipeline/causal_inference.py:49-254`) with one of the options our pipeline lacks."""
+    settings, config = golden.settings, golden.meta["settings"]
+    # Global attention (local_attn_size -1): nothing is evicted over the 21 frames; no sink needed.
+    layout = ChunkLayout(
+        golden.tokens_per_frame, config["chunk_frames"], sink_frames=0, window_frames=config["window_frames"]
+    )
+    cache, noise, chunks = model.make_cache(layout), golden.noise(), []
+    text = golden.text[settings["prompt"]]
+    model.prepare_conditioning(cache, text)
+    # `warp_denoising_step: false` (`:27-31` skipped): the raw steps are the timesteps fed; each sigma is the
+    # table's entry nearest to them (0.75, 0.5006, 0.2516), not the shift-warped value. Both come recorded.
+    for chunk in range(settings["num_chunks"]):
+        clean = _denoise_chunk(model, noise.draw(chunk, 0), text, cache, layout, golden, chunk, noise)
+        chunks.append(clean)
+        # The context pass (`:226-235`): the clean chunk, NOT noised, at timestep `context_noise`.
+        model(clean, torch.full((1,), float(settings["context_noise"])), text, kv_cache=cache, layout=layout)
+        cache.commit()
+    assert noise.exhausted, "upstream drew noise this loop never used"
+    return chunks
+
+
+@pytest.fixture(scope="module")
+def self_forcing_model() -> KreaRealtimeTransformer3DModel:
+    return load_transformer("self-forcing")
+
+
+@pytest.mark.parametrize("scenario", ["no_warp", "context_noise"])
+def test_self_forcing_matches_upstream(self_forcing_model, scenario):
+    golden = load_golden("self-forcing", scenario)
+    _check(golden, replay_self_forcing(self_forcing_model, golden))

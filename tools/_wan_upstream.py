@@ -220,6 +220,18 @@ def randomize_(module: torch.nn.Module, seed: int) -> None:
         parameter.copy_(value.to(parameter.dtype))
 
 
+def kv_buffer_patches() -> list[tuple[str, str]]:
+    """Line patches for Self-Forcing's / LongLive's `_initialize_kv_cache` / `_initialize_crossattn_cache`, which
+    hard-code Wan-1.3B's 12 heads x 128 in the buffer shapes: the tiny model's instead."""
+    heads, head_dim = TINY_MODEL["num_heads"], TINY_MODEL["dim"] // TINY_MODEL["num_heads"]
+    lines = [
+        f'"{kv}": torch.zeros([batch_size, {length}, 12, 128], dtype=dtype, device=device)'
+        for length in ("kv_cache_size", "512")
+        for kv in ("k", "v")
+    ]
+    return [(line, line.replace("12, 128", f"{heads}, {head_dim}")) for line in lines]
+
+
 def text_embeddings(lengths: Mapping[str, int]) -> dict[str, torch.Tensor]:
     """Seeded `(1, text_len, text_dim)` prompt embeddings, zero after `lengths[name]` tokens as UMT5's padding is."""
     generator = torch.Generator().manual_seed(TEXT_SEED)
@@ -260,6 +272,33 @@ def tiny_wrapper(wan_wrapper: types.ModuleType, causal_model: types.ModuleType, 
 def to_diffusers_layout(latents: torch.Tensor) -> torch.Tensor:
     """Upstream's `(batch, frames, channels, h, w)` -> diffusers' `(batch, channels, frames, h, w)`, contiguous."""
     return latents.permute(0, 2, 1, 3, 4).contiguous()
+
+
+def chunk_noise(
+    tape: NoiseTape, num_chunks: int, chunk_frames: int, num_steps: int
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Name a Self-Forcing-family tape: draw 0 is the whole video's noise `(1, frames, C, h, w)`, then one
+    `(chunk_frames, C, h, w)` per re-noise, chunk by chunk. Returns `noise.<chunk>.<step>` (diffusers' layout)
+    and the order the loop consumes them in."""
+    initial, *renoise = tape.draws
+    expected = num_chunks * (num_steps - 1)
+    if len(renoise) != expected:
+        raise RuntimeError(f"Expected {expected} re-noise draws, upstream made {len(renoise)}.")
+    tensors, order = {}, []
+    for chunk in range(num_chunks):
+        for step in range(num_steps):
+            if step == 0:
+                draw = initial[:, chunk_frames * chunk : chunk_frames * (chunk + 1)]
+            else:
+                draw = renoise[chunk * (num_steps - 1) + step - 1][None]
+            order.append(f"noise.{chunk}.{step}")
+            tensors[order[-1]] = to_diffusers_layout(draw)
+    return tensors, order
+
+
+def table_sigmas(scheduler, timesteps: Sequence[float]) -> list[float]:
+    """The sigma upstream uses at each fed timestep: its table's nearest entry (`argmin |timesteps - t|`)."""
+    return [float(scheduler.sigmas[int((scheduler.timesteps - float(t)).abs().argmin())]) for t in timesteps]
 
 
 def max_abs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:

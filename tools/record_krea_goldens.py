@@ -58,10 +58,12 @@ from _wan_upstream import (
     WIDTH,
     NoiseTape,
     UpstreamTree,
+    chunk_noise,
     cpu_cuda_stubs,
     max_abs,
     proxied_torch,
     route_attention,
+    table_sigmas,
     text_embeddings,
     tiny_weights,
     tiny_wrapper,
@@ -140,25 +142,7 @@ def run_scenario(up, weights, embeds, scenario: dict, tape: NoiseTape, dtype: to
             clean.append(to_diffusers_layout(session.last_pred))
     scheduler = models.pipeline.scheduler
     timesteps = [float(t) for t in session.denoising_step_list]
-    nearest = [int((scheduler.timesteps - t).abs().argmin()) for t in timesteps]
-    return {"clean": clean, "timesteps": timesteps, "sigmas": [float(scheduler.sigmas[i]) for i in nearest]}
-
-
-def noise_tensors(tape: NoiseTape, num_blocks: int, num_steps: int) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Draw 0 is the whole video's initial noise `(1, frames, C, h, w)`; then one `(3, C, h, w)` per re-noise."""
-    initial, *renoise = tape.draws
-    if len(renoise) != num_blocks * (num_steps - 1):
-        raise RuntimeError(f"Expected {num_blocks * (num_steps - 1)} re-noise draws, upstream made {len(renoise)}.")
-    tensors, order = {}, []
-    for block in range(num_blocks):
-        for step in range(num_steps):
-            if step == 0:
-                draw = initial[:, 3 * block : 3 * block + 3]
-            else:
-                draw = renoise[block * (num_steps - 1) + step - 1][None]
-            order.append(f"noise.{block}.{step}")
-            tensors[order[-1]] = to_diffusers_layout(draw)
-    return tensors, order
+    return {"clean": clean, "timesteps": timesteps, "sigmas": table_sigmas(scheduler, timesteps)}
 
 
 def record(upstream: Path, out: Path) -> None:
@@ -174,7 +158,7 @@ def record(upstream: Path, out: Path) -> None:
         fp32 = run_scenario(up, weights, embeds, scenario, tape, torch.float32)
         fp64 = run_scenario(up, weights, embeds, scenario, NoiseTape(NOISE_SEED, replay=tape.draws), torch.float64)
         floor = max_abs(fp32["clean"], fp64["clean"])
-        noise, order = noise_tensors(tape, scenario["num_blocks"], len(fp32["timesteps"]))
+        noise, order = chunk_noise(tape, scenario["num_blocks"], 3, len(fp32["timesteps"]))
         tensors = {f"text.{k}": v for k, v in embeds.items()} | noise
         tensors |= {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
         save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"golden.{name}.safetensors")

@@ -54,10 +54,13 @@ from _wan_upstream import (
     TOKENS_PER_FRAME,
     NoiseTape,
     UpstreamTree,
+    chunk_noise,
     cpu_cuda_stubs,
+    kv_buffer_patches,
     max_abs,
     proxied_torch,
     route_attention,
+    table_sigmas,
     text_embeddings,
     tiny_weights,
     tiny_wrapper,
@@ -74,23 +77,13 @@ SCENARIOS = {
     "plain": {"prompts": ["a"], "switch_frames": []},
     "prompt_switch": {"prompts": ["a", "b", "c"], "switch_frames": [6, 18]},
 }
-_HEADS, _HEAD_DIM = TINY_MODEL["num_heads"], TINY_MODEL["dim"] // TINY_MODEL["num_heads"]
-_BUFFER_LINES = [  # the K/V buffers of `_initialize_kv_cache` / `_initialize_crossattn_cache`: 1.3B's 12 x 128
-    f'"{kv}": torch.zeros([batch_size, {length}, 12, 128], dtype=dtype, device=device)'
-    for length in ("kv_cache_size", "512")
-    for kv in ("k", "v")
-]
 
 
 def load_upstream(root: Path) -> types.SimpleNamespace:
     cpu_cuda_stubs()
     tree = UpstreamTree(
         root,
-        patches={
-            "pipeline.causal_inference": [
-                (line, line.replace("12, 128", f"{_HEADS}, {_HEAD_DIM}")) for line in _BUFFER_LINES
-            ]
-        },
+        patches={"pipeline.causal_inference": kv_buffer_patches()},
         bare_packages=["pipeline", "wan", "wan.modules"],
         stubs=COMMON_STUBS | {"utils.memory": dict.fromkeys(MEMORY_HELPERS)},
     )
@@ -147,25 +140,7 @@ def run_scenario(up, weights, embeds, scenario: dict, tape: NoiseTape, dtype: to
     clean = [to_diffusers_layout(chunk) for chunk in latents.split(CHUNK_FRAMES, dim=1)]
     scheduler = pipeline.scheduler
     timesteps = [float(t) for t in pipeline.denoising_step_list]
-    nearest = [int((scheduler.timesteps - t).abs().argmin()) for t in timesteps]
-    return {"clean": clean, "timesteps": timesteps, "sigmas": [float(scheduler.sigmas[i]) for i in nearest]}
-
-
-def noise_tensors(tape: NoiseTape, num_steps: int) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Draw 0 is the video's noise `(1, frames, C, h, w)` (`inference.py:194`); then one `randn_like` per re-noise."""
-    initial, *renoise = tape.draws
-    if len(renoise) != NUM_CHUNKS * (num_steps - 1):
-        raise RuntimeError(f"Expected {NUM_CHUNKS * (num_steps - 1)} re-noise draws, upstream made {len(renoise)}.")
-    tensors, order = {}, []
-    for chunk in range(NUM_CHUNKS):
-        for step in range(num_steps):
-            if step == 0:
-                draw = initial[:, CHUNK_FRAMES * chunk : CHUNK_FRAMES * (chunk + 1)]
-            else:
-                draw = renoise[chunk * (num_steps - 1) + step - 1][None]
-            order.append(f"noise.{chunk}.{step}")
-            tensors[order[-1]] = to_diffusers_layout(draw)
-    return tensors, order
+    return {"clean": clean, "timesteps": timesteps, "sigmas": table_sigmas(scheduler, timesteps)}
 
 
 def record(upstream: Path, out: Path) -> None:
@@ -181,7 +156,7 @@ def record(upstream: Path, out: Path) -> None:
         fp32 = run_scenario(up, weights, embeds, scenario, tape, torch.float32)
         fp64 = run_scenario(up, weights, embeds, scenario, NoiseTape(NOISE_SEED, replay=tape.draws), torch.float64)
         floor = max_abs(fp32["clean"], fp64["clean"])
-        noise, order = noise_tensors(tape, len(fp32["timesteps"]))
+        noise, order = chunk_noise(tape, NUM_CHUNKS, CHUNK_FRAMES, len(fp32["timesteps"]))
         tensors = {f"text.{p}": embeds[p] for p in scenario["prompts"]} | noise
         tensors |= {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
         save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"golden.{name}.safetensors")
