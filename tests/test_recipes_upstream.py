@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from recipe_goldens import Golden, load_golden, load_transformer
+from diffusers import AutoencoderKLWan
+from recipe_goldens import Golden, load_golden, load_transformer, load_vae
 
 from rolldiff.models import ChunkLayout, KreaRealtimeTransformer3DModel
+from rolldiff.pipelines import StreamingWanDecoder, denormalize_wan_latents
 
 TOLERANCE = 1e-4
 
@@ -63,23 +65,51 @@ def krea_prompt_per_block(golden: Golden) -> list[torch.Tensor]:
     return prompts
 
 
+class KreaFirstFrame:
+    """The first context slot of Krea's server: z0, or from block 2 the VAE re-encode of a decoded pixel frame.
+
+    The server decodes every block as it is made (`release_server.py:717`, the decoder's feature cache carried
+    from block to block) and keeps the last 9 pixel frames (`frame_context_cache`, `1 + (3 - 1) * 4`); from block 2
+    the first slot is the oldest of them, the last pixel frame of z[n-3], encoded alone as a one-frame video with a
+    fresh encoder cache and normalised as the transformer's latents are (`:571-575`, `v2v.py:138-158`).
+    """
+
+    def __init__(self, vae: AutoencoderKLWan | None) -> None:
+        self.vae = vae
+        self.decoder = None if vae is None else StreamingWanDecoder(vae)
+        self.pixels: list[torch.Tensor] = []  # (batch, 3, frames, H, W) per block
+
+    def add_block(self, clean: torch.Tensor) -> None:
+        if self.vae is not None:
+            self.pixels.append(self.decoder.decode(denormalize_wan_latents(clean, self.vae)))
+
+    def __call__(self, history: torch.Tensor, block: int) -> torch.Tensor:
+        if self.vae is None or block < 2:  # keep_first_frame, or block 1 (z0 is still the first pixel frame's)
+            return history[:, :, :1]
+        frame = torch.cat(self.pixels, dim=2)[:, :, -9:][:, :, :1]  # (1, 3, 1, H, W)
+        latent = self.vae.encode(frame).latent_dist.mode()  # the mean, as `VAEEncoderWrapper` takes `mu`
+        config = self.vae.config
+        mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(config.latents_std).view(1, -1, 1, 1, 1)
+        return (latent - mean) * (1.0 / std)
+
+
 @torch.no_grad()
-def replay_krea(model: KreaRealtimeTransformer3DModel, golden: Golden) -> list[torch.Tensor]:
+def replay_krea(model: KreaRealtimeTransformer3DModel, golden: Golden, vae: AutoencoderKLWan | None) -> list:
     """Krea Realtime's server loop (`release_server.py` `GenerationSession.generate_block_internal`, `:639-736`)."""
-    if not golden.settings["keep_first_frame"]:
-        raise NotImplementedError("the first-frame VAE re-encode is not recorded")
     # A fresh K/V buffer per block (`recompute_kv_cache`, `:596-637`): 3 context frames, then the 3-frame chunk,
     # nothing evicted; a "window" of 6 frames with no sink holds both.
     layout = ChunkLayout(golden.tokens_per_frame, chunk_frames=3, sink_frames=0, window_frames=6)
     prompts, noise, chunks = krea_prompt_per_block(golden), golden.noise(), []
+    first_frame = KreaFirstFrame(None if golden.settings["keep_first_frame"] else vae)
     for block in range(golden.settings["num_blocks"]):
         cache = model.make_cache(layout)
         if block > 0:
-            # Context (`get_clean_context_frames`, `:563-576`, keep_first_frame): [z0, z[n-2], z[n-1]] (block 1:
-            # z0, z1, z2), in ONE t=0 forward at positions 0..2, bidirectional (one 3-frame block of the mask).
-            # It runs before this block's prompt step is popped, so under the previous block's embedding.
+            # Context (`get_clean_context_frames`, `:563-576`): [first, z[n-2], z[n-1]] (block 1: z0, z1, z2), in
+            # ONE t=0 forward at positions 0..2, bidirectional (one 3-frame block of the mask). It runs before
+            # this block's prompt step is popped, so under the previous block's embedding.
             history = torch.cat(chunks, dim=2)
-            context = torch.cat([history[:, :, :1], history[:, :, 1:][:, :, -2:]], dim=2)
+            context = torch.cat([first_frame(history, block), history[:, :, 1:][:, :, -2:]], dim=2)
             model.prepare_conditioning(cache, prompts[block - 1])
             model(context, torch.zeros(1), prompts[block - 1], kv_cache=cache, layout=layout)
             cache.commit()
@@ -88,6 +118,7 @@ def replay_krea(model: KreaRealtimeTransformer3DModel, golden: Golden) -> list[t
         # context pass follows (the next block rebuilds its context from scratch).
         model.prepare_conditioning(cache, prompts[block])
         chunks.append(_denoise_chunk(model, noise.draw(block, 0), prompts[block], cache, layout, golden, block, noise))
+        first_frame.add_block(chunks[-1])
     assert noise.exhausted, "upstream drew noise this loop never used"
     return chunks
 
@@ -97,10 +128,10 @@ def krea_model() -> KreaRealtimeTransformer3DModel:
     return load_transformer("krea-realtime")
 
 
-@pytest.mark.parametrize("scenario", ["keep_first_frame", "prompt_lerp"])
+@pytest.mark.parametrize("scenario", ["keep_first_frame", "prompt_lerp", "reencode"])
 def test_krea_realtime_matches_upstream(krea_model, scenario):
     golden = load_golden("krea-realtime", scenario)
-    _check(golden, replay_krea(krea_model, golden))
+    _check(golden, replay_krea(krea_model, golden, load_vae("krea-realtime")))
 
 
 # ----------------------------------------------------------------------------------------- longlive

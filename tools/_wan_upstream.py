@@ -213,7 +213,7 @@ def randomize_(module: torch.nn.Module, seed: int) -> None:
             value = noise / math.sqrt(parameter.shape[-1])
         elif parameter.ndim >= 2:
             value = noise / math.sqrt(parameter[0].numel())
-        elif "norm" in name and name.endswith("weight"):
+        elif ("norm" in name and name.endswith("weight")) or name.endswith("gamma"):  # gamma: the VAE's RMS norms
             value = 1 + 0.1 * noise
         else:
             value = 0.1 * noise
