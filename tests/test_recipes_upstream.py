@@ -50,7 +50,7 @@ def krea_prompt_per_block(golden: Golden) -> list[torch.Tensor]:
     """The embedding each block denoises under: the first prompt, then a lerp to the new one over `steps` blocks.
 
     `interpolate_prompt_embeds` (`release_server.py:459-468`) makes `torch.lerp(old, new, linspace(0, 1, steps))`;
-    each block pops one (`:658-662`) and keeps the last once the list is empty.
+    each block pops one (`:662-666`) and keeps the last once the list is empty.
     """
     settings = golden.settings
     current = golden.text[settings["prompt"]]
@@ -68,10 +68,10 @@ def krea_prompt_per_block(golden: Golden) -> list[torch.Tensor]:
 class KreaFirstFrame:
     """The first context slot of Krea's server: z0, or from block 2 the VAE re-encode of a decoded pixel frame.
 
-    The server decodes every block as it is made (`release_server.py:717`, the decoder's feature cache carried
+    The server decodes every block as it is made (`release_server.py:719-721`, the decoder's feature cache carried
     from block to block) and keeps the last 9 pixel frames (`frame_context_cache`, `1 + (3 - 1) * 4`); from block 2
     the first slot is the oldest of them, the last pixel frame of z[n-3], encoded alone as a one-frame video with a
-    fresh encoder cache and normalised as the transformer's latents are (`:571-575`, `v2v.py:138-158`).
+    fresh encoder cache and normalised as the transformer's latents are (`:571-574`, `v2v.py:138-158`).
     """
 
     def __init__(self, vae: AutoencoderKLWan | None) -> None:
@@ -96,8 +96,8 @@ class KreaFirstFrame:
 
 @torch.no_grad()
 def replay_krea(model: KreaRealtimeTransformer3DModel, golden: Golden, vae: AutoencoderKLWan | None) -> list:
-    """Krea Realtime's server loop (`release_server.py` `GenerationSession.generate_block_internal`, `:639-736`)."""
-    # A fresh K/V buffer per block (`recompute_kv_cache`, `:596-637`): 3 context frames, then the 3-frame chunk,
+    """Krea Realtime's server loop (`release_server.py` `GenerationSession.generate_block_internal`, `:636-736`)."""
+    # A fresh K/V buffer per block (`recompute_kv_cache`, `:588-633`): 3 context frames, then the 3-frame chunk,
     # nothing evicted; a "window" of 6 frames with no sink holds both.
     layout = ChunkLayout(golden.tokens_per_frame, chunk_frames=3, sink_frames=0, window_frames=6)
     prompts, noise, chunks = krea_prompt_per_block(golden), golden.noise(), []
@@ -113,7 +113,7 @@ def replay_krea(model: KreaRealtimeTransformer3DModel, golden: Golden, vae: Auto
             model.prepare_conditioning(cache, prompts[block - 1])
             model(context, torch.zeros(1), prompts[block - 1], kv_cache=cache, layout=layout)
             cache.commit()
-        # The chunk at positions 3..5 (block 0: 0..2) under this block's embedding (text K/V reset, `:658-662`);
+        # The chunk at positions 3..5 (block 0: 0..2) under this block's embedding (text K/V reset, `:662-666`);
         # steps t = 1000, 937.5, 833.3, 625, 0 (`v2v.py:133-136`); the t=0 step's x0 is the block's latents and no
         # context pass follows (the next block rebuilds its context from scratch).
         model.prepare_conditioning(cache, prompts[block])
@@ -144,11 +144,11 @@ def _write_kv(cache, keys_values: list[tuple[torch.Tensor, torch.Tensor]], chunk
 
 
 def longlive_recache(model, cache, layout: ChunkLayout, history: torch.Tensor, text, frame: int, local_attn: int):
-    """LongLive's re-cache at a prompt switch at `frame` (`interactive_causal_inference.py:34-90`); returns the cache.
+    """LongLive's re-cache at a prompt switch at `frame` (`interactive_causal_inference.py:34-96`); returns the cache.
 
     Upstream re-runs the last `min(local_attn_size, frame)` clean frames in ONE cached t=0 forward under the new
     prompt, with no mask, so every re-cached frame sees all the others (and the sink). Where the new K/V go
-    (`causal_model.py:295-332`):
+    (`causal_model.py:230, 291-342`):
     - pass starting at frame 0 (a switch at frame <= local_attn_size): written from slot 0, the sink rewritten too;
     - pass starting later (`is_recompute`): written from the slot after the sink, which keeps its K/V; the pass's
       first `sink` frames are computed but their K/V are neither written nor attended, so they change nothing and
@@ -189,9 +189,9 @@ def longlive_recache(model, cache, layout: ChunkLayout, history: torch.Tensor, t
 
 @torch.no_grad()
 def replay_longlive(model: KreaRealtimeTransformer3DModel, golden: Golden) -> list[torch.Tensor]:
-    """LongLive inference (`pipeline/causal_inference.py:59-238`; with switches `interactive_causal_inference.py`)."""
+    """LongLive inference (`pipeline/causal_inference.py:56-243`; with switches `interactive_causal_inference.py`)."""
     settings, config = golden.settings, golden.meta["settings"]
-    # `local_attn_size` = sink + window, counting the chunk (`causal_model.py:324-331`): our sink + window.
+    # `local_attn_size` = sink + window, counting the chunk (`causal_model.py:323-331`): our sink + window.
     layout = ChunkLayout(
         golden.tokens_per_frame, config["chunk_frames"], config["sink_frames"], config["window_frames"]
     )  # keys stored after RoPE at absolute positions (`causal_rope_apply`, start frame = the chunk's)
@@ -201,14 +201,14 @@ def replay_longlive(model: KreaRealtimeTransformer3DModel, golden: Golden) -> li
     model.prepare_conditioning(cache, text)
     for chunk in range(settings["num_chunks"]):
         frame = chunk * layout.chunk_frames
-        if frame in switches:  # `:193-205`: the switch lands on the first chunk at or after its frame
+        if frame in switches:  # `:189-200`: the switch lands on the first chunk at or after its frame
             text = golden.text[prompts[switches.index(frame) + 1]]
             history = torch.cat(chunks, dim=2)
             cache = longlive_recache(model, cache, layout, history, text, frame, config["local_attn_size"])
-            model.prepare_conditioning(cache, text)  # text K/V reset after the re-cache (`:86-89`)
+            model.prepare_conditioning(cache, text)  # text K/V reset after the re-cache (`:93-96`)
         clean = _denoise_chunk(model, noise.draw(chunk, 0), text, cache, layout, golden, chunk, noise)
         chunks.append(clean)
-        # The context pass (`:250-259`): the clean chunk at t = context_noise (0) writes its K/V; only then
+        # The context pass (`:249-259`): the clean chunk at t = context_noise (0) writes its K/V; only then
         # does the cache advance.
         model(clean, torch.full((1,), float(config["context_noise"])), text, kv_cache=cache, layout=layout)
         cache.commit()
@@ -230,7 +230,7 @@ def test_longlive_matches_upstream(longlive_model, scenario):
 # ----------------------------------------------------------------------------------------- self-forcing
 @torch.no_grad()
 def replay_self_forcing(model: KreaRealtimeTransformer3DModel, golden: Golden) -> list[torch.Tensor]:
-    """Self-Forcing inference (`pipeline/causal_inference.py:49-254`) with one of the options our pipeline lacks."""
+    """Self-Forcing inference (`pipeline/causal_inference.py:47-276`) with one of the options our pipeline lacks."""
     settings, config = golden.settings, golden.meta["settings"]
     # Global attention (local_attn_size -1): nothing is evicted over the 21 frames; no sink needed.
     layout = ChunkLayout(
@@ -239,12 +239,12 @@ def replay_self_forcing(model: KreaRealtimeTransformer3DModel, golden: Golden) -
     cache, noise, chunks = model.make_cache(layout), golden.noise(), []
     text = golden.text[settings["prompt"]]
     model.prepare_conditioning(cache, text)
-    # `warp_denoising_step: false` (`:27-31` skipped): the raw steps are the timesteps fed; each sigma is the
+    # `warp_denoising_step: false` (`:29-31` skipped): the raw steps are the timesteps fed; each sigma is the
     # table's entry nearest to them (0.75, 0.5006, 0.2516), not the shift-warped value. Both come recorded.
     for chunk in range(settings["num_chunks"]):
         clean = _denoise_chunk(model, noise.draw(chunk, 0), text, cache, layout, golden, chunk, noise)
         chunks.append(clean)
-        # The context pass (`:226-235`): the clean chunk, NOT noised, at timestep `context_noise`.
+        # The context pass (`:225-235`): the clean chunk, NOT noised, at timestep `context_noise`.
         model(clean, torch.full((1,), float(settings["context_noise"])), text, kv_cache=cache, layout=layout)
         cache.commit()
     assert noise.exhausted, "upstream drew noise this loop never used"

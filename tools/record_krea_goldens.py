@@ -5,21 +5,21 @@ Usage:
 
 Upstream: github.com/krea-ai/realtime-video at acf4b7b4e1a3049a0e04782e751d12203334038d. What runs is the
 authors' `GenerationSession` (`release_server.py`) itself, block by block through `generate_block_internal`:
-- `init_models` (`:542-559`): cache of `kv_cache_num_frames + 3` frames, blocks with `local_attn_size=-1`, the
+- `init_models` (`:542-561`): cache of `kv_cache_num_frames + 3` frames, blocks with `local_attn_size=-1`, the
   scheduler `FlowMatchScheduler(shift=5, sigma_min=0, extra_one_step=True)` with 1000 training steps and a 0
   appended; `get_denoising_schedule` (`v2v.py:133-136`) picks t = 1000, 937.5, 833.3, 625, 0 from it.
-- `recompute_kv_cache` (`:596-637`): every block from block 1 builds a fresh K/V buffer in one t=0 forward over
+- `recompute_kv_cache` (`:588-633`): every block from block 1 builds a fresh K/V buffer in one t=0 forward over
   3 clean context frames at positions 0..2 under the block mask of one 3-frame block (bidirectional);
   `get_clean_context_frames` (`:563-576`): block 1 `[z0, z1, z2]`, later `[z0, z[n-2], z[n-1]]` with
   `keep_first_frame=True`, or (`reencode`, the default) from block 2 the first slot is the VAE re-encode of the
   oldest of the last 9 decoded pixel frames (`frame_context_cache[0]`: the last pixel frame of z[n-3]).
-- the denoising steps (`:639-706`): the chunk at positions 3..5 (0..2 in block 0), x0 predicted at each step and
+- the denoising steps (`:669-706`): the chunk at positions 3..5 (0..2 in block 0), x0 predicted at each step and
   re-noised to the next t with a fresh draw; the t=0 step is the last, its x0 is the block's latents; no context
   pass after it.
 - prompt change (`interpolate_prompt_embeds`, `:459-468`, called by the websocket loop `:1049-1056`): the embeddings
-  lerped over 4 blocks; each block pops one after its context rebuild (`:658-662`), resetting the text K/V.
+  lerped over 4 blocks; each block pops one after its context rebuild (`:662-666`), resetting the text K/V.
 Model: `wan/modules/causal_model.py` (`CausalWanModel`, built tiny) inside `utils/wan_wrapper.py`
-(`WanDiffusionWrapper`, x0 from the flow prediction with the sigma of the nearest table entry, `:236-258`).
+(`WanDiffusionWrapper`, x0 from the flow prediction with the sigma of the nearest table entry, `:181-205`).
 
 Stubs needed to run it on a CPU-only torch (nothing else is changed):
 - `torch.cuda.current_device()` -> "cpu" (import time and `device=` arguments), inert `torch.cuda.Stream/Event`.
@@ -135,8 +135,8 @@ def load_upstream(root: Path) -> types.SimpleNamespace:
 class FullPrecisionVae:
     """The session's VAE: the authors' `VAEEncoderWrapper` / `VAEDecoderWrapper` (`demo_utils/vae_block3.py`) around
     the tiny VAE, fed the full-precision tensors the server casts to fp16 just before each call
-    (`denoised_pred.half()`, `release_server.py:717`; `frame_context_cache[0][0].half()`, `:575`), and encoding at
-    the tiny size instead of the hard-coded 480x832 (`:575`)."""
+    (`denoised_pred.half()`, `release_server.py:719`; `frame_context_cache[0][0].half()`, `:574`), and encoding at
+    the tiny size instead of the hard-coded 480x832 (`:574`)."""
 
     def __init__(self, up: types.SimpleNamespace, vae_weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         vae = up.vae.WanVAE_(**VAE_CONFIG)
@@ -161,7 +161,7 @@ class FullPrecisionVae:
         return self.decoder(full, *feature_cache)
 
     def encode_video_latent(self, vae, encode_vae_cache, frames=None, **kwargs):
-        """`v2v.encode_video_latent` as the server calls it (`:575`), at the tiny size and the working dtype."""
+        """`v2v.encode_video_latent` as the server calls it (`:574`), at the tiny size and the working dtype."""
         full = self.session.frame_context_cache[0][0]
         if not torch.equal(frames, full.half()):
             raise RuntimeError("the server re-encoded something other than the oldest cached pixel frame")

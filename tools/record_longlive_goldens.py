@@ -8,14 +8,14 @@ Upstream: github.com/NVlabs/LongLive at 2462895575c579617af5089c9a05c7b500dc0036
 1000, 750, 500, 250 warped through the shift-5 table (`warp_denoising_step: true`), 3-frame chunks,
 `local_attn_size: 12` (sink + window, counting the chunk), `sink_size: 3`, `global_sink: true`, `context_noise: 0`.
 What runs is the authors' code itself:
-- `plain`: `CausalInferencePipeline.inference` (`pipeline/causal_inference.py:59-238`, as `inference.py` calls it):
+- `plain`: `CausalInferencePipeline.inference` (`pipeline/causal_inference.py:56-243`, as `inference.py` calls it):
   per chunk 4 denoising steps (x0 re-noised with `randn_like`), then a t=0 pass on the clean chunk that writes its
-  K/V (`:185-194`); the cache rolls past the sink in `CausalWanSelfAttention.forward` (`causal_model.py:217-345`),
+  K/V (`:191-200`); the cache rolls past the sink in `CausalWanSelfAttention.forward` (`causal_model.py:205-352`),
   keys stored after RoPE at absolute frame positions.
-- `prompt_switch`: `InteractiveCausalInferencePipeline.inference` (`pipeline/interactive_causal_inference.py:94-268`)
+- `prompt_switch`: `InteractiveCausalInferencePipeline.inference` (`pipeline/interactive_causal_inference.py:98-269`)
   with 3 prompts switching at frames 6 (<= local_attn_size: early) and 18 (late). At a switch
-  `_recache_after_switch` (`:34-90`) resets the text K/V and re-runs `min(local_attn_size, frame)` clean frames in
-  ONE cached forward at t=0 under the new prompt, attention unmasked; `causal_model.py:295-332` writes from the
+  `_recache_after_switch` (`:34-96`) resets the text K/V and re-runs `min(local_attn_size, frame)` clean frames in
+  ONE cached forward at t=0 under the new prompt, attention unmasked; `causal_model.py:230, 291-342` writes from the
   slot after the sink when the pass starts past frame 0 (`is_recompute`), else from slot 0, rewriting the sink.
 Model: `wan/modules/causal_model.py` (`CausalWanModel`, built tiny) in `utils/wan_wrapper.py`
 (`WanDiffusionWrapper`, x0 with the sigma of the nearest table entry). The LoRA the released model adds is merged

@@ -4,15 +4,15 @@ Usage:
     python tools/record_self_forcing_goldens.py --upstream /work/upstream/self-forcing --out tests/goldens/self-forcing/
 
 Upstream: github.com/guandeh17/Self-Forcing at 33593df3e81fa3ec10239271dd2c100facac6de1. What runs is the authors'
-`CausalInferencePipeline.inference` (`pipeline/causal_inference.py:49-254`, as `inference.py` calls it) with the
+`CausalInferencePipeline.inference` (`pipeline/causal_inference.py:47-276`, as `inference.py` calls it) with the
 released settings (`configs/self_forcing_dmd.yaml`: 3-frame chunks, shift 5, steps 1000, 750, 500, 250; the model
 defaults `local_attn_size=-1`, `sink_size=0`: global attention, the 32760-token buffer never rolls; 21 latent
 frames, `inference.py`'s default length), changing one option per scenario:
-- `no_warp`: `warp_denoising_step: false` (`default_config.yaml`): the raw steps are fed as timesteps (`:27-31`
+- `no_warp`: `warp_denoising_step: false` (`default_config.yaml`): the raw steps are fed as timesteps (`:29-31`
   skipped) and each sigma is the table's entry nearest to them (x0: `utils/wan_wrapper.py`
   `_convert_flow_pred_to_x0`; re-noise: `utils/scheduler.py` `add_noise`).
 - `context_noise`: `context_noise: 100`: the context pass runs the clean chunk at timestep 100, without noising it
-  (`:226-235`).
+  (`:225-235`).
 Plain inference (warped steps, `context_noise: 0`) is already reproduced by our loop; see REFERENCE.md.
 Model: `wan/modules/causal_model.py` (`CausalWanModel`, built tiny) in `utils/wan_wrapper.py` (`WanDiffusionWrapper`).
 
