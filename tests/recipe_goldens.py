@@ -1,6 +1,7 @@
 """Load the recipes' upstream goldens (`tests/goldens/<recipe>/`, written by `tools/record_*_goldens.py`).
 
-A recipe folder holds the tiny transformer in the authors' own key layout (`transformer.safetensors`), `meta.json`
+A recipe folder holds the tiny transformer in the authors' own key layout (`transformer.safetensors`; Krea also a
+tiny VAE, `vae.safetensors`, keyed as `Wan2.1_VAE.pth`), `meta.json`
 (upstream repo and commit, the tiny config in upstream terms and as our diffusers config, the recipe's settings
 and, per scenario, the exact timesteps / sigmas fed, the order noise is drawn in and the fp32-vs-fp64 floor), and
 one `golden.<scenario>.safetensors` per scenario: the text embeddings fed to the model (`text.<name>`, with
@@ -20,6 +21,8 @@ from functools import cache
 from pathlib import Path
 
 import torch
+from diffusers import AutoencoderKLWan
+from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
 from safetensors.torch import load_file
 
 from rolldiff.models import (
@@ -115,3 +118,11 @@ def load_transformer(recipe: str):
     model = model_class(**meta["diffusers_config"])
     model.load_state_dict(convert(load_upstream_weights(recipe)), strict=True)
     return model.eval().requires_grad_(False)
+
+
+def load_vae(recipe: str) -> AutoencoderKLWan:
+    """The recipe's tiny Wan VAE: `Wan2.1_VAE.pth`-format weights through diffusers' converter into its class."""
+    weights = load_file(GOLDENS / recipe / "vae.safetensors")
+    vae = AutoencoderKLWan(**load_meta(recipe)["vae_diffusers_config"])
+    vae.load_state_dict(convert_wan_vae_to_diffusers(weights), strict=True)
+    return vae.eval().requires_grad_(False)

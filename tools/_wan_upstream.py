@@ -1,0 +1,305 @@
+"""Run the authors' causal Wan 2.1 code (Krea Realtime, LongLive, Self-Forcing) on CPU with tiny random weights.
+
+Shared by `tools/record_*_goldens.py`. The upstream trees live outside this repository (`--upstream`); nothing here
+is copied from them. What each recording needs to run the authors' code unchanged on a CPU-only torch:
+
+- `UpstreamTree`: the tree on `sys.path`, with optional *line patches* (an exact upstream line -> its replacement,
+  each required to match exactly once, applied to the module source when it is imported; used only for sizes the
+  authors hard-code for Wan-1.3B, e.g. `frame_seqlen = 1560`), packages whose `__init__` imports training code
+  registered by path only, and stub modules for imports the inference path never calls (`cv2`, `omegaconf`...).
+- `cpu_cuda_stubs`: `torch.cuda.current_device()` -> "cpu" (called at import and for `device=` arguments), dummy
+  `torch.cuda.Stream` / `Event`.
+- `sdpa_at_input_dtype`: the SDPA fallback every tree routes to when flash-attention is absent, without the
+  fallback's cast to bf16 (the recordings run in fp32 and fp64).
+- `TorchProxy`: replaces a module's `torch` global so that `torch.bfloat16` / `torch.float16` name the working
+  dtype and `torch.randn` hands out noise from a `NoiseTape` (recorded in the fp32 run, replayed in fp64).
+- `randomize_`: seeded random weights for a module (upstream zero-initialises its output head).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import math
+import sys
+import types
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+# The tiny causal Wan every recording uses. CausalWanModel init arguments (upstream terms): 3 blocks, 2 heads x 16,
+# 16 latent channels (Wan's), text padded to 8 tokens inside the model.
+TINY_MODEL = {
+    "model_type": "t2v", "patch_size": [1, 2, 2], "text_len": 8, "in_dim": 16, "dim": 32, "ffn_dim": 64,
+    "freq_dim": 16, "text_dim": 16, "out_dim": 16, "num_heads": 2, "num_layers": 3, "qk_norm": True,
+    "cross_attn_norm": True, "eps": 1e-6,
+}  # fmt: skip
+# The same model as diffusers' `WanTransformer3DModel` config (what our model class is built from).
+DIFFUSERS_CONFIG = {
+    "patch_size": [1, 2, 2], "num_attention_heads": 2, "attention_head_dim": 16, "in_channels": 16,
+    "out_channels": 16, "text_dim": 16, "freq_dim": 16, "ffn_dim": 64, "num_layers": 3, "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads", "eps": 1e-6, "rope_max_seq_len": 1024,
+}  # fmt: skip
+HEIGHT, WIDTH = 32, 48  # pixels; latent 4 x 6, patch 2 x 2: 2 x 3 = 6 tokens per latent frame
+LATENT_SIZE = (HEIGHT // 8, WIDTH // 8)
+TOKENS_PER_FRAME = 6
+WEIGHT_SEED, NOISE_SEED, TEXT_SEED = 0, 1, 2
+# Imports the inference paths never call, stubbed so the trees import on a bare CPU environment.
+COMMON_STUBS = {
+    "cv2": {}, "ftfy": {}, "msgpack": {"packb": None, "unpackb": None}, "omegaconf": {"OmegaConf": None},
+    "dotenv": {"load_dotenv": lambda *a, **k: None}, "torchvision": {}, "torchvision.transforms": {},
+    "torchvision.transforms.functional": {}, "torchvision.io": {"write_video": None},
+}  # fmt: skip
+MEMORY_HELPERS = [  # `demo_utils.memory` / `utils.memory` build `torch.device("cuda:N")` at import: names only
+    "gpu", "get_cuda_free_memory_gb", "DynamicSwapInstaller", "move_model_to_device_with_memory_preservation",
+    "log_gpu_memory",
+]  # fmt: skip
+
+LinePatches = Mapping[str, Sequence[tuple[str, str]]]  # module name -> [(exact upstream text, replacement)]
+
+
+class _PatchedSourceLoader(importlib.machinery.SourceFileLoader):
+    """Compiles the module from its source with the line patches applied (never from a stale .pyc)."""
+
+    def __init__(self, fullname: str, path: str, patches: Sequence[tuple[str, str]]) -> None:
+        super().__init__(fullname, path)
+        self.patches = patches
+
+    def get_code(self, fullname: str):
+        source = Path(self.path).read_text()
+        for old, new in self.patches:
+            count = source.count(old)
+            if count != 1:
+                raise RuntimeError(f"Patch for {fullname}: {old!r} occurs {count} times in {self.path}, expected 1.")
+            source = source.replace(old, new)
+        return compile(source, self.path, "exec", dont_inherit=True)
+
+
+class _PatchFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, root: Path, patches: LinePatches) -> None:
+        self.root, self.patches = root, patches
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.patches:
+            return None
+        file = self.root.joinpath(*fullname.split(".")).with_suffix(".py")
+        loader = _PatchedSourceLoader(fullname, str(file), self.patches[fullname])
+        return importlib.util.spec_from_file_location(fullname, file, loader=loader)
+
+
+class UpstreamTree:
+    """An upstream checkout made importable: on `sys.path`, with line patches, bare packages and stub modules."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        patches: LinePatches | None = None,
+        bare_packages: Sequence[str] = (),
+        stubs: Mapping[str, Mapping[str, object]] | None = None,
+    ) -> None:
+        self.root = Path(root).resolve()
+        if not self.root.is_dir():
+            raise SystemExit(f"--upstream {root!s} is not a directory; extract the pinned tree there first.")
+        sys.path.insert(0, str(self.root))
+        sys.meta_path.insert(0, _PatchFinder(self.root, dict(patches or {})))
+        for name in bare_packages:  # the package's submodules import; its __init__ (training code) never runs
+            package = types.ModuleType(name)
+            package.__path__ = [str(self.root.joinpath(*name.split(".")))]
+            sys.modules[name] = package
+        importlib.import_module("diffusers")  # its package probes must see the real environment, not the stubs
+        for name, attributes in (stubs or {}).items():  # always stubbed, installed or not: same run everywhere
+            stub = types.ModuleType(name)
+            stub.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            stub.__path__ = []  # lets `import a.b` resolve stubbed submodules
+            for key, value in attributes.items():
+                setattr(stub, key, value)
+            sys.modules[name] = stub
+
+    def module(self, name: str) -> types.ModuleType:
+        return importlib.import_module(name)
+
+
+class _Dummy:
+    """Stands in for a CUDA stream/event (or any object the CPU path only constructs and forgets)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def cpu_cuda_stubs() -> None:
+    """`torch.cuda.current_device()` names the CPU; streams and events are inert."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Stream = _Dummy
+    torch.cuda.Event = _Dummy
+    torch.cuda.device = lambda *args, **kwargs: contextlib.nullcontext()
+
+
+def sdpa_at_input_dtype(q, k, v, *args, **kwargs) -> torch.Tensor:
+    """The trees' `attention(q, k, v)` / `flash_attention(q, k, v, k_lens=None)` on `(B, L, H, D)`, in q's dtype."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2).contiguous()
+
+
+class NoiseTape:
+    """Every `torch.randn` upstream makes, in order: drawn in fp32 from a seeded generator, or replayed."""
+
+    def __init__(self, seed: int, replay: list[torch.Tensor] | None = None) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+        self.replay = replay
+        self.draws: list[torch.Tensor] = []
+        self.dtype = torch.float32
+
+    def randn(self, *size, generator=None, device=None, dtype=None, **kwargs) -> torch.Tensor:
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], Sequence | torch.Size) else size
+        if self.replay is None:
+            draw = torch.randn(shape, generator=self.generator, dtype=torch.float32)
+        else:
+            draw = self.replay[len(self.draws)]
+            if tuple(draw.shape) != tuple(shape):
+                raise RuntimeError(
+                    f"Replay draw {len(self.draws)} has shape {tuple(draw.shape)}, upstream asks {shape}."
+                )
+        self.draws.append(draw)
+        return draw.to(self.dtype)
+
+
+class TorchProxy(types.ModuleType):
+    """`torch` as a module sees it, with half dtypes naming the working dtype and `randn` taken from a tape."""
+
+    def __init__(self, tape: NoiseTape, dtype: torch.dtype) -> None:
+        super().__init__("torch")
+        self._tape, self._dtype = tape, dtype
+        tape.dtype = dtype
+
+    def __getattr__(self, name):
+        if name in ("bfloat16", "float16", "half"):
+            return self._dtype
+        if name == "randn":
+            return self._tape.randn
+        if name == "randn_like":
+            return lambda like, **kwargs: self._tape.randn(like.shape)
+        return getattr(torch, name)
+
+
+@contextlib.contextmanager
+def proxied_torch(modules: Sequence[types.ModuleType], tape: NoiseTape, dtype: torch.dtype) -> Iterator[None]:
+    """Give `modules` a `TorchProxy` for the duration of a run."""
+    proxy = TorchProxy(tape, dtype)
+    saved = [module.torch for module in modules]
+    for module in modules:
+        module.torch = proxy
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, saved):
+            module.torch = original
+
+
+@torch.no_grad()
+def randomize_(module: torch.nn.Module, seed: int) -> None:
+    """Seeded weights that keep activations O(1): matrices ~ 1/sqrt(fan_in), norms ~ 1, biases small."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, parameter in module.named_parameters():
+        noise = torch.randn(parameter.shape, generator=generator, dtype=torch.float64)
+        if name.endswith("modulation"):  # (1, k, dim) shift/scale tables, as Wan initialises them
+            value = noise / math.sqrt(parameter.shape[-1])
+        elif parameter.ndim >= 2:
+            value = noise / math.sqrt(parameter[0].numel())
+        elif ("norm" in name and name.endswith("weight")) or name.endswith("gamma"):  # gamma: the VAE's RMS norms
+            value = 1 + 0.1 * noise
+        else:
+            value = 0.1 * noise
+        parameter.copy_(value.to(parameter.dtype))
+
+
+def kv_buffer_patches() -> list[tuple[str, str]]:
+    """Line patches for Self-Forcing's / LongLive's `_initialize_kv_cache` / `_initialize_crossattn_cache`, which
+    hard-code Wan-1.3B's 12 heads x 128 in the buffer shapes: the tiny model's instead."""
+    heads, head_dim = TINY_MODEL["num_heads"], TINY_MODEL["dim"] // TINY_MODEL["num_heads"]
+    lines = [
+        f'"{kv}": torch.zeros([batch_size, {length}, 12, 128], dtype=dtype, device=device)'
+        for length in ("kv_cache_size", "512")
+        for kv in ("k", "v")
+    ]
+    return [(line, line.replace("12, 128", f"{heads}, {head_dim}")) for line in lines]
+
+
+def text_embeddings(lengths: Mapping[str, int]) -> dict[str, torch.Tensor]:
+    """Seeded `(1, text_len, text_dim)` prompt embeddings, zero after `lengths[name]` tokens as UMT5's padding is."""
+    generator = torch.Generator().manual_seed(TEXT_SEED)
+    embeds = {}
+    for name, length in lengths.items():
+        embed = torch.randn(1, TINY_MODEL["text_len"], TINY_MODEL["text_dim"], generator=generator)
+        embed[:, length:] = 0.0
+        embeds[name] = embed
+    return embeds
+
+
+def route_attention(causal_model: types.ModuleType, model_module: types.ModuleType) -> None:
+    """Self-attention (`attention`) and cross-attention (`flash_attention`) to SDPA at the input dtype; the
+    block-mask path's `flex_attention` eager (the trees wrap it in `torch.compile` at import)."""
+    causal_model.attention = sdpa_at_input_dtype
+    causal_model.flex_attention = torch.nn.attention.flex_attention.flex_attention
+    model_module.FLASH_ATTN_2_AVAILABLE = True  # Krea's cross-attention takes its flash branch only if set
+    model_module.flash_attention = sdpa_at_input_dtype
+
+
+def tiny_weights(causal_model: types.ModuleType, **model_kwargs) -> dict[str, torch.Tensor]:
+    """Seeded weights of the tiny `CausalWanModel`, keyed as the released checkpoints are (`model.` + Wan names)."""
+    model = causal_model.CausalWanModel(**TINY_MODEL, **model_kwargs)
+    randomize_(model, WEIGHT_SEED)
+    return {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()}
+
+
+def tiny_wrapper(wan_wrapper: types.ModuleType, causal_model: types.ModuleType, weights, dtype, **kwargs):
+    """The tree's `WanDiffusionWrapper` around the tiny model (its `from_pretrained` would read a 1.3B folder)."""
+    model_kwargs = {k: kwargs[k] for k in ("local_attn_size", "sink_size") if k in kwargs}
+    model = causal_model.CausalWanModel(**TINY_MODEL, **model_kwargs)
+    with mock.patch.object(causal_model.CausalWanModel, "from_pretrained", lambda *a, **k: model):
+        wrapper = wan_wrapper.WanDiffusionWrapper(model_name="tiny", is_causal=True, **kwargs)
+    wrapper.load_state_dict(weights)
+    return wrapper.to(dtype).eval().requires_grad_(False)
+
+
+def to_diffusers_layout(latents: torch.Tensor) -> torch.Tensor:
+    """Upstream's `(batch, frames, channels, h, w)` -> diffusers' `(batch, channels, frames, h, w)`, contiguous."""
+    return latents.permute(0, 2, 1, 3, 4).contiguous()
+
+
+def chunk_noise(
+    tape: NoiseTape, num_chunks: int, chunk_frames: int, num_steps: int
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Name a Self-Forcing-family tape: draw 0 is the whole video's noise `(1, frames, C, h, w)`, then one
+    `(chunk_frames, C, h, w)` per re-noise, chunk by chunk. Returns `noise.<chunk>.<step>` (diffusers' layout)
+    and the order the loop consumes them in."""
+    initial, *renoise = tape.draws
+    expected = num_chunks * (num_steps - 1)
+    if len(renoise) != expected:
+        raise RuntimeError(f"Expected {expected} re-noise draws, upstream made {len(renoise)}.")
+    tensors, order = {}, []
+    for chunk in range(num_chunks):
+        for step in range(num_steps):
+            if step == 0:
+                draw = initial[:, chunk_frames * chunk : chunk_frames * (chunk + 1)]
+            else:
+                draw = renoise[chunk * (num_steps - 1) + step - 1][None]
+            order.append(f"noise.{chunk}.{step}")
+            tensors[order[-1]] = to_diffusers_layout(draw)
+    return tensors, order
+
+
+def table_sigmas(scheduler, timesteps: Sequence[float]) -> list[float]:
+    """The sigma upstream uses at each fed timestep: its table's nearest entry (`argmin |timesteps - t|`)."""
+    return [float(scheduler.sigmas[int((scheduler.timesteps - float(t)).abs().argmin())]) for t in timesteps]
+
+
+def max_abs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
+    return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))

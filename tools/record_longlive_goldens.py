@@ -1,0 +1,215 @@
+"""Record the `longlive` goldens: LongLive's own inference pipelines, run on CPU with tiny random weights.
+
+Usage:
+    python tools/record_longlive_goldens.py --upstream /work/upstream/longlive --out tests/goldens/longlive/
+
+Upstream: github.com/NVlabs/LongLive at 2462895575c579617af5089c9a05c7b500dc0036 (the 1.3B code, parent of
+"LongLive 2.0"), settings from `configs/longlive_inference.yaml` / `longlive_interactive_inference.yaml`: steps
+1000, 750, 500, 250 warped through the shift-5 table (`warp_denoising_step: true`), 3-frame chunks,
+`local_attn_size: 12` (sink + window, counting the chunk), `sink_size: 3`, `global_sink: true`, `context_noise: 0`.
+What runs is the authors' code itself:
+- `plain`: `CausalInferencePipeline.inference` (`pipeline/causal_inference.py:56-243`, as `inference.py` calls it):
+  per chunk 4 denoising steps (x0 re-noised with `randn_like`), then a t=0 pass on the clean chunk that writes its
+  K/V (`:191-200`); the cache rolls past the sink in `CausalWanSelfAttention.forward` (`causal_model.py:205-352`),
+  keys stored after RoPE at absolute frame positions.
+- `prompt_switch`: `InteractiveCausalInferencePipeline.inference` (`pipeline/interactive_causal_inference.py:98-269`)
+  with 3 prompts switching at frames 6 (<= local_attn_size: early) and 18 (late). At a switch
+  `_recache_after_switch` (`:34-96`) resets the text K/V and re-runs `min(local_attn_size, frame)` clean frames in
+  ONE cached forward at t=0 under the new prompt, attention unmasked; `causal_model.py:230, 291-342` writes from the
+  slot after the sink when the pass starts past frame 0 (`is_recompute`), else from slot 0, rewriting the sink.
+Model: `wan/modules/causal_model.py` (`CausalWanModel`, built tiny) in `utils/wan_wrapper.py`
+(`WanDiffusionWrapper`, x0 with the sigma of the nearest table entry). The LoRA the released model adds is merged
+weights as far as inference goes; the tiny model has plain random weights.
+
+Stubs needed to run it on a CPU-only torch (nothing else is changed):
+- `torch.cuda.current_device()` -> "cpu", inert `torch.cuda.Stream/Event`; `utils.memory` (builds
+  `torch.device("cuda:N")` at import) as names only; imports never called (`ftfy`, `omegaconf`, `torchvision`...)
+  as empty modules; the `pipeline`, `wan` and `wan.modules` packages registered by path (their `__init__`s import
+  training code).
+- attention: `causal_model.attention` and the cross-attention's `flash_attention` routed to SDPA at the input dtype;
+  `flex_attention` eager.
+- hard-coded Wan-1.3B sizes: the K/V buffers' `12, 128` heads x head_dim (line patches in
+  `pipeline/causal_inference.py`), `num_transformer_blocks = 30` and `frame_seq_length = 1560` set from the tiny
+  model after construction.
+- `torch.randn_like` in the pipelines hands out recorded noise (a module proxy); the text encoder returns the
+  stored embeddings; the VAE returns zeros (only latents are compared); `CausalWanModel.from_pretrained` returns
+  the tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+from pathlib import Path
+
+import torch
+from _wan_upstream import (
+    COMMON_STUBS,
+    DIFFUSERS_CONFIG,
+    LATENT_SIZE,
+    MEMORY_HELPERS,
+    NOISE_SEED,
+    TINY_MODEL,
+    TOKENS_PER_FRAME,
+    NoiseTape,
+    UpstreamTree,
+    chunk_noise,
+    cpu_cuda_stubs,
+    kv_buffer_patches,
+    max_abs,
+    proxied_torch,
+    route_attention,
+    table_sigmas,
+    text_embeddings,
+    tiny_weights,
+    tiny_wrapper,
+    to_diffusers_layout,
+)
+from safetensors.torch import save_file
+
+UPSTREAM = {"repo": "NVlabs/LongLive", "commit": "2462895575c579617af5089c9a05c7b500dc0036"}
+MODEL_KWARGS = {"local_attn_size": 12, "sink_size": 3}  # configs/longlive_*inference.yaml `model_kwargs`
+CHUNK_FRAMES = 3
+NUM_CHUNKS = 8  # 24 latent frames: the 12-frame cache rolls from chunk 4 on
+PROMPTS = {"a": 5, "b": 6, "c": 4}
+SCENARIOS = {
+    "plain": {"prompts": ["a"], "switch_frames": []},
+    "prompt_switch": {"prompts": ["a", "b", "c"], "switch_frames": [6, 18]},
+}
+
+
+def load_upstream(root: Path) -> types.SimpleNamespace:
+    cpu_cuda_stubs()
+    tree = UpstreamTree(
+        root,
+        patches={"pipeline.causal_inference": kv_buffer_patches()},
+        bare_packages=["pipeline", "wan", "wan.modules"],
+        stubs=COMMON_STUBS | {"utils.memory": dict.fromkeys(MEMORY_HELPERS)},
+    )
+    causal_model = tree.module("wan.modules.causal_model")
+    route_attention(causal_model, tree.module("wan.modules.model"))
+    return types.SimpleNamespace(
+        causal_model=causal_model,
+        wan_wrapper=tree.module("utils.wan_wrapper"),
+        causal_inference=tree.module("pipeline.causal_inference"),
+        interactive=tree.module("pipeline.interactive_causal_inference"),
+    )
+
+
+def make_pipeline(up, weights, embeds, interactive: bool, dtype: torch.dtype):
+    """The pipeline as `inference.py` / `interactive_inference.py` build it, around the tiny model."""
+    generator = tiny_wrapper(up.wan_wrapper, up.causal_model, weights, dtype, timestep_shift=5.0, **MODEL_KWARGS)
+    args = types.SimpleNamespace(
+        denoising_step_list=[1000, 750, 500, 250], warp_denoising_step=True, num_frame_per_block=CHUNK_FRAMES,
+        model_kwargs=types.SimpleNamespace(timestep_shift=5.0, **MODEL_KWARGS), context_noise=0, global_sink=True,
+    )  # fmt: skip
+
+    def text_encoder(text_prompts):
+        return {"prompt_embeds": embeds[text_prompts[0]].to(dtype).clone()}
+
+    def decode_to_pixel(latents, use_cache=False):
+        return torch.zeros(*latents.shape[:2], 3, 8, 8, dtype=dtype)
+
+    vae = types.SimpleNamespace(decode_to_pixel=decode_to_pixel)
+    if interactive:
+        pipeline = up.interactive.InteractiveCausalInferencePipeline(
+            args, "cpu", generator=generator, text_encoder=text_encoder, vae=vae
+        )
+    else:
+        pipeline = up.causal_inference.CausalInferencePipeline(
+            args, "cpu", generator=generator, text_encoder=text_encoder, vae=vae
+        )
+    pipeline.num_transformer_blocks = TINY_MODEL["num_layers"]  # hard-coded 30
+    pipeline.frame_seq_length = TOKENS_PER_FRAME  # hard-coded 1560
+    return pipeline
+
+
+def run_scenario(up, weights, embeds, scenario: dict, tape: NoiseTape, dtype: torch.dtype) -> dict:
+    interactive = bool(scenario["switch_frames"])
+    pipeline = make_pipeline(up, weights, embeds, interactive, dtype)
+    noise = tape.randn(1, NUM_CHUNKS * CHUNK_FRAMES, TINY_MODEL["in_dim"], *LATENT_SIZE).to(dtype)
+    with proxied_torch([up.causal_inference, up.interactive], tape, dtype):
+        if interactive:
+            _, latents = pipeline.inference(
+                noise, text_prompts_list=[[p] for p in scenario["prompts"]],
+                switch_frame_indices=scenario["switch_frames"], return_latents=True,
+            )  # fmt: skip
+        else:
+            _, latents = pipeline.inference(noise, text_prompts=scenario["prompts"], return_latents=True)
+    clean = [to_diffusers_layout(chunk) for chunk in latents.split(CHUNK_FRAMES, dim=1)]
+    scheduler = pipeline.scheduler
+    timesteps = [float(t) for t in pipeline.denoising_step_list]
+    return {"clean": clean, "timesteps": timesteps, "sigmas": table_sigmas(scheduler, timesteps)}
+
+
+def record(upstream: Path, out: Path) -> None:
+    torch.manual_seed(0)
+    up = load_upstream(upstream)
+    weights = tiny_weights(up.causal_model, **MODEL_KWARGS)
+    embeds = text_embeddings(PROMPTS)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out / "transformer.safetensors")
+    scenarios = {}
+    for name, scenario in SCENARIOS.items():
+        tape = NoiseTape(NOISE_SEED)
+        fp32 = run_scenario(up, weights, embeds, scenario, tape, torch.float32)
+        fp64 = run_scenario(up, weights, embeds, scenario, NoiseTape(NOISE_SEED, replay=tape.draws), torch.float64)
+        floor = max_abs(fp32["clean"], fp64["clean"])
+        noise, order = chunk_noise(tape, NUM_CHUNKS, CHUNK_FRAMES, len(fp32["timesteps"]))
+        tensors = {f"text.{p}": embeds[p] for p in scenario["prompts"]} | noise
+        tensors |= {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
+        save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"golden.{name}.safetensors")
+        scenarios[name] = {
+            "num_chunks": NUM_CHUNKS,
+            "prompts": scenario["prompts"],
+            "switch_frames": scenario["switch_frames"],
+            "timesteps": fp32["timesteps"],
+            "sigmas": fp32["sigmas"],
+            "noise_order": order,
+            "floor": floor,
+        }
+        print(f"{name}: {NUM_CHUNKS} chunks, floor (fp32 vs fp64) {floor:.3e}")
+    meta = {
+        "upstream": UPSTREAM,
+        "recipe": "longlive",
+        "upstream_model_config": TINY_MODEL | MODEL_KWARGS,
+        "diffusers_config": DIFFUSERS_CONFIG,
+        "latent_size": list(LATENT_SIZE),
+        "tokens_per_frame": TOKENS_PER_FRAME,
+        "settings": {
+            "chunk_frames": CHUNK_FRAMES,
+            "local_attn_size": MODEL_KWARGS["local_attn_size"],
+            "sink_frames": MODEL_KWARGS["sink_size"],
+            "window_frames": MODEL_KWARGS["local_attn_size"] - MODEL_KWARGS["sink_size"],
+            "positions": "absolute (keys stored after RoPE)",
+            "context_policy": "rolling: after the last step one t=0 pass on the clean chunk writes its K/V",
+            "context_noise": 0,
+            "timestep_shift": 5.0,
+            "raw_steps": [1000, 750, 500, 250],
+            "warp_denoising_step": True,
+            "x0": "x_t - sigma * flow; sigma of the nearest entry of the 1000-entry table",
+            "renoise": "(1 - sigma_next) * x0 + sigma_next * noise",
+            "recache": "at a switch: text K/V reset; min(local_attn_size, frame) clean frames re-run at t=0 in ONE "
+            "cached forward, unmasked, under the new prompt; written after the sink if the pass starts past "
+            "frame 0, else from frame 0 (the sink rewritten); global_sink true (K/V not zeroed first)",
+            "text_len": TINY_MODEL["text_len"],
+            "text_tokens": PROMPTS,
+            "eps": 1e-6,
+            "dtype": "float32 (upstream bf16, cast away)",
+        },
+        "scenarios": scenarios,
+    }
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream", type=Path, required=True, help="extracted NVlabs/LongLive tree at 2462895")
+    parser.add_argument("--out", type=Path, required=True, help="golden folder, e.g. tests/goldens/longlive/")
+    args = parser.parse_args()
+    record(args.upstream, args.out)
+
+
+if __name__ == "__main__":
+    main()
