@@ -39,8 +39,9 @@ RECIPES: dict[str, Recipe] = {
                 timestep_shift=5.0,
                 context_noise=0.0,
             ),
-            "warp_denoising_step: false is sigma_mapping='linear'; context_noise > 0 runs the context pass at that "
-            "timestep on the clean latents (causal_inference.py:227-236).",
+            "warp_denoising_step: false is sigma_mapping='table' (the raw steps fed, each sigma the table's nearest "
+            "entry); context_noise > 0 runs the context pass at that timestep on the clean latents "
+            "(causal_inference.py:227-236).",
         ),
         Recipe(
             "longlive",
@@ -67,8 +68,8 @@ RECIPES: dict[str, Recipe] = {
                 sink_frames=0,
                 window_frames=6,  # 3 context frames + the chunk, rebuilt every block
                 position_mode="absolute",
-                denoising_steps=(1000, 937.5, 833.3, 625, 0),
-                sigma_mapping="table",
+                denoising_steps=(1000, 750, 500, 250, 0),  # warped: 1000, 937.5, 833.3, 625, then t = 0
+                sigma_mapping="shift",
                 timestep_shift=5.0,
                 context_policy="recompute",
             ),

@@ -11,10 +11,10 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
-from recipe_goldens import Golden, load_golden, load_transformer
-from tiny_components import tiny_vae
+from recipe_goldens import Golden, load_golden, load_transformer, load_vae
+from tiny_components import tiny_text_encoder, tiny_vae, word_tokenizer
 
-from rolldiff import LongSanaVideoPipeline
+from rolldiff import KreaRealtimeVideoPipeline, LongSanaVideoPipeline
 from rolldiff.pipelines import stream as stream_module
 from rolldiff.recipes import describe_recipe, get_recipe, list_recipes
 from rolldiff.training.sana_components import SanaTinyConfig, build_gemma_text_encoder, build_gemma_tokenizer
@@ -123,3 +123,53 @@ def test_explicit_arguments_override_the_recipe_and_a_folder_may_name_one(tmp_pa
     pipe.save_pretrained(tmp_path)
     loaded = LongSanaVideoPipeline.from_pretrained(tmp_path)
     assert loaded.stream(num_frames=53, prompt_embeds=golden.text["a"]).request.recipe == "longsana"
+
+
+# ----------------------------------------------------------------------------------------- Krea-like recipes
+def _krea_like_pipeline(golden: Golden) -> KreaRealtimeVideoPipeline:
+    vae = load_vae("krea-realtime")
+    pipe = KreaRealtimeVideoPipeline(
+        tokenizer=word_tokenizer(),
+        text_encoder=tiny_text_encoder(),
+        transformer=load_transformer(golden.recipe),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # the recipe's own shift (5) must win
+        max_sequence_length=golden.meta["settings"]["text_len"],
+    )
+    factor = pipe.vae_scale_factor_spatial
+    pipe.register_to_config(
+        height=golden.meta["latent_size"][0] * factor, width=golden.meta["latent_size"][1] * factor
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+KREA_LIKE = {
+    "self-forcing/no_warp": dict(sigma_mapping="table"),  # warp_denoising_step: false
+    "self-forcing/context_noise": dict(context_noise=100),
+    "longlive/plain": {},
+    "krea-realtime/keep_first_frame": {},
+}
+
+
+@pytest.mark.parametrize("case", KREA_LIKE, ids=KREA_LIKE)
+@torch.no_grad()
+def test_krea_like_recipes_match_upstream(case, monkeypatch):
+    recipe, scenario = case.split("/")
+    golden = load_golden(recipe, scenario)
+    pipe = _krea_like_pipeline(golden)
+    steps = len(golden.settings["timesteps"])
+    noise = InjectedNoise(golden, steps=steps)
+    monkeypatch.setattr(stream_module, "randn_tensor", noise)
+    monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
+    chunks = len(golden.clean)
+    prompt = golden.settings.get("prompt") or golden.settings["prompts"][0]
+    stream = pipe.stream(
+        num_frames=pipe.latent_to_frames(3 * chunks), prompt_embeds=golden.text[prompt], output_type="latent",
+        recipe=recipe, **KREA_LIKE[case],
+    )  # fmt: skip
+    assert stream.request.step_plan.steps[-1] >= 0
+    errors = _errors(golden, list(stream))
+    print(f"\n{case} through the pipeline: {[f'{e:.1e}' for e in errors]}, floor {golden.floor:.1e}")
+    assert noise.noise.exhausted
+    assert max(errors) <= TOLERANCE, errors

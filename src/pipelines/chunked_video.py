@@ -317,6 +317,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             float(self.scheduler.config.shift if shift is None else shift),
             bool(settings["integer_timesteps"]),
             settings["sigmas"],
+            scheduler_shift=float(self.scheduler.config.shift),
         )
 
     def _geometry(

@@ -2,10 +2,12 @@
 
 The checkpoints' authors map their raw steps (e.g. 1000, 750, 500, 250) to sigmas in three different ways:
 - "shift" (diffusers'; rolldiff's default): sigma = shift(t / 1000) with the scheduler's `shift`, and the model
-  is fed sigma * 1000 (Self-Forcing's `warp_denoising_step: true` lands on the same values);
-- "table": sigma = the nearest entry (by timestep value) of a 1000-entry table `shift(linspace(1, 0, 1001)[:-1])`,
-  and the model is fed the raw step (LongSANA's `LongLiveFlowEuler`, Krea Realtime's `v2v.py`);
-- "linear": sigma = t / 1000 and the model is fed t (Self-Forcing's `warp_denoising_step: false`).
+  is fed sigma * 1000. Self-Forcing's, LongLive's and Krea Realtime's warped steps (`warp_denoising_step: true`:
+  the entry `1000 - t` of their 1000-entry table) land on exactly these values; a last step of 0 is fed t = 0 with
+  the table's last sigma, shift(1 / 1000) (0.00498 at shift 5: Krea's `v2v.py`);
+- "table": sigma = the nearest entry (by timestep value) of that table, `shift(linspace(1, 0, 1001)[:-1])`, and
+  the model is fed the raw step (Self-Forcing's `warp_denoising_step: false`; LongSANA's `LongLiveFlowEuler`);
+- "linear": sigma = t / 1000 and the model is fed t (no table at all).
 `integer_timesteps` truncates what the model is fed (LongSANA), and explicit `sigmas` replace the mapping. A
 step may be 0 (Krea's last step): the model sees t = 0 and the step uses that step's sigma (the table's last
 entry, not 0), so the chunk still moves.
@@ -76,16 +78,19 @@ def plan_steps(
     shift: float,
     integer_timesteps: bool = False,
     sigmas: Sequence[float] | None = None,
+    scheduler_shift: float | None = None,
 ) -> StepPlan:
-    """Check the step options together and compute the plan (see the module docstring)."""
+    """Check the step options together and compute the plan (see the module docstring). `scheduler_shift`: the
+    pipeline scheduler's own shift; with the default mapping at that shift the scheduler maps the steps itself."""
     if sigma_mapping not in SIGMA_MAPPINGS:
         raise ValueError(f"`sigma_mapping` must be one of {SIGMA_MAPPINGS}, got {sigma_mapping!r}.")
     if not isinstance(integer_timesteps, bool):
         raise ValueError(f"`integer_timesteps` must be True or False, got {integer_timesteps!r}.")
     explicit = sigmas is not None
-    steps = check_steps(steps, allow_zero=explicit or sigma_mapping != "shift")
-    if sigma_mapping == "shift" and not explicit and not integer_timesteps:
-        return StepPlan(steps)
+    steps = check_steps(steps, allow_zero=True)
+    plain = sigma_mapping == "shift" and not explicit and not integer_timesteps and steps[-1] > 0
+    if plain and shift == scheduler_shift:
+        return StepPlan(steps)  # the scheduler maps them itself, as it always has
     fed = tuple(float(int(t)) if integer_timesteps else t for t in steps)
     if explicit:
         sigmas = list(sigmas)
@@ -101,6 +106,9 @@ def plan_steps(
     elif sigma_mapping == "table":
         table = sigma_table(shift)
         chosen = [float(table[np.abs(table * 1000.0 - t).argmin()]) for t in steps]
-    else:  # "shift" with integer timesteps: the scheduler's sigmas, the model fed the truncated steps
-        chosen = [float(s) for s in shift_sigmas(np.asarray(steps) / 1000.0, shift)]
+    else:  # "shift": the warped sigma, fed as sigma * 1000; a last step of 0 takes the table's last entry
+        last = float(sigma_table(shift)[-1])
+        chosen = [float(np.float32(shift_sigmas(t / 1000.0, shift))) if t > 0 else last for t in steps]
+        fed = tuple(float(int(s * 1000.0)) if integer_timesteps else float(np.float32(s * 1000.0)) for s in chosen)
+        fed = tuple(t if step > 0 else 0.0 for t, step in zip(fed, steps))
     return StepPlan(steps, fed, tuple(chosen))
