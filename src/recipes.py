@@ -72,9 +72,13 @@ RECIPES: dict[str, Recipe] = {
                 sigma_mapping="shift",
                 timestep_shift=5.0,
                 context_policy="recompute",
+                recompute_first_frame="reencode",
+                prompt_blend_chunks=4,
             ),
-            "Each chunk rebuilds its context from [first latent frame, last 2 latent frames] in one t=0 pass "
-            "(keep_first_frame=True); upstream's default re-encodes the first frame through the VAE instead.",
+            "Each chunk rebuilds its context in one t=0 pass from [the first frame, the last 2 latent frames]; from "
+            "chunk 2 the first frame is the VAE re-encode of the oldest decoded pixel frame of the last chunk's span "
+            "(recompute_first_frame='keep' is upstream's keep_first_frame=True). A prompt change is blended over 4 "
+            "chunks (interpolate_prompt_embeds).",
         ),
         Recipe(
             "longsana",

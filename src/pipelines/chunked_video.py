@@ -37,7 +37,9 @@ from .request import (
     VideoRequest,
     check_callback,
     check_context_noise,
+    check_blend_chunks,
     check_context_policy,
+    check_first_frame,
     check_embeds,
     check_generator,
     check_guidance_scale,
@@ -223,6 +225,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         context_noise: float | None = None,
         context_policy: str | None = None,
         first_chunk: str | None = None,
+        recompute_first_frame: str | None = None,
+        prompt_blend_chunks: int | None = None,
     ) -> ChunkStream:
         """A live generation (`ChunkStream`): iterate it for each chunk's frames as soon as they are made.
 
@@ -249,6 +253,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             context_noise=context_noise,
             context_policy=context_policy,
             first_chunk=first_chunk,
+            recompute_first_frame=recompute_first_frame,
+            prompt_blend_chunks=prompt_blend_chunks,
         )
         given = {name: settings.pop(name) for name in CacheOptions.known_names}
         options = self.options_class.resolve(self.config, given, type(self).__name__)
@@ -294,6 +300,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             conditioning=conditioning,
             context_noise=check_context_noise(settings["context_noise"] or 0.0),
             context_policy=check_context_policy(settings["context_policy"] or "rolling"),
+            recompute_first_frame=check_first_frame(settings["recompute_first_frame"] or "keep"),
+            prompt_blend_chunks=check_blend_chunks(settings["prompt_blend_chunks"] or 1),
             recipe=settings["recipe"],
         )
         return ChunkStream(self, request)
@@ -424,6 +432,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         context_noise: float | None = None,
         context_policy: str | None = None,
         first_chunk: str | None = None,
+        recompute_first_frame: str | None = None,
+        prompt_blend_chunks: int | None = None,
         return_dict: bool = True,
     ) -> ChunkedVideoPipelineOutput | tuple:
         """Generate a whole video: the frames of one `stream(...)` with the same arguments, joined.
@@ -467,6 +477,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             context_noise=context_noise,
             context_policy=context_policy,
             first_chunk=first_chunk,
+            recompute_first_frame=recompute_first_frame,
+            prompt_blend_chunks=prompt_blend_chunks,
         )
         frames = concat_chunks(list(stream), output_type)
         if not return_dict:

@@ -138,6 +138,8 @@ class VideoRequest:
     callback_tensor_inputs: tuple[str, ...] = ("latents",)
     conditioning: Conditioning | None = None  # a start image or an input video (`rolldiff.pipelines.conditioning`)
     context_policy: str = "rolling"  # "recompute": each chunk rebuilds its context in one t = 0 pass (Krea)
+    recompute_first_frame: str = "keep"  # "reencode": Krea's first context frame re-encoded from decoded pixels
+    prompt_blend_chunks: int = 1  # a prompt switch blends the embeddings over this many chunks (Krea: 4)
     context_noise: float = 0.0  # the timestep of the context pass (Self-Forcing's `context_noise`; 0: clean)
     recipe: str | None = None  # the named recipe these settings came from (`rolldiff.recipes`)
 
@@ -193,6 +195,21 @@ def check_context_policy(policy: Any) -> str:
     if policy not in CONTEXT_POLICIES:
         raise ValueError(f"`context_policy` must be one of {CONTEXT_POLICIES}, got {policy!r}.")
     return policy
+
+
+FIRST_FRAME_RULES = ("keep", "reencode")
+
+
+def check_first_frame(rule: Any) -> str:
+    if rule not in FIRST_FRAME_RULES:
+        raise ValueError(f"`recompute_first_frame` must be one of {FIRST_FRAME_RULES}, got {rule!r}.")
+    return rule
+
+
+def check_blend_chunks(chunks: Any) -> int:
+    if not is_int(chunks, 1):
+        raise ValueError(f"`prompt_blend_chunks` must be an int >= 1 (1: switch at once), got {chunks!r}.")
+    return int(chunks)
 
 
 def check_context_noise(context_noise: Any) -> float:

@@ -67,6 +67,8 @@ class ChunkStream(Iterator[Any]):
         self._frames_emitted = 0
         self._active_prompt = 0  # index into the prompt schedule
         self._pending: torch.Tensor | None = None  # embeddings of a `switch_prompt` not applied yet
+        self._blend: list[torch.Tensor] = []  # the coming chunks' embeddings of a prompt blend in progress
+        self._first_pixels: torch.Tensor | None = None  # the pixel frames a re-encoded first frame comes from
         self._caches: list = []
         self._embeds: list[torch.Tensor] = []
         self._recent: torch.Tensor | None = None
@@ -167,15 +169,24 @@ class ChunkStream(Iterator[Any]):
             self._pipe.recache(self._recent, embeds, self._caches[0], self._request)
 
     def _apply_due_switches(self) -> None:
+        """A switch due at this chunk boundary (the schedule's, then `switch_prompt`'s) starts a blend of
+        `prompt_blend_chunks` steps (Krea's `interpolate_prompt_embeds`: `lerp(current, new, linspace(0, 1, N))`, one
+        step a chunk, from whatever embedding is current); each chunk of a blend is one switch."""
         request = self._request
         start = request.geometry.chunk_start(self._next_chunk)
+        target = None
         now_active = request.schedule.active_index(self._pipe.latent_to_pixel_start(start))
         if now_active != self._active_prompt:
             self._active_prompt = now_active
-            self._switch_to(self._pipe.branch_embeds(request, now_active))
+            target = self._pipe.branch_embeds(request, now_active)
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._switch_to(pending)
+            target, self._pending = self._pending, None
+        if target is not None:
+            weights = torch.linspace(0, 1, request.prompt_blend_chunks) if request.prompt_blend_chunks > 1 else [1.0]
+            current = self._embeds[0]
+            self._blend = [torch.lerp(current, target, float(w)) for w in weights]
+        if self._blend:
+            self._switch_to(self._blend.pop(0))
 
     # ---------------------------------------------------------------------------------------- start
     def _start(self) -> None:
@@ -195,7 +206,8 @@ class ChunkStream(Iterator[Any]):
             pipe.set_conditioning(cache, branch_embeds)
         chunk_shape = request.chunk_shape
         self._recent = torch.zeros((*chunk_shape[:2], 0, *chunk_shape[3:]), device=device, dtype=dtype)
-        self._decoder = pipe.make_decoder() if request.output_type != "latent" else None
+        reencodes = request.context_policy == "recompute" and request.recompute_first_frame == "reencode"
+        self._decoder = pipe.make_decoder() if request.output_type != "latent" or reencodes else None
         if request.conditioning is not None:
             self._inputs = ConditioningInput(request.conditioning, pipe.make_encoder())
         self._caches, self._embeds = caches, embeds
@@ -228,13 +240,13 @@ class ChunkStream(Iterator[Any]):
         pipe, request = self._pipe, self._request
         geometry, index = request.geometry, self._next_chunk
         start, chunk_frames = geometry.chunk_start(index), geometry.chunk_size(index)
+        recompute = request.context_policy == "recompute"
+        if recompute:  # under the embedding the previous chunk was made with, as Krea's server does
+            self._rebuild_context()
         self._apply_due_switches()
         given = None if self._inputs is None else self._inputs.latents(index, chunk_frames)
         if given is None and self._inputs is not None and self._inputs.is_video:
             return None  # the input ended: the output ends with it, at its last whole chunk
-        recompute = request.context_policy == "recompute"
-        if recompute:
-            self._rebuild_context()
         if given is not None and not self._inputs.is_video:
             clean = given.to(pipe.transformer.dtype)  # the start image's chunk: clean context, nothing to denoise
         else:
@@ -270,7 +282,11 @@ class ChunkStream(Iterator[Any]):
         committed at positions 0..; the chunk then attends to them and to itself. Nothing before chunk 1."""
         if self._next_chunk == 0:
             return
-        context = torch.cat([self._first_frame, self._recent], dim=2)[:, :, : self._context_frames()]
+        first = self._first_frame
+        if self._request.recompute_first_frame == "reencode" and self._next_chunk > 1:
+            # Krea's default: the oldest decoded pixel frame of the last chunk's span, encoded alone (a fresh encoder)
+            first = self._pipe.make_encoder().encode(self._first_pixels[:, :, :1]).to(first.dtype)
+        context = torch.cat([first, self._recent], dim=2)[:, :, : self._context_frames()]
         for cache, embeds in zip(self._caches, self._embeds):
             cache.reset()
             self._pipe.set_conditioning(cache, embeds)
@@ -341,10 +357,18 @@ class ChunkStream(Iterator[Any]):
         return new.float()
 
     def _emit(self, clean: torch.Tensor) -> Any:
+        latent_output = self._request.output_type == "latent"
         if self._decoder is None:
             self._frames_emitted += clean.shape[2]
             return clean
         video = self._decoder.decode(clean)  # (batch, 3, frames, H, W) in [-1, 1]
+        if self._request.recompute_first_frame == "reencode":  # the pixel span of the latest chunk's first frames
+            span = self._pipe.latent_to_frames(self._request.geometry.chunk_frames)
+            held = video if self._first_pixels is None else torch.cat([self._first_pixels, video], dim=2)
+            self._first_pixels = held[:, :, -span:]
+        if latent_output:
+            self._frames_emitted += clean.shape[2]
+            return clean
         self._frames_emitted += video.shape[2]
         return self._pipe.postprocess(video, self._request.output_type)
 
@@ -386,6 +410,9 @@ class ChunkStream(Iterator[Any]):
         state["recent"] = self._recent
         if self._first_frame is not None:
             state["first_frame"] = self._first_frame
+        if self._first_pixels is not None:
+            state["first_pixels"] = self._first_pixels
+        state.update({f"blend.{i}": embeds for i, embeds in enumerate(self._blend)})
         if self._inputs is not None:
             state.update({f"inputs.{key}": value for key, value in self._inputs.state_dict().items()})
         for index, generator in enumerate(self._generators()):
@@ -421,6 +448,10 @@ class ChunkStream(Iterator[Any]):
         self._recent = state["recent"].to(device=device, dtype=dtype)
         first_frame = state.get("first_frame")
         self._first_frame = None if first_frame is None else first_frame.to(device=device, dtype=dtype)
+        pixels = state.get("first_pixels")
+        self._first_pixels = None if pixels is None else pixels.to(device)
+        blend = sorted((k for k in state if k.startswith("blend.")), key=lambda k: int(k.split(".")[1]))
+        self._blend = [state[k].to(device=device, dtype=dtype) for k in blend]
         if self._inputs is not None:
             self._inputs.load_state_dict({k[7:]: v for k, v in state.items() if k.startswith("inputs.")})
         generators = self._generators()
