@@ -212,3 +212,14 @@ def test_allocator_rss_prints_rss_and_a_constant_tensor_count():
     rows = table[2:]  # after the header and the alignment row
     assert [int(chunk) for chunk, _, _ in rows] == [0, 1, 2]
     assert len({int(tensors) for _, _, tensors in rows}) == 1  # ours keeps no tensor alive from chunk to chunk
+
+
+def test_recipes_cost_dry_run_measures_every_recipe(capsys):
+    import recipes_cost
+
+    assert recipes_cost.main(["--dry-run", "--chunks", "3"]) == 0
+    table = capsys.readouterr().out
+    for label, _, _ in recipes_cost.ROWS:
+        assert label in table
+    # the recompute policy adds its context rebuild to chunks 1 and 2: (5 + 6 + 6) / 3 forwards
+    assert "| krea-realtime (keep first frame) | 5.7 |" in table

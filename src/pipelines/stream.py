@@ -257,8 +257,8 @@ class ChunkStream(Iterator[Any]):
             raise FloatingPointError(
                 f"Chunk {index} produced NaN or infinite latents; generation stopped (frames before it are kept)."
             )
-        if index == 0:
-            self._first_frame = clean[:, :, :1]
+        if index == 0 and recompute:
+            self._first_frame = clean[:, :, :1].clone()  # a copy: a view would keep the whole chunk alive
         if not recompute:  # the recompute policy writes no context pass: the next chunk rebuilds its context
             pipe.context_pass(clean, self._embeds, self._caches, request, timestep=request.context_noise)
         keep = (

@@ -1,0 +1,110 @@
+"""What each recipe costs per chunk, next to the rolling policy: transformer forwards, cache memory, ms per chunk.
+
+Each recipe runs on the Krea-like pipeline at Wan-1.3B block shapes (2 blocks, random weights, fp32, 240x416:
+30x52 latents, 390 tokens per frame) or the SANA-like one (LongSANA's recipe), with `output_type="latent"` so
+only the chunk loop is timed. Rows: forwards per chunk (steps + the context pass, or + the context rebuild),
+the cache's `memory_bytes()`, and the median ms per chunk over the steady-state chunks, all measured in one run.
+
+    python benchmarks/recipes_cost.py              # about a minute on 2 CPU cores
+    python benchmarks/recipes_cost.py --dry-run    # tiny shapes (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from _common import markdown_table
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+
+from rolldiff import KreaRealtimeTransformer3DModel, KreaRealtimeVideoPipeline
+from rolldiff.recipes import get_recipe
+
+WAN_BLOCK = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=12,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=8960,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=1024,
+)
+TINY_BLOCK = {**WAN_BLOCK, "num_attention_heads": 2, "attention_head_dim": 16, "text_dim": 32, "ffn_dim": 64}
+ROWS = (
+    ("rolling (rolldiff default: sink 3 + window 9)", None, {}),
+    ("self-forcing", "self-forcing", {}),
+    ("longlive", "longlive", {}),
+    ("krea-realtime (keep first frame)", "krea-realtime", {"recompute_first_frame": "keep"}),
+    ("krea-realtime (re-encoded first frame)", "krea-realtime", {}),
+)
+
+
+def _pipeline(dry_run: bool, blocks: int) -> KreaRealtimeVideoPipeline:
+    torch.manual_seed(0)
+    block = TINY_BLOCK if dry_run else WAN_BLOCK
+    transformer = KreaRealtimeTransformer3DModel(**block, num_layers=blocks).eval()
+    vae = AutoencoderKLWan(base_dim=8 if dry_run else 32, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1).eval()
+    pipe = KreaRealtimeVideoPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+        height=32 if dry_run else 240,
+        width=48 if dry_run else 416,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _measure(pipe, recipe, overrides, chunks: int, text: torch.Tensor) -> dict:
+    forwards = []
+    hook = pipe.transformer.register_forward_pre_hook(lambda *args: forwards.append(1))
+    stream = pipe.stream(
+        num_frames=pipe.latent_to_frames(3 * chunks), prompt_embeds=text, recipe=recipe, output_type="latent",
+        generator=torch.Generator().manual_seed(0), **overrides,
+    )  # fmt: skip
+    times = []
+    for _ in range(chunks):
+        start = time.perf_counter()
+        next(stream)
+        times.append(time.perf_counter() - start)
+    hook.remove()
+    steady = times[len(times) // 2 :]
+    return {
+        "forwards per chunk": f"{len(forwards) / chunks:.1f}",
+        "cache KiB": f"{stream.memory_bytes() / 1024:.0f}",
+        "ms per chunk (median, steady)": f"{1000 * statistics.median(steady):.1f}",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes, for CI")
+    parser.add_argument("--chunks", type=int, default=None, help="chunks per row (default 8; 4 with --dry-run)")
+    parser.add_argument("--blocks", type=int, default=2, help="transformer blocks (default 2)")
+    args = parser.parse_args(argv)
+    chunks = args.chunks or (4 if args.dry_run else 8)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    pipe = _pipeline(args.dry_run, args.blocks)
+    text = torch.randn(1, 16 if args.dry_run else 512, pipe.transformer.config.text_dim)
+    rows = []
+    with torch.no_grad():
+        _measure(pipe, None, {}, 2, text)  # warm-up: first-call allocations and kernel choices
+        for label, recipe, overrides in ROWS:
+            if recipe is not None:
+                get_recipe(recipe)  # a clear error if the registry changed
+            rows.append({"recipe": label, **_measure(pipe, recipe, overrides, chunks, text)})
+    print(markdown_table(list(rows[0]), [list(row.values()) for row in rows]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
