@@ -33,6 +33,7 @@ from .defaults import (
 from .pipelines.resume import ResumeError, load_state, state_path_for
 from .pipelines.text_encoding import PromptWarning
 from .pipelines.video_writer import check_output_path, check_quality, count_frames, partial_path_for
+from .recipes import get_recipe, list_recipes
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -186,6 +187,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--kv-offload", action="store_true", default=None, help="keep the K/V window in CPU memory between blocks"
     )
+    generate.add_argument(
+        "--recipe",
+        choices=list_recipes(),
+        help="the checkpoint authors' inference settings (rolldiff.recipes); explicit flags override them",
+    )
     generate.add_argument("--image", type=Path, help="start frame (image-to-video): a PNG/JPEG the video starts on")
     generate.add_argument(
         "--video", type=Path, help="input video (video-to-video), read chunk by chunk; the output ends with it"
@@ -273,7 +279,8 @@ def run_generate(args: argparse.Namespace) -> int:
         pipe.transformer.compile(fullgraph=True, backend=args.compile)
     native_height, native_width = native_size(pipe)
     height, width = args.height or native_height, args.width or native_width
-    chunk_frames = args.chunk_frames or pipe.config.chunk_frames
+    recipe = get_recipe(args.recipe).settings if args.recipe else {}
+    chunk_frames = args.chunk_frames or recipe.get("chunk_frames") or pipe.config.chunk_frames
     num_frames = frames_for_seconds(pipe, args.seconds, args.fps, chunk_frames)
     options = dict(
         prompt_schedule=sorted(args.prompt_at) or None,
@@ -287,6 +294,7 @@ def run_generate(args: argparse.Namespace) -> int:
         image=image,
         video=None if args.video is None else str(args.video),
         strength=args.strength,
+        recipe=args.recipe,
     )
     try:
         with warnings.catch_warnings(record=True) as caught:

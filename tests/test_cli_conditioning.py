@@ -61,3 +61,11 @@ def test_video_to_video_follows_the_input_and_resumes(tmp_path, monkeypatch):
 def test_bad_conditioning_flags_exit_2_with_the_flag_named(tmp_path, capsys, extra, message):
     assert main([*BASE, *extra, "--out", str(tmp_path / "video.mp4")]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_generate_takes_a_recipe_and_refuses_one_of_another_pipeline(tmp_path, capsys):
+    out = tmp_path / "video.mp4"
+    assert main([*BASE, "--recipe", "longlive", "--out", str(out)]) == 0
+    assert _read(out).shape[0] > 0
+    assert main([*BASE, "--recipe", "longsana", "--out", str(out)]) == 2  # the embedded model is Krea-like
+    assert "`recipe` must be one of" in capsys.readouterr().err

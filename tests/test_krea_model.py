@@ -17,9 +17,11 @@ def model() -> KreaRealtimeTransformer3DModel:
     return tiny_transformer()
 
 
-def _chunk(model, latents, sigma, cache, layout, bias=1.0):
+def _chunk(model, latents, sigma, cache, layout, bias=1.0, bias_mode="past"):
     timestep = torch.tensor([sigma * 1000.0])
-    return model(latents, timestep, TEXT, kv_cache=cache, layout=layout, attention_bias=bias).sample
+    return model(
+        latents, timestep, TEXT, kv_cache=cache, layout=layout, attention_bias=bias, attention_bias_mode=bias_mode
+    ).sample
 
 
 @torch.no_grad()
@@ -57,9 +59,9 @@ def test_first_chunk_through_the_cache_equals_diffusers_wan(model):
 
 
 @pytest.mark.parametrize("position_mode", ["absolute", "relative"])
-@pytest.mark.parametrize("bias", [1.0, 0.3])
+@pytest.mark.parametrize(("bias", "bias_mode"), [(1.0, "past"), (0.3, "past"), (0.3, "scope")])
 @torch.no_grad()
-def test_cached_chunks_equal_the_dense_block_causal_reference(model, position_mode, bias):
+def test_cached_chunks_equal_the_dense_block_causal_reference(model, position_mode, bias, bias_mode):
     """Each chunk, at every denoising step, equals the whole sequence under the sink + window mask."""
     layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=6, position_mode=position_mode)
     num_frames = 16  # 8 chunks: the window wraps several times
@@ -68,12 +70,14 @@ def test_cached_chunks_equal_the_dense_block_causal_reference(model, position_mo
     for start in range(0, num_frames, 2):
         for sigma in (1.0, 0.6, 0.2):  # repeated denoising steps overwrite the same pending slots
             noisy = torch.randn(1, 4, 2, 4, 4)
-            cached = _chunk(model, noisy, sigma, cache, layout, bias)
+            cached = _chunk(model, noisy, sigma, cache, layout, bias, bias_mode)
             sequence = torch.cat([clean[:, :, :start], noisy], dim=2)
             timesteps = torch.cat([torch.zeros(1, start), torch.full((1, 2), sigma * 1000.0)], dim=1)
-            dense = model(sequence, timesteps, TEXT, layout=layout, attention_bias=bias).sample[:, :, start:]
+            dense = model(
+                sequence, timesteps, TEXT, layout=layout, attention_bias=bias, attention_bias_mode=bias_mode
+            ).sample[:, :, start:]
             assert torch.allclose(cached, dense, atol=1e-5), (start, sigma)
-        _chunk(model, clean[:, :, start : start + 2], 0.0, cache, layout, bias)  # context pass
+        _chunk(model, clean[:, :, start : start + 2], 0.0, cache, layout, bias, bias_mode)  # context pass
         cache.commit()
     assert cache.cross[0].num_computations == 1  # text K/V computed once for the whole video
 
@@ -183,3 +187,18 @@ def test_forward_checks_the_layout_against_the_input(model):
     good = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=4)
     with pytest.raises(ValueError, match="chunk_frames"):
         model(torch.randn(1, 4, 3, 4, 4), torch.tensor([0.0]), TEXT, kv_cache=model.make_cache(good), layout=good)
+
+
+@torch.no_grad()
+def test_scopes_bias_leaves_the_first_frame_unbiased(model):
+    """With only the first frame committed, Scope's bias changes nothing; the past mode does."""
+    layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=1, sink_frames=1, window_frames=3)
+    first, chunk = torch.randn(1, 4, 1, 4, 4), torch.randn(1, 4, 1, 4, 4)
+    outputs = {}
+    for bias, mode in [(1.0, "past"), (0.3, "scope"), (0.3, "past")]:
+        cache = model.make_cache(layout)
+        _chunk(model, first, 0.0, cache, layout, bias, mode)
+        cache.commit()
+        outputs[(bias, mode)] = _chunk(model, chunk, 0.5, cache, layout, bias, mode)
+    torch.testing.assert_close(outputs[(0.3, "scope")], outputs[(1.0, "past")], atol=1e-6, rtol=0)
+    assert (outputs[(0.3, "past")] - outputs[(1.0, "past")]).abs().max() > 1e-4

@@ -151,6 +151,7 @@ class CausalAttentionInputs:
     conditioning: torch.Tensor | None = None  # the raw text embeddings the cross-attention K/V belong to
     text_cached: bool = False  # every block holds its text K/V: the text projection is skipped
     attention_bias: float = 1.0
+    attention_bias_mode: str = "past"  # "past": every earlier token; "scope": not the first frame (Scope's port)
     dense_chunks: list[DenseChunk] = field(default_factory=list)
     dense_layouts: list[ChunkLayout] | None = None  # per-block layouts of the dense path (None: `layout`)
     block_dense_chunks: dict[int, list[DenseChunk]] = field(default_factory=dict)
@@ -172,6 +173,9 @@ class CausalAttentionInputs:
             positions = layer.key_positions(reindexed=True)
             self.shared_rope[key] = self.rope.for_tokens(positions, self.layout.tokens_per_frame)
         return self.shared_rope[key]
+
+
+ATTENTION_BIAS_MODES = ("past", "scope")
 
 
 class CachedTextProjection(PixArtAlphaTextProjection):
@@ -247,6 +251,8 @@ class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
         if inputs.attention_bias != 1.0:
             mask = layer.attention_mask
             past = mask & ~layer.pending_slot_mask()
+            if inputs.attention_bias_mode == "scope":  # Scope leaves the first frame unbiased
+                past = past & (layer.key_positions() >= inputs.layout.tokens_per_frame)
             mask = _bias_mask(mask, past, inputs.attention_bias, query.dtype)[visible]
         elif visible.stop is not None or (layer.window_full and num_tokens == layer.chunk_tokens):
             mask = None  # every key read is visible: no mask, so fused (flash) kernels apply
@@ -437,6 +443,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         frame_indices: torch.Tensor | None = None,
         frame_mask: torch.Tensor | None = None,
         attention_bias: float = 1.0,
+        attention_bias_mode: str = "past",
     ) -> torch.Tensor | Transformer2DModelOutput:
         """Denoise `hidden_states` `(batch, channels, frames, height, width)`.
 
@@ -448,10 +455,16 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
           `teacher_forcing_frame_mask`); `layout` may be one layout per block (per-block windows);
         - `kv_cache` and `layout`: one chunk; its K/V are written as pending into the cache (call
           `kv_cache.commit()` after the clean context pass).
-        `attention_kwargs` are diffusers' (e.g. `{"scale": 0.5}` for LoRA adapters).
+        `attention_kwargs` are diffusers' (e.g. `{"scale": 0.5}` for LoRA adapters). `attention_bias` < 1 adds
+        `log(attention_bias)` to the scores of earlier frames' tokens: every one (`attention_bias_mode="past"`), or
+        all but the first frame's (`"scope"`: daydreamlive/scope's port of Krea's bias).
         """
         if kv_cache is not None and layout is None:
             raise ValueError("`layout` (a ChunkLayout) is required together with `kv_cache`.")
+        if attention_bias_mode not in ATTENTION_BIAS_MODES:
+            raise ValueError(
+                f"`attention_bias_mode` must be one of {ATTENTION_BIAS_MODES}, got {attention_bias_mode!r}."
+            )
         if encoder_hidden_states_image is not None:
             raise ValueError("Image conditioning (`encoder_hidden_states_image`) is not supported by this model.")
         if layout is None:
@@ -480,6 +493,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
             kv_cache=kv_cache,
             conditioning=encoder_hidden_states,
             attention_bias=attention_bias,
+            attention_bias_mode=attention_bias_mode,
             text_cached=kv_cache is not None and all(layer is not None and layer.is_filled for layer in kv_cache.cross),
         )  # fmt: skip
         if kv_cache is None:
@@ -553,6 +567,8 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
             mask = token_mask[rows]
             if inputs.attention_bias != 1.0:
                 past = mask & (frame_ids < chunk_start)[None, :]
+                if inputs.attention_bias_mode == "scope":
+                    past = past & (frame_ids > 0)[None, :]
                 mask = _bias_mask(mask, past, inputs.attention_bias, dtype)
             chunks.append(DenseChunk(rows, cos, sin, mask))
         return chunks

@@ -105,7 +105,7 @@ _ARGUMENTS = """
                 finished so far (`frames` is None if none finished).
             callback_on_step_end_tensor_inputs: the tensors the callback receives ("latents", "prompt_embeds").
             chunk_frames, sink_frames, window_frames, position_mode, attention_bias, kv_quantization,
-                kv_offload: the family's cache options (`cache_options`; the family's pipeline docstring says
+                kv_offload, attention_bias_mode: the family's cache options (`cache_options`; the family's pipeline docstring says
                 what each means); `None` takes the pipeline config's value, and a family refuses an option it
                 does not have. A window longer than the video is shortened to what the video can fill.
             image: a start frame (image-to-video): a PIL image, an `(H, W, 3)` array, a `(3, H, W)` tensor, or one
@@ -214,6 +214,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         attention_bias: float | None = None,
         kv_quantization: str | None = None,
         kv_offload: bool | None = None,
+        attention_bias_mode: str | None = None,
         image: Any = None,
         video: Any = None,
         strength: float | None = None,
@@ -245,6 +246,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             attention_bias=attention_bias,
             kv_quantization=kv_quantization,
             kv_offload=kv_offload,
+            attention_bias_mode=attention_bias_mode,
             denoising_steps=denoising_steps,
             sigma_mapping=sigma_mapping,
             sigmas=sigmas,
@@ -421,6 +423,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         attention_bias: float | None = None,
         kv_quantization: str | None = None,
         kv_offload: bool | None = None,
+        attention_bias_mode: str | None = None,
         image: Any = None,
         video: Any = None,
         strength: float | None = None,
@@ -466,6 +469,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             attention_bias=attention_bias,
             kv_quantization=kv_quantization,
             kv_offload=kv_offload,
+            attention_bias_mode=attention_bias_mode,
             image=image,
             video=video,
             strength=strength,

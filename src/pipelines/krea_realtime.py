@@ -27,7 +27,7 @@ from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
 from ..caching import RollingKVCache
 from ..caching.layout import ChunkLayout
-from ..models.krea_realtime import KreaRealtimeTransformer3DModel
+from ..models.krea_realtime import ATTENTION_BIAS_MODES, KreaRealtimeTransformer3DModel
 from .chunked_video import ChunkedVideoPipeline, ChunkedVideoPipelineOutput
 from .request import CacheOptions, VideoRequest, is_number
 
@@ -48,10 +48,16 @@ class KreaCacheOptions(CacheOptions):
     attention_bias: float
     kv_quantization: str | None
     kv_offload: bool
+    attention_bias_mode: str
 
     def __post_init__(self) -> None:
         if not is_number(self.attention_bias) or not 0 < self.attention_bias <= 1.0:
             raise ValueError(f"`attention_bias` must be in (0, 1] (1 disables it), got {self.attention_bias!r}.")
+        if self.attention_bias_mode not in ATTENTION_BIAS_MODES:
+            raise ValueError(
+                f"`attention_bias_mode` must be one of {ATTENTION_BIAS_MODES} (Scope's leaves the first frame "
+                f"unbiased), got {self.attention_bias_mode!r}."
+            )
         if self.kv_quantization not in KV_QUANTIZATIONS:
             raise ValueError(f"`kv_quantization` must be None, 'int8' or 'fp8', got {self.kv_quantization!r}.")
         if not isinstance(self.kv_offload, bool):
@@ -80,6 +86,8 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         position_mode: "absolute" (keys after RoPE, bounded by the RoPE table) or "relative"
             (keys re-rotated inside sink + window, unbounded length).
         attention_bias: Krea's KV-cache bias, `log(bias)` added to past tokens' scores (1 = off).
+        attention_bias_mode: "past" (every earlier token, the sink included) or "scope" (daydreamlive/scope's
+            port: the first frame and the current chunk unbiased).
         kv_quantization: None, "int8" or "fp8": store the K/V window quantized (about 0.52x of bf16).
         kv_offload: keep the committed K/V window in CPU memory; each block's is brought in when it runs.
     """
@@ -102,6 +110,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         denoising_steps: list[int] | tuple[int, ...] = (1000, 750, 500, 250),
         max_sequence_length: int = 512,
         attention_bias: float = 1.0,
+        attention_bias_mode: str = "past",
         height: int = 480,
         width: int = 832,
         recipe: str | None = None,
@@ -120,6 +129,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             denoising_steps=list(denoising_steps),
             max_sequence_length=max_sequence_length,
             attention_bias=attention_bias,
+            attention_bias_mode=attention_bias_mode,
             height=height,
             width=width,
             recipe=recipe,
@@ -163,6 +173,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             kv_cache=cache,
             layout=request.layout,
             attention_bias=float(request.options.attention_bias),
+            attention_bias_mode=request.options.attention_bias_mode,
         ).sample
 
     def recache_frames(self, layout: ChunkLayout, committed_frames: int, chunk_frames: int) -> int:

@@ -57,6 +57,7 @@ class CacheOptions:
         "attention_bias",
         "kv_quantization",
         "kv_offload",
+        "attention_bias_mode",
     )
 
     @classmethod
