@@ -8,6 +8,7 @@ from .krea_realtime import (
     teacher_forcing_frame_mask,
 )
 from .long_sana import LongSanaTransformer3DModel, sana_layout
+from .tiny_autoencoder import TinyVideoAutoencoder
 from .wan_conversion import convert_original_wan_state_dict, infer_wan_config, load_original_wan_checkpoint
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "GlmImageCachedTransformer2DModel",
     "KreaRealtimeTransformer3DModel",
     "LongSanaTransformer3DModel",
+    "TinyVideoAutoencoder",
     "block_causal_frame_mask",
     "convert_original_wan_state_dict",
     "infer_wan_config",
