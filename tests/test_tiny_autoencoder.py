@@ -278,6 +278,25 @@ def test_reset_streams_the_next_video_as_if_fresh(taew2_1):
     torch.testing.assert_close(second, stream_decode(StreamingTinyDecoder(taew2_1), video_b, 2), atol=0, rtol=0)
 
 
+def test_a_chunk_that_raises_leaves_the_stream_as_it_was(taew2_1):
+    latents = seeded_latents((1, 16, 4, 2, 2), seed=13)
+    decoder = StreamingTinyDecoder(taew2_1)
+    head = decoder.decode(latents[:, :, :2])
+
+    def fail(module, inputs, output):
+        raise RuntimeError("out of memory (simulated)")
+
+    hook = taew2_1.decoder[13].register_forward_hook(fail)  # after the first stage's carries are written
+    with pytest.raises(RuntimeError, match="simulated"):
+        decoder.decode(latents[:, :, 2:])
+    hook.remove()
+    tail = decoder.decode(latents[:, :, 2:])
+
+    assert decoder.latent_frames_decoded == 4
+    expected = stream_decode(StreamingTinyDecoder(taew2_1), latents, chunk_frames=2)
+    torch.testing.assert_close(torch.cat([head, tail], dim=2), expected, atol=0, rtol=0)
+
+
 def test_one_model_serves_two_interleaved_streams(taew2_1):
     video_a, video_b = seeded_latents((1, 16, 4, 2, 2), seed=1), seeded_latents((1, 16, 4, 2, 2), seed=2)
     decoder_a, decoder_b = StreamingTinyDecoder(taew2_1), StreamingTinyDecoder(taew2_1)

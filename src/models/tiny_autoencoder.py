@@ -228,8 +228,8 @@ class TinyVideoAutoencoder(StrictWeightsMixin, ModelMixin, ConfigMixin):
         decoder_time_upscale: per decoder stage, whether it doubles the frame rate (all False: a cheaper preview,
             one frame per latent frame).
         decoder_space_upscale: per decoder stage, whether it doubles height and width (False: a smaller preview).
-        encoder_channels: width of every encoder layer (64 in every published checkpoint).
-        decoder_channels: widths of the decoder's stages (256, 128, 64, 64 in every published base checkpoint).
+        encoder_channels: width of every encoder layer (64 in upstream's architecture).
+        decoder_channels: widths of the decoder's stages (256, 128, 64, 64 in upstream's base decoder).
     """
 
     _supports_gradient_checkpointing = False
@@ -247,9 +247,12 @@ class TinyVideoAutoencoder(StrictWeightsMixin, ModelMixin, ConfigMixin):
         decoder_channels: Sequence[int] = (256, 128, 64, 64),
     ) -> None:
         super().__init__()
-        for name, value in (("latent_channels", latent_channels), ("patch_size", patch_size)):
+        for name, value in (
+            ("latent_channels", latent_channels),
+            ("patch_size", patch_size),
+            ("encoder_channels", encoder_channels),
+        ):
             _check_positive(name, value)
-        _check_positive("encoder_channels", encoder_channels)
         if isinstance(decoder_channels, (str, bytes)) or len(decoder_channels) != 4:
             raise ValueError(f"`decoder_channels` must be 4 positive ints, got {decoder_channels!r}.")
         for width in decoder_channels:

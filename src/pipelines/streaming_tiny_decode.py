@@ -52,13 +52,21 @@ class _Stream:
         self._frames_seen = 0
         self._video_shape: tuple[int, int, int] | None = None  # (batch, height, width) of the inputs
 
-    def _check_video_shape(self, tensor: Tensor, name: str) -> None:
+    def _check_video_shape(self, tensor: Tensor, name: str) -> tuple[int, int, int]:
+        """The (batch, height, width) of `tensor`, refused if it differs from the current video's."""
         video_shape = (tensor.shape[0], tensor.shape[3], tensor.shape[4])
         if self._video_shape is not None and video_shape != self._video_shape:
             raise ValueError(
                 f"`{name}` (batch, height, width) must stay {self._video_shape} within one video, got {video_shape}; "
                 "call reset() to start a new video."
             )
+        return video_shape
+
+    def _advance(self, memory: Memory, frames: int, video_shape: tuple[int, int, int]) -> None:
+        """Commit a finished chunk. Until then the layers wrote into a copy of the carries (they replace entries,
+        never write into them), so a chunk that raises leaves the stream as it was."""
+        self._memory = memory
+        self._frames_seen += frames
         self._video_shape = video_shape
 
     def state_dict(self) -> dict[str, Tensor]:
@@ -131,12 +139,13 @@ class StreamingTinyDecoder(_Stream):
             `pixel_frames = num_pixel_frames(latent_frames)` and `s = autoencoder.spatial_upscale`.
         """
         check_latents(latents, self.autoencoder.config.latent_channels)
-        self._check_video_shape(latents, "latents")
+        video_shape = self._check_video_shape(latents, "latents")
         device, dtype = _placement(self.autoencoder, onload=True)
-        pixels = self.autoencoder.decode_frames(latents.to(device=device, dtype=dtype), self._memory)
+        memory = dict(self._memory)
+        pixels = self.autoencoder.decode_frames(latents.to(device=device, dtype=dtype), memory)
         if self._frames_seen == 0:
             pixels = pixels[:, :, self.temporal_upsample - 1 :]  # the video's warm-up frames
-        self._frames_seen += latents.shape[2]
+        self._advance(memory, latents.shape[2], video_shape)
         return pixels
 
 
@@ -182,9 +191,9 @@ class StreamingTinyEncoder(_Stream):
             diffusion model's latent space; possibly 0 frames.
         """
         check_frames(frames, self.autoencoder.spatial_downscale)
-        self._check_video_shape(frames, "frames")
+        video_shape = self._check_video_shape(frames, "frames")
         device, dtype = _placement(self.autoencoder, onload=True)
-        return self._encode(frames.to(device=device, dtype=dtype))
+        return self._encode(frames.to(device=device, dtype=dtype), video_shape)
 
     @torch.no_grad()
     def flush(self) -> Tensor:
@@ -199,13 +208,14 @@ class StreamingTinyEncoder(_Stream):
         if self._last_frame is None:
             raise ValueError("flush() needs at least one encode() call on the current video first.")
         padding = -self._frames_seen % self.autoencoder.temporal_downscale
-        return self._encode(self._last_frame.expand(-1, -1, padding, -1, -1))
+        return self._encode(self._last_frame.expand(-1, -1, padding, -1, -1), self._video_shape)
 
-    def _encode(self, frames: Tensor) -> Tensor:
-        latents = self.autoencoder.encode_frames(frames, self._memory)
+    def _encode(self, frames: Tensor, video_shape: tuple[int, int, int]) -> Tensor:
+        memory = dict(self._memory)
+        latents = self.autoencoder.encode_frames(frames, memory)
         if frames.shape[2] > 0:
             self._last_frame = frames[:, :, -1:].clone()
-        self._frames_seen += frames.shape[2]
+        self._advance(memory, frames.shape[2], video_shape)
         return latents
 
     def state_dict(self) -> dict[str, Tensor]:
