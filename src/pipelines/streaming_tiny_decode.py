@@ -7,7 +7,7 @@ per-stream state: one `TinyVideoAutoencoder` serves any number of streams.
 
 `StreamingTinyDecoder` has `StreamingWanDecoder`'s interface, so the pipeline can swap one for the other, with one
 difference: it takes the transformer's latents as they are (TAEHV works in the diffusion model's normalised
-space), not `denormalize_wan_latents(...)` of them. Both keep a stream's state as tensors for resume
+space), not `denormalize_wan_latents(...)` of them. Decoder and encoder keep their state as tensors for resume
 (`state_dict` / `load_state_dict`).
 """
 
