@@ -20,6 +20,7 @@ from .models import (
     GlmImageCachedTransformer2DModel,
     KreaRealtimeTransformer3DModel,
     LongSanaTransformer3DModel,
+    TinyVideoAutoencoder,
 )
 from .pipelines import (
     ChunkStream,
@@ -52,4 +53,5 @@ __all__ = [
     "RollingKVCache",
     "SlidingWindowLayer",
     "StaticLayer",
+    "TinyVideoAutoencoder",
 ]

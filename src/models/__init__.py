@@ -13,6 +13,7 @@ from .sana_conversion import (
     infer_sana_video_config,
     load_original_sana_video_checkpoint,
 )
+from .tiny_autoencoder import TinyVideoAutoencoder
 from .wan_conversion import convert_original_wan_state_dict, infer_wan_config, load_original_wan_checkpoint
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "GlmImageCachedTransformer2DModel",
     "KreaRealtimeTransformer3DModel",
     "LongSanaTransformer3DModel",
+    "TinyVideoAutoencoder",
     "block_causal_frame_mask",
     "convert_original_sana_video_state_dict",
     "convert_original_wan_state_dict",
