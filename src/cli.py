@@ -188,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-offload", action="store_true", default=None, help="keep the K/V window in CPU memory between blocks"
     )
     generate.add_argument(
+        "--tiny-vae",
+        type=Path,
+        metavar="PATH",
+        help="decode with a tiny autoencoder (TAEHV: taew2_1.pth / .safetensors) instead of the full VAE",
+    )
+    generate.add_argument(
         "--recipe",
         choices=list_recipes(),
         help="the checkpoint authors' inference settings (rolldiff.recipes); explicit flags override them",
@@ -275,6 +281,11 @@ def run_generate(args: argparse.Namespace) -> int:
     device = args.device or default_device()
     pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
     pipe.set_progress_bar_config(disable=True)  # ours counts chunks of the whole video instead
+    if args.tiny_vae is not None:
+        try:
+            pipe.load_tiny_autoencoder(args.tiny_vae)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--tiny-vae: {exc}") from None
     if args.compile:  # one graph while the window fills, one once it is full; compiled at the first chunks
         pipe.transformer.compile(fullgraph=True, backend=args.compile)
     native_height, native_width = native_size(pipe)

@@ -41,7 +41,7 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 from einops import rearrange
 from torch import Tensor, nn
 
-from .wan_conversion import StrictWeightsMixin, WeightsMismatchError
+from .weights import StrictWeightsMixin, WeightsMismatchError
 
 # Per-layer carries between chunks, keyed by the layer's index in its `nn.Sequential` (see `CausalSequential`).
 Memory = dict[str, Tensor]

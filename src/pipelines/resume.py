@@ -131,6 +131,9 @@ def run_fingerprint(stream: ChunkStream, fps: float, quality: float = 5) -> dict
         "seeded": request.generator is not None,
         "latents": None if latents is None else float(latents.double().sum()),
         "prompt_embeds": request.prompt_embeds is not None,
+        "decoder": "tiny" if getattr(pipe, "tiny_autoencoder", None) is not None else "vae",
+        "conditioning": None if request.conditioning is None else request.conditioning.description,
+        "recipe": request.recipe,
     }
     return json.loads(json.dumps(fingerprint, default=str))
 
