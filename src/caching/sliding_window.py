@@ -93,10 +93,11 @@ class SlidingWindowLayer(CacheLayer):
         self._prefetch_event = None
         self._prefetched_batch: int | None = None
         self._staged: dict[str, torch.Tensor] = {}  # offload: the pending chunk in host memory
-        self._cropped = False  # `crop` emptied slots: the mask is needed even when the window is full
-        self._ring_wrapped = False  # a token may sit outside its own index's slot: no `visible_prefix`
         # Eager steps of one chunk write the same slots: `update` does the slot arithmetic once per chunk.
         self._slot_arithmetic_done: tuple | None = None
+        # `_frontier`: the ring holds every committed token of [frontier - window, committed), none older;
+        # `_window_full_flag` and `_prefix_readable` follow from it and the count (all set in `_set_counters`).
+        self._set_counters(0, 0)
 
     def _set_chunk_tokens(self, chunk_tokens: int) -> None:
         check_positive("chunk_tokens", chunk_tokens)
@@ -174,8 +175,8 @@ class SlidingWindowLayer(CacheLayer):
                 4, self.chunk_tokens, dtype=torch.long
             )  # offsets, positions, slots, scratch
             torch.arange(self.chunk_tokens, out=self._home_index[0])
-        self._committed_count, self.pending_tokens, self._stream_batch = 0, 0, None
-        self._counters_moved()
+        self.pending_tokens, self._stream_batch = 0, None
+        self._set_counters(0, 0, move_device=False)
         self._prefetch_event = None
         self._reserve_workspace()
 
@@ -242,36 +243,55 @@ class SlidingWindowLayer(CacheLayer):
 
     @property
     def window_full(self) -> bool:
-        """True once every slot holds a token the next full chunk attends to: its mask is all True.
+        """True when every slot holds a token the next full chunk attends to: its mask is all True.
 
-        A host-side flag (changed only by `commit`, `rewind` and `reset`), so a compiled step can drop the
-        mask (flash-attention kernels) without reading the device. Not after `crop`, which empties slots.
+        The promise: `window_full` => `attention_mask.all()` after an `update` of `chunk_tokens` tokens, after
+        any sequence of commit, rewind, crop and reset. A stored host bool (set only by `_set_counters`), so a
+        compiled step can drop the mask (flash-attention kernels) without reading the device.
         """
-        return getattr(self, "_window_full_flag", False)  # a stored bool: compile guards on it, not on a count
+        return self._window_full_flag  # a stored bool: compile guards on it, not on a count
 
-    def _counters_moved(self) -> None:
-        """Called by every method that moves the committed count or the slot map (commit, rewind, reset, crop,
-        allocation): recompute the `window_full` flag, and let the next `update` redo its slot arithmetic."""
+    def _set_counters(self, committed: int, frontier: int, move_device: bool = True) -> None:
+        """The one place the stream counters change (allocation, commit, rewind, crop, reset, loading a state).
+
+        `committed`: tokens committed since the last reset (the next chunk starts at this index). `frontier`:
+        the ring holds every committed token of `[max(sink, frontier - window), committed)` in its own slot,
+        and no older window token (older slots were overwritten by later writes, or evicted by `crop`).
+        Every write of a chunk starting at `c` overwrites the slots of `c - window ..` and nothing older, which
+        `commit` records as `frontier = min(max(frontier, c + chunk_tokens), c + window)` (any chunk since the
+        last commit had at most `chunk_tokens` tokens); a rewind lowers `committed`, not `frontier`, so the
+        slots rewound tokens still occupy count as overwritten. From the two counts:
+        - the window is full when the next chunk's `window - chunk` recent tokens are all held:
+          `committed >= sink + window - chunk` and `frontier <= committed + chunk`;
+        - the visible keys are slots `0 .. committed + n - 1` (`visible_prefix`) while no token sits outside its
+          own index's slot: `committed + chunk <= capacity` and `frontier <= capacity`.
+        The device counter moves by the same difference (in place: a traced commit stays relative), unless
+        `move_device` is False (it was loaded or is being read back); the eager slot memo is forgotten.
+        """
+        if move_device and self.committed_tokens is not None:
+            if committed == 0:
+                self.committed_tokens.zero_()
+            elif committed != self._committed_count:
+                self.committed_tokens.add_(committed - self._committed_count)
+        self._committed_count, self._frontier = committed, frontier
+        chunk = self.chunk_tokens
         self._window_full_flag = (
-            self.chunk_tokens is not None
-            and self._committed_count >= self.capacity - self.chunk_tokens
-            and not self._cropped
+            chunk is not None and committed >= self.capacity - chunk and frontier <= committed + chunk
         )
-        if self.chunk_tokens is not None and self._committed_count + self.chunk_tokens > self.capacity:
-            self._ring_wrapped = True  # the next chunk may write past the last slot (conservative: stays set)
+        self._prefix_readable = chunk is not None and committed + chunk <= self.capacity and frontier <= self.capacity
         self.forget_slot_arithmetic()
 
     def visible_prefix(self, num_pending: int) -> int | None:
         """While the window fills, the keys a chunk of `num_pending` tokens attends to are exactly slots
         `0 .. n-1` (token p sits in slot p until the ring wraps): returns n, so attention can read that prefix
         with no mask (fused kernels, and only the work the tokens need: a stream's first chunk is 4x cheaper
-        at sink 3 + window 9). `None` once the ring may have wrapped, after `crop`, and in a compiled or
-        exported step, which keeps one graph with the mask (a prefix length would recompile per fill state).
-        Host state only: no device read.
+        at sink 3 + window 9). `None` once a slot of the prefix may hold another token (the ring wrapped, or a
+        crop emptied it; see `_set_counters`), and in a compiled or exported step, which keeps one graph with
+        the mask (a prefix length would recompile per fill state). Host state only: no device read.
         """
         if torch.compiler.is_compiling():  # first: a compiled step must not guard on the flags below
             return None
-        if self._ring_wrapped or self._cropped or self.chunk_tokens is None:
+        if not self._prefix_readable:
             return None
         return self._committed_count + num_pending
 
@@ -331,8 +351,7 @@ class SlidingWindowLayer(CacheLayer):
         return keys, values
 
     def _slot_state(self, num_pending: int) -> tuple[int, int]:
-        """The chunk whose slots, slot map and mask `update` last computed (eager); cleared by `_counters_moved`
-        and by loading a state dict."""
+        """The chunk whose slots, slot map and mask `update` last computed (eager); cleared by `_set_counters`."""
         return (self._committed_count, num_pending)
 
     def forget_slot_arithmetic(self) -> None:
@@ -340,10 +359,20 @@ class SlidingWindowLayer(CacheLayer):
         outside this layer's methods, e.g. an exported program ran)."""
         self._slot_arithmetic_done = None
 
+    def sync_host_counters(self) -> None:
+        """Re-read the committed count from the device counter, after something other than this layer's methods
+        advanced it (an exported program ran chunks). Assumes those chunks were committed, none rewound."""
+        if self.committed_tokens is None:
+            return
+        committed = int(self.committed_tokens.item())
+        self.pending_tokens = 0
+        self._set_counters(committed, max(self._frontier, committed + self.chunk_tokens), move_device=False)
+
     def _load_from_state_dict(self, *args, **kwargs) -> None:
-        self.forget_slot_arithmetic()
         super()._load_from_state_dict(*args, **kwargs)
-        self._ring_wrapped = True  # a loaded slot map may have wrapped; `reset` clears this
+        if self.committed_tokens is not None:  # host state unknown: no committed token counts as held intact
+            committed = int(self.committed_tokens.item())
+            self._set_counters(committed, committed + self.window_tokens, move_device=False)
 
     def _check_chunk(self, num_pending: int) -> None:
         if num_pending > self.chunk_tokens:
@@ -440,25 +469,22 @@ class SlidingWindowLayer(CacheLayer):
         self._require_pending()
         if self.offload:
             self._commit_home()
-        self.committed_tokens.add_(self.pending_tokens)
-        self._committed_count += self.pending_tokens
+        start, pending = self._committed_count, self.pending_tokens
+        # The writes since the last commit started at `start` and held at most `chunk_tokens` tokens.
+        frontier = min(max(self._frontier, start + self.chunk_tokens), start + self.window_tokens)
         self.pending_tokens = 0
-        self._counters_moved()
+        self._set_counters(start + pending, frontier)
 
     def reset(self) -> None:
         if self.keys is not None:
             for tensor in self._home().values():
                 tensor.zero_()
             self.slot_positions.fill_(-1)
-            self.committed_tokens.zero_()
             self._mask.zero_()
-        self._committed_count = 0
         self.pending_tokens = 0
         self._stream_batch = None
         self._prefetch_event = None
-        self._cropped = False
-        self._ring_wrapped = False
-        self._counters_moved()
+        self._set_counters(0, 0)
 
     @property
     def in_use(self) -> bool:
@@ -562,9 +588,7 @@ class SlidingWindowLayer(CacheLayer):
         chunk by chunk into the same slots. Only the visible window can be rewound; the sink never is.
         """
         self.check_rewind(num_tokens)
-        self.committed_tokens.sub_(num_tokens)
-        self._committed_count -= num_tokens
-        self._counters_moved()
+        self._set_counters(self._committed_count - num_tokens, self._frontier)  # rewound slots stay overwritten
 
     def check_crop(self, max_tokens: int) -> list[int]:
         """Raise if `crop(max_tokens)` would be refused; return the positions it would evict (changes nothing)."""
@@ -589,10 +613,8 @@ class SlidingWindowLayer(CacheLayer):
         """
         evicted = self.check_crop(max_tokens)
         if evicted:
-            slots = torch.tensor(
-                [self._slot_of(p) for p in evicted], dtype=torch.long, device=self.slot_positions.device
-            )
-            self.slot_positions.index_fill_(0, slots, -1)
+            kept_from = evicted[-1] + 1  # every window token older than this is evicted, hidden ones too
+            positions = self.slot_positions
+            positions.masked_fill_((positions >= self.sink_tokens) & (positions < kept_from), -1)
             self._refresh_mask(0)
-            self._cropped = True
-            self._counters_moved()
+            self._set_counters(self._committed_count, max(self._frontier, kept_from + self.window_tokens))
