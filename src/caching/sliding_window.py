@@ -25,6 +25,8 @@ Options, each changing only where and how K/V are stored (the slot arithmetic is
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from . import offload as offloading
@@ -40,6 +42,8 @@ from .quantization import as_bits, check_quantization, dequantize_into, quantize
 from .workspace import CacheWorkspace
 
 _HOME = torch.device("cpu")
+# offload: the pending chunk in host memory, one buffer per stored tensor (written home at commit)
+_STAGED_NAMES = {name: f"staged_{name}" for name in ("keys", "values", "key_scales", "value_scales")}
 
 
 class SlidingWindowLayer(CacheLayer):
@@ -80,7 +84,7 @@ class SlidingWindowLayer(CacheLayer):
         self.offload = offload
         self.is_compileable = not offload
         self.capacity = self.sink_tokens + self.window_tokens
-        for name in ("key_scales", "value_scales", "slot_positions", "committed_tokens"):
+        for name in ("key_scales", "value_scales", "slot_positions", "committed_tokens", *_STAGED_NAMES.values()):
             self.register_buffer(name, None)
         # committed_tokens: 0-dim long on the compute device; slot_positions: (capacity,) token index per slot, -1 empty
         self.workspace = CacheWorkspace()  # scratch of quantized / offloaded layers; a container shares one
@@ -89,10 +93,10 @@ class SlidingWindowLayer(CacheLayer):
         self._stream_batch: int | None = None  # rows the stream uses since the last reset (eager updates)
         self._workspace_names: dict[str, str] = {}
         self._work_parity = 0  # which of the two shared work buffers an offloaded layer uses
-        self._next_offloaded: SlidingWindowLayer | None = None  # prefetched after this layer (set by the container)
+        # Called as hook(self, batch) after an offloaded update: the container prefetches the next offloaded layer.
+        self._prefetch_hook: Callable[[SlidingWindowLayer, int], None] | None = None
         self._prefetch_event = None
         self._prefetched_batch: int | None = None
-        self._staged: dict[str, torch.Tensor] = {}  # offload: the pending chunk in host memory
         # Eager steps of one chunk write the same slots: `update` does the slot arithmetic once per chunk.
         self._slot_arithmetic_done: tuple | None = None
         # `_frontier`: the ring holds every committed token of [frontier - window, committed), none older;
@@ -166,10 +170,9 @@ class SlidingWindowLayer(CacheLayer):
         for name, tensor in scratch.items():
             self.register_buffer(name, tensor, persistent=False)
         if self.offload:  # host memory for the pending chunk, written home at commit
-            self._staged = {
-                name: zeros(batch, self.chunk_tokens, heads, tensor.shape[-1], dtype=tensor.dtype, where=_HOME)
-                for name, tensor in self._home().items()
-            }
+            for name, tensor in self._home().items():
+                staged = zeros(batch, self.chunk_tokens, heads, tensor.shape[-1], dtype=tensor.dtype, where=_HOME)
+                setattr(self, _STAGED_NAMES[name], staged)
             # host twins of the index scratch: the home slots of a commit, computed without allocating
             self._home_index = torch.zeros(
                 4, self.chunk_tokens, dtype=torch.long
@@ -194,6 +197,12 @@ class SlidingWindowLayer(CacheLayer):
         if self.quantization is not None:
             home.update(key_scales=self.key_scales, value_scales=self.value_scales)
         return home
+
+    @property
+    def _staged(self) -> dict[str, torch.Tensor]:
+        """Offloaded: the staged pending chunk, by the name of the stored tensor it goes to."""
+        held = {name: getattr(self, staged) for name, staged in _STAGED_NAMES.items()}
+        return {name: tensor for name, tensor in held.items() if tensor is not None}
 
     def _reserve_workspace(self) -> None:
         """Name (and size) this layer's shares of the workspace; called at allocation and when a container shares one."""
@@ -346,8 +355,8 @@ class SlidingWindowLayer(CacheLayer):
         storage = self._fetch(batch) if self.offload else {name: t[:batch] for name, t in self._home().items()}
         keys, values = self._write(storage, slots, key, value)
         self.pending_tokens = num_pending
-        if self.offload:
-            self._prefetch_next(batch)
+        if self.offload and self._prefetch_hook is not None:
+            self._prefetch_hook(self, batch)
         return keys, values
 
     def _slot_state(self, num_pending: int) -> tuple[int, int]:
@@ -368,8 +377,43 @@ class SlidingWindowLayer(CacheLayer):
         self.pending_tokens = 0
         self._set_counters(committed, max(self._frontier, committed + self.chunk_tokens), move_device=False)
 
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
+    # ----------------------------------------------------------------------------------------- saving, loading
+    config_from_state = ("chunk_tokens",)
+
+    def state_config(self) -> dict:
+        return {
+            "sink_tokens": self.sink_tokens,
+            "window_tokens": self.window_tokens,
+            "chunk_tokens": self.chunk_tokens,
+            "quantization": self.quantization,
+            "offload": self.offload,
+        }
+
+    def host_state(self) -> dict:
+        dtype = self.compute_dtype
+        return {
+            "committed_tokens": self._committed_count,
+            "frontier": self._frontier,
+            "pending_tokens": self.pending_tokens,
+            "stream_batch": self._stream_batch,
+            "compute_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+        }
+
+    def load_host_state(self, state) -> None:
+        self.pending_tokens, self._stream_batch = state["pending_tokens"], state["stream_batch"]
+        dtype = state["compute_dtype"]
+        self._compute_dtype = None if dtype is None else getattr(torch, dtype)
+        self._prefetch_event = None
+        self._set_counters(state["committed_tokens"], state["frontier"], move_device=False)
+        if self.slot_positions is not None:
+            self._refresh_mask(self.pending_tokens)  # the mask is scratch: what the last `update` computed
+
+    def allocate_like(self, tensors, extra) -> None:
+        batch, _, heads, head_dim = tensors["keys"].shape
+        dtype = extra["state"]["compute_dtype"]
+        self._allocate(batch, heads, head_dim, getattr(torch, dtype), tensors["slot_positions"].device)
+
+    def loaded_without_host_state(self) -> None:
         if self.committed_tokens is not None:  # host state unknown: no committed token counts as held intact
             committed = int(self.committed_tokens.item())
             self._set_counters(committed, committed + self.window_tokens, move_device=False)
@@ -439,20 +483,26 @@ class SlidingWindowLayer(CacheLayer):
             return
         self._staged[name][: chunk.shape[0], : chunk.shape[1]].copy_(chunk, non_blocking=chunk.is_cuda)
 
-    def _prefetch_next(self, batch: int) -> None:
-        """On CUDA, start copying the next offloaded block's K/V to the device while this block computes."""
-        following, device = self._next_offloaded, self.slot_positions.device
-        if (
-            device.type != "cuda"
-            or following is None
-            or following.keys is None
-            or following._work_parity == self._work_parity  # it would overwrite the buffer this block reads
-            or batch > following.keys.shape[0]
-        ):
+    @property
+    def work_parity(self) -> int:
+        """Which of the container's two device work buffers this offloaded layer reads (alternating by block)."""
+        return self._work_parity
+
+    def set_prefetch_hook(self, hook: Callable[[SlidingWindowLayer, int], None] | None) -> None:
+        """`hook(self, batch)` runs after each offloaded `update` (a container prefetches the next layer then)."""
+        self._prefetch_hook = hook
+
+    def prefetch(self, batch: int) -> None:
+        """Offloaded, on CUDA: start copying the committed K/V of `batch` rows into this layer's work buffer on the
+        workspace's side stream (the next `update` waits for it); a no-op otherwise."""
+        if not self.offload or self.keys is None or batch > self.keys.shape[0]:
+            return
+        device = self.slot_positions.device
+        if device.type != "cuda":
             return
         stream = self.workspace.side_stream(device)
-        following._prefetch_event = offloading.prefetch(following._work_views(batch), following._home(), batch, stream)
-        following._prefetched_batch = batch
+        self._prefetch_event = offloading.prefetch(self._work_views(batch), self._home(), batch, stream)
+        self._prefetched_batch = batch
 
     def _commit_home(self) -> None:
         """Write the staged chunk into its home slots (the only time home changes)."""
