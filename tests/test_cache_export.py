@@ -54,12 +54,12 @@ def test_exported_chunks_carry_the_cache_like_eager(quantization):
     program = export_chunk(step, (torch.randn(1, 2, 2, 8),))
     buffers = set(program.graph_signature.buffers)
     for i in range(2):
-        names = ("keys", "values", "slot_positions", "committed_tokens")
+        names = ("storage.keys", "storage.values", "slot_positions", "committed_tokens")
         assert {f"cache.layers.{i}.{name}" for name in names} <= buffers
     if quantization is None:  # the functional form names the mutated buffers (torch 2.13 cannot decompose the
         # in-place writes into the quantized layers' shared workspace views; the program itself runs, below)
         mutated = set(program.run_decompositions().graph_signature.buffers_to_mutate.values())
-        assert {"cache.layers.0.keys", "cache.layers.1.committed_tokens"} <= mutated
+        assert {"cache.layers.0.storage.keys", "cache.layers.1.committed_tokens"} <= mutated
     assert step.cache[0]._committed_count == 0 and step.cache[0].pending_tokens == 0  # the trace left no trace
     run = program.module()
     for chunk in range(7):  # past warm-up: the ring wraps
@@ -84,7 +84,8 @@ def test_state_dict_saves_with_safetensors_and_resumes_the_stream(tmp_path):
     for _ in range(4):
         step(torch.randn(1, 2, 2, 8))
     state = step.cache.state_dict()
-    assert "layers.0.keys" in state and "layers.0.key_scales" in state and not any("workspace" in k for k in state)
+    assert "layers.0.storage.keys" in state and "layers.0.storage.key_scales" in state
+    assert not any("workspace" in k for k in state)
     tensors, extras = split_extra_state(state)
     save_file(tensors, tmp_path / "cache.safetensors")
     resumed = ToyChunk(toy_cache("int8"))

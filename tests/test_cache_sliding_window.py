@@ -27,6 +27,7 @@ def same_storage(view: torch.Tensor, buffer: torch.Tensor) -> bool:
 def buffer_pointers(layer: SlidingWindowLayer) -> dict[str, int]:
     """data_ptr of every tensor the layer holds (registered buffers and plain attributes)."""
     tensors = {**dict(layer.named_buffers()), **{n: t for n, t in vars(layer).items() if isinstance(t, torch.Tensor)}}
+    tensors.update(keys=layer.keys, values=layer.values)  # held by the layer's storage
     return {name: t.data_ptr() for name, t in tensors.items()}
 
 

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .workspace import CacheWorkspace
+
 EXTRA_STATE_KEY = "_extra_state"  # torch's state-dict name for what `get_extra_state` returns
 
 
@@ -130,8 +132,9 @@ class CacheLayer(nn.Module, abc.ABC):
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("keys", None)
-        self.register_buffer("values", None)
+        if not isinstance(getattr(type(self), "keys", None), property):  # else a kind reads them from its storage
+            self.register_buffer("keys", None)
+            self.register_buffer("values", None)
         self.pending_tokens: int = 0
 
     @property
@@ -239,8 +242,15 @@ class CacheLayer(nn.Module, abc.ABC):
                 setattr(self, name, config[name])
 
     def persistent_buffer_names(self) -> list[str]:
-        """Names of the buffers `state_dict()` saves (the layer's tensors; scratch is non-persistent)."""
-        return [name for name in self._buffers if name not in self._non_persistent_buffers_set]
+        """State-dict names (relative, dotted) of every buffer `state_dict()` saves once allocated, its storage's
+        included; scratch (non-persistent buffers, the shared workspace) is left out."""
+        names = []
+        for prefix, module in self.named_modules():
+            if isinstance(module, CacheWorkspace):
+                continue
+            skipped = module._non_persistent_buffers_set  # noqa: SLF001  torch keeps persistence only here
+            names += [f"{prefix}.{n}" if prefix else n for n in module._buffers if n not in skipped]  # noqa: SLF001
+        return names
 
     def check_state(self, tensors: Mapping[str, torch.Tensor], extra: Any) -> None:
         """Raise ValueError, naming the difference, unless loading `tensors` (by buffer name) and `extra` (what
@@ -257,9 +267,9 @@ class CacheLayer(nn.Module, abc.ABC):
                 )
         known = set(self.persistent_buffer_names())
         for key, tensor in tensors.items():
-            current = self._buffers.get(key)
             if key not in known:
                 raise ValueError(f"The saved {name} holds `{key}`, which this layer does not have.")
+            current = self.get_buffer(key)
             fits = current is None or (current.shape == tensor.shape and current.dtype == tensor.dtype)
             if not fits and key not in self.optional_buffers and not self.buffers_grow:
                 raise ValueError(
@@ -290,7 +300,7 @@ class CacheLayer(nn.Module, abc.ABC):
             return
         self._adopt_config(extra["config"])
         grown = any(
-            self._buffers.get(n) is not None and self._buffers[n].shape != t.shape
+            self.get_buffer(n) is not None and self.get_buffer(n).shape != t.shape
             for n, t in tensors.items()
             if n not in self.optional_buffers
         )
