@@ -7,6 +7,7 @@ continues the stream identically.
 """
 
 import copy
+import json
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tiny_components import tiny_transformer
 from torch import nn
 
-from rolldiff.caching import RollingKVCache, SlidingWindowLayer
+from rolldiff.caching import RollingKVCache, SlidingWindowLayer, merge_extra_state, split_extra_state
 from rolldiff.caching.export import export_chunk, sync_host_counters
 from rolldiff.models import ChunkLayout
 
@@ -53,12 +54,12 @@ def test_exported_chunks_carry_the_cache_like_eager(quantization):
     program = export_chunk(step, (torch.randn(1, 2, 2, 8),))
     buffers = set(program.graph_signature.buffers)
     for i in range(2):
-        names = ("keys", "values", "slot_positions", "committed_tokens")
+        names = ("storage.keys", "storage.values", "slot_positions", "committed_tokens")
         assert {f"cache.layers.{i}.{name}" for name in names} <= buffers
     if quantization is None:  # the functional form names the mutated buffers (torch 2.13 cannot decompose the
         # in-place writes into the quantized layers' shared workspace views; the program itself runs, below)
         mutated = set(program.run_decompositions().graph_signature.buffers_to_mutate.values())
-        assert {"cache.layers.0.keys", "cache.layers.1.committed_tokens"} <= mutated
+        assert {"cache.layers.0.storage.keys", "cache.layers.1.committed_tokens"} <= mutated
     assert step.cache[0]._committed_count == 0 and step.cache[0].pending_tokens == 0  # the trace left no trace
     run = program.module()
     for chunk in range(7):  # past warm-up: the ring wraps
@@ -83,12 +84,15 @@ def test_state_dict_saves_with_safetensors_and_resumes_the_stream(tmp_path):
     for _ in range(4):
         step(torch.randn(1, 2, 2, 8))
     state = step.cache.state_dict()
-    assert "layers.0.keys" in state and "layers.0.key_scales" in state and not any("workspace" in k for k in state)
-    save_file({name: t.contiguous() for name, t in state.items()}, tmp_path / "cache.safetensors")
+    assert "layers.0.storage.keys" in state and "layers.0.storage.key_scales" in state
+    assert not any("workspace" in k for k in state)
+    tensors, extras = split_extra_state(state)
+    save_file(tensors, tmp_path / "cache.safetensors")
     resumed = ToyChunk(toy_cache("int8"))
     resumed.project.load_state_dict(step.project.state_dict())
-    resumed.cache.load_state_dict(load_file(tmp_path / "cache.safetensors"))
-    sync_host_counters(resumed)
+    resumed.cache.load_state_dict(
+        merge_extra_state(load_file(tmp_path / "cache.safetensors"), json.loads(json.dumps(extras)))
+    )
     for _ in range(3):
         x = torch.randn(1, 2, 2, 8)
         assert torch.equal(resumed(x), step(x))
@@ -148,10 +152,12 @@ def test_a_saved_model_cache_resumes_the_stream(tmp_path):
 
     for _ in range(4):
         chunk(cache, torch.randn(1, 4, 2, 4, 4, generator=generator))
-    save_file({k: v.contiguous() for k, v in cache.state_dict().items()}, tmp_path / "cache.safetensors")
+    tensors, extras = split_extra_state(cache.state_dict())
+    assert not any(key.startswith("_cross_modules") for key in [*tensors, *extras])  # recomputed from the text
+    save_file(tensors, tmp_path / "cache.safetensors")
     fresh = model.make_cache(layout, batch_size=1, dtype=torch.float32, device="cpu")
-    fresh.load_state_dict(load_file(tmp_path / "cache.safetensors"), strict=False)
-    sync_host_counters(fresh)
+    fresh.load_state_dict(merge_extra_state(load_file(tmp_path / "cache.safetensors"), extras))
+    assert not any(layer.is_filled for layer in fresh.cross)  # the next step refills them from the text
     assert [layer.get_seq_length() for layer in fresh] == [layer.get_seq_length() for layer in cache]
     for _ in range(2):
         latents = torch.randn(1, 4, 2, 4, 4, generator=generator)

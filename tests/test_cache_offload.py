@@ -59,7 +59,7 @@ def test_committed_state_lives_at_home_and_work_buffers_are_shared():
     # two work buffers (alternating blocks) instead of three layers on the device
     assert cache.workspace.memory_bytes() == 2 * one_layer
     assert cache.resident_bytes() < plain.resident_bytes() == plain.memory_bytes()
-    assert [layer._work_parity for layer in cache] == [0, 1, 0]
+    assert [layer.work_parity for layer in cache] == [0, 1, 0]
 
 
 def test_home_changes_only_at_commit():
@@ -120,7 +120,7 @@ def test_cuda_home_is_pinned_and_the_next_block_is_prefetched():
     assert all(torch.equal(a.cpu(), b) for a, b in zip(got, expected))
     query, key, value = torch.randn(3, 2, 2, 2, 8, device="cuda").unbind(0)
     attend(cache[0], query, key, value)
-    assert cache[1]._prefetch_event is not None  # block 1's K/V are on their way while block 0 computes
+    assert cache[1].storage.prefetched_rows == 2  # block 1's K/V are on their way while block 0 computes
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])

@@ -6,8 +6,9 @@ from .container import RollingKVCache
 from .conv_state import ConvStateLayer
 from .cross_attention import CrossAttentionLayer
 from .export import export_chunk, sync_host_counters
-from .linear_attention import LinearAttentionLayer, chunk_state
+from .linear_attention import LinearAttentionLayer, RewindableLinearAttentionLayer, chunk_state
 from .sliding_window import SlidingWindowLayer
+from .state import merge_extra_state, split_extra_state
 from .static import StaticLayer
 from .workspace import CacheWorkspace
 
@@ -19,10 +20,13 @@ __all__ = [
     "ConditionLayer",
     "CrossAttentionLayer",
     "LinearAttentionLayer",
+    "RewindableLinearAttentionLayer",
     "RollingKVCache",
     "SlidingWindowLayer",
     "StaticLayer",
     "chunk_state",
     "export_chunk",
+    "merge_extra_state",
+    "split_extra_state",
     "sync_host_counters",
 ]

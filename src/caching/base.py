@@ -11,14 +11,27 @@ the device counters for checks outside the attention step.
 
 `get()` follows one rule in every kind: it returns a snapshot (new tensors the caller may keep or
 modify); the live buffers are read through `update()` only.
+
+Saving and loading (resume) go through `state_dict()` / `load_state_dict()`: the tensors are the layer's
+persistent buffers, the host-side values (counters, flags, lengths) its `get_extra_state()`, a dict of
+JSON values: `{"kind": class name, "config": constructor sizes, "state": host counters}`. Loading checks
+kind and config first (a clear error names the difference), allocates the buffers of a layer that is still
+lazy (on the device and in the dtype of the loaded tensors), and otherwise copies into the existing buffers
+in place (same `data_ptr`, so compiled graphs stay valid).
 """
 
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
+
+from .workspace import CacheWorkspace
+
+EXTRA_STATE_KEY = "_extra_state"  # torch's state-dict name for what `get_extra_state` returns
 
 
 def check_positive(name: str, value: int, allow_zero: bool = False) -> int:
@@ -119,8 +132,9 @@ class CacheLayer(nn.Module, abc.ABC):
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("keys", None)
-        self.register_buffer("values", None)
+        if not isinstance(getattr(type(self), "keys", None), property):  # else a kind reads them from its storage
+            self.register_buffer("keys", None)
+            self.register_buffer("values", None)
         self.pending_tokens: int = 0
 
     @property
@@ -193,6 +207,113 @@ class CacheLayer(nn.Module, abc.ABC):
 
     def _tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.keys, self.values) if t is not None]
+
+    # ----------------------------------------------------------------------------------------- saving, loading
+    # Buffers a layer may or may not hold at a given time (saved only when held, e.g. a tail state).
+    optional_buffers: tuple[str, ...] = ()
+    # Config entries a lazily built layer may leave `None` and take from a loaded state (e.g. `chunk_tokens`).
+    config_from_state: tuple[str, ...] = ()
+    # Whether buffers may have another shape than a loaded state's (a layer whose buffers grow with use).
+    buffers_grow: bool = False
+
+    def state_config(self) -> dict[str, Any]:
+        """The constructor sizes a loaded state must match (JSON values)."""
+        return {}
+
+    def host_state(self) -> dict[str, Any]:
+        """The host-side values (JSON) that, with the buffers, are this layer's whole state."""
+        return {"pending_tokens": self.pending_tokens}
+
+    def load_host_state(self, state: Mapping[str, Any]) -> None:
+        """Put back what `host_state` returned (the buffers are already loaded)."""
+        self.pending_tokens = state["pending_tokens"]
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"kind": type(self).__name__, "config": self.state_config(), "state": self.host_state()}
+
+    def set_extra_state(self, state: Any) -> None:
+        self.check_state({}, state)
+        self._adopt_config(state["config"])
+        self.load_host_state(state["state"])
+
+    def _adopt_config(self, config: Mapping[str, Any]) -> None:
+        for name in self.config_from_state:
+            if getattr(self, name) is None and config.get(name) is not None:
+                setattr(self, name, config[name])
+
+    def persistent_buffer_names(self) -> list[str]:
+        """State-dict names (relative, dotted) of every buffer `state_dict()` saves once allocated, its storage's
+        included; scratch (non-persistent buffers, the shared workspace) is left out."""
+        names = []
+        for prefix, module in self.named_modules():
+            if isinstance(module, CacheWorkspace):
+                continue
+            skipped = module._non_persistent_buffers_set  # noqa: SLF001  torch keeps persistence only here
+            names += [f"{prefix}.{n}" if prefix else n for n in module._buffers if n not in skipped]  # noqa: SLF001
+        return names
+
+    def check_state(self, tensors: Mapping[str, torch.Tensor], extra: Any) -> None:
+        """Raise ValueError, naming the difference, unless loading `tensors` (by buffer name) and `extra` (what
+        `get_extra_state` returned) restores this layer exactly; changes nothing."""
+        name = type(self).__name__
+        if not isinstance(extra, Mapping) or extra.get("kind") != name or "config" not in extra:
+            kind = extra.get("kind") if isinstance(extra, Mapping) else type(extra).__name__
+            raise ValueError(f"A saved {kind} state cannot be loaded into a {name}; build the cache the same way.")
+        own = self.state_config()
+        for key, saved in extra["config"].items():
+            if own.get(key) != saved and not (key in self.config_from_state and own.get(key) is None):
+                raise ValueError(
+                    f"The saved {name} has `{key}`={saved!r}, this one {own.get(key)!r}; build the cache the same way."
+                )
+        known = set(self.persistent_buffer_names())
+        for key, tensor in tensors.items():
+            if key not in known:
+                raise ValueError(f"The saved {name} holds `{key}`, which this layer does not have.")
+            current = self.get_buffer(key)
+            fits = current is None or (current.shape == tensor.shape and current.dtype == tensor.dtype)
+            if not fits and key not in self.optional_buffers and not self.buffers_grow:
+                raise ValueError(
+                    f"The saved {name}'s `{key}` is {tuple(tensor.shape)} {tensor.dtype}, this layer holds "
+                    f"{tuple(current.shape)} {current.dtype}; build the cache with the same batch_size, heads, "
+                    "head_dim and dtype."
+                )
+
+    def allocate_like(self, tensors: Mapping[str, torch.Tensor], extra: Mapping[str, Any]) -> None:
+        """Allocate the buffers to receive `tensors` (a lazy layer being loaded), where they live."""
+        raise NotImplementedError(f"{type(self).__name__} cannot be loaded before its buffers are allocated.")
+
+    def loaded_without_host_state(self) -> None:
+        """Called after loading tensors with no extra state (`strict=False`); a kind may re-derive its host state."""
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        extra = state_dict.get(prefix + EXTRA_STATE_KEY)
+        if extra is None:  # tensors only: torch reports the missing extra state when `strict`
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
+            self.loaded_without_host_state()
+            return
+        names = [name for name in self.persistent_buffer_names() if prefix + name in state_dict]
+        tensors = {name: state_dict[prefix + name] for name in names}
+        self.check_state(tensors, extra)
+        if not tensors:  # saved before its first chunk: an empty layer
+            self.reset()
+            self.set_extra_state(extra)
+            return
+        self._adopt_config(extra["config"])
+        grown = any(
+            self.get_buffer(n) is not None and self.get_buffer(n).shape != t.shape
+            for n, t in tensors.items()
+            if n not in self.optional_buffers
+        )
+        if not self.is_initialized or grown:
+            self.allocate_like(tensors, extra)
+        device = next(t.device for n, t in self._buffers.items() if t is not None and n not in self.optional_buffers)
+        for name in self.optional_buffers:
+            current, saved = self._buffers.get(name), tensors.get(name)
+            if saved is None:
+                setattr(self, name, None)
+            elif current is None or current.shape != saved.shape or current.dtype != saved.dtype:
+                setattr(self, name, torch.empty_like(saved, device=device))
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
 
     def _require_pending(self) -> None:
         if self.pending_tokens == 0:

@@ -271,6 +271,38 @@ class ConditionLayer(CacheLayer):
     def _tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.keys, self.values, self.key_mask) if t is not None]
 
+    # ------------------------------------------------------------------------------------ saving, loading
+    buffers_grow = True  # sized at first use and grown by later writes and reads
+
+    def state_config(self) -> dict:
+        return {"max_tokens": self.max_tokens, "shared_workspace": self.shared_workspace}
+
+    def host_state(self) -> dict:
+        return {
+            "pending_tokens": self.pending_tokens,
+            "mode": self.mode,
+            "sample_index": self.sample_index,
+            "condition_lengths": list(self.condition_lengths),
+            "rows_per_sample": self.rows_per_sample,
+            "fixed_rows": self._fixed_rows,
+        }
+
+    def load_host_state(self, state) -> None:
+        self.pending_tokens, self.mode, self.sample_index = (
+            state["pending_tokens"],
+            state["mode"],
+            state["sample_index"],
+        )
+        self.condition_lengths, self.rows_per_sample = list(state["condition_lengths"]), state["rows_per_sample"]
+        self._fixed_rows = state["fixed_rows"]
+        self.attention_mask, self._mask_lengths = None, None  # rebuilt by the next read
+
+    def allocate_like(self, tensors, extra) -> None:
+        rows, tokens, heads, head_dim = tensors["keys"].shape
+        keys = tensors["keys"]
+        self.keys = self.values = None  # another size: allocated afresh, not grown
+        self._allocate(rows, tokens, heads, head_dim, keys.dtype, keys.device)
+
 
 class ConditionKVCache(RollingKVCache):
     """One `ConditionLayer` per block, with diffusers' `GlmImageKVCache` verbs.

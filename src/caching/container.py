@@ -7,19 +7,26 @@
 Container operations check every layer before changing any, so a refused call leaves all layers as
 they were.
 
-The container is an `nn.Module` whose submodules are its layers (`layers.3`, `cross.3`,
-`slots.conv_state.3`): `.to()`, `state_dict()` and `torch.export` see every buffer. Layers share one
+The container is an `nn.Module` whose submodules are its layers (`layers.3`, `_cross_modules.3`,
+`_slot_modules.conv_state.3`): `.to()` and `torch.export` see every buffer. Layers share one
 `CacheWorkspace` (the dequantization and offload scratch), counted once by `memory_bytes()`.
+
+`state_dict()` is the stream's state: the buffers of the self-attention and slot layers plus one
+`*._extra_state` dict (JSON values) per layer and one for the container's layout; not the cross-attention
+K/V (recomputed from the prompt) nor the workspace (scratch). `load_state_dict` into a cache built the same
+way checks every layer first, restores them exactly (in place where allocated) and leaves the
+cross-attention layers empty, for the pipeline to refill.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-from .base import CacheLayer, check_dtype_device
+from .base import EXTRA_STATE_KEY, CacheLayer, check_dtype_device
 from .workspace import CacheWorkspace
 
 
@@ -91,8 +98,21 @@ class RollingKVCache(nn.Module):
                 layer.share_workspace(self.workspace, parity)
                 if getattr(layer, "offload", False):
                     offloaded.append(layer)
-        for layer, following in zip(offloaded, offloaded[1:] + offloaded[:1]):
-            layer._next_offloaded = following if following is not layer else None
+        # Block i prefetches the next offloaded block, unless that one reads the same work buffer.
+        self._prefetch_next = {
+            id(layer): following
+            for layer, following in zip(offloaded, offloaded[1:] + offloaded[:1])
+            if following is not layer and following.work_parity != layer.work_parity
+        }
+        for layer in offloaded:
+            layer.set_prefetch_hook(self.prefetch_after)
+
+    def prefetch_after(self, layer: CacheLayer, batch: int) -> None:
+        """Start bringing the offloaded layer that runs after `layer` to the device (CUDA: on a side stream, while
+        `layer`'s block computes). Offloaded layers call it after each `update`."""
+        following = self._prefetch_next.get(id(layer))
+        if following is not None:
+            following.prefetch(batch)
 
     def __getitem__(self, index: int) -> CacheLayer:
         return self.layers[index]
@@ -214,6 +234,61 @@ class RollingKVCache(nn.Module):
         """Bytes held by all buffers of all layers, plus the shared workspace once (on `device` only, if given)."""
         layers = sum(layer.memory_bytes(device) for layer in self._all_layers())
         return layers + self.workspace.memory_bytes(device)
+
+    # ------------------------------------------------------------------------------------ saving, loading
+    def _layout(self) -> dict[str, Any]:
+        def kinds(layers):
+            return [None if layer is None else type(layer).__name__ for layer in layers]
+
+        slots = {name: kinds(layers) for name, layers in self.slots.items()}
+        return {"layers": kinds(self.layers), "cross": kinds(self.cross), "slots": slots}
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"format": "rolldiff-cache-1", **self._layout()}
+
+    def set_extra_state(self, state: Any) -> None:
+        self._check_layout(state)
+
+    def _check_layout(self, state: Any) -> None:
+        if not isinstance(state, Mapping) or state.get("format") != "rolldiff-cache-1":
+            raise ValueError(f"Not a saved RollingKVCache state (format 'rolldiff-cache-1'): {state!r:.200}.")
+        own = self._layout()
+        for part in ("layers", "cross", "slots"):
+            if state.get(part) != own[part]:
+                raise ValueError(
+                    f"The saved cache's `{part}` are {state.get(part)}, this cache's {own[part]}: it was built "
+                    "for another model or layout; build the cache the same way before loading."
+                )
+
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Raise ValueError, naming the difference, unless `load_state_dict(state_dict)` can restore this cache
+        exactly (same layout, kinds, sizes, batch, heads, head_dim and dtype); changes nothing."""
+        if EXTRA_STATE_KEY in state_dict:
+            self._check_layout(state_dict[EXTRA_STATE_KEY])
+        for name, layer in self.named_modules():
+            extra = state_dict.get(f"{name}.{EXTRA_STATE_KEY}")
+            if not isinstance(layer, CacheLayer) or extra is None:
+                continue
+            prefix = f"{name}."
+            tensors = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+            tensors = {k: v for k, v in tensors.items() if "." not in k and k != EXTRA_STATE_KEY}
+            try:
+                layer.check_state(tensors, extra)
+            except ValueError as error:
+                raise ValueError(f"`{name}`: {error}") from None
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """Restore a `state_dict()` of a cache built the same way; every layer is checked before any is changed.
+
+        Allocated buffers are written in place (same `data_ptr`); a layer that is still lazy allocates them
+        on the device and in the dtype of the loaded tensors (load them where the model runs). The
+        cross-attention layers are left empty: refill them from the prompt (`prepare_conditioning`).
+        """
+        self.check_state_dict(state_dict)
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self.reset_cross_attention()
+        self._share_workspace()  # layers allocated by the load reserve their scratch
+        return result
 
     def resident_bytes(self) -> int:
         """Bytes that live on the compute device: offloaded layers count only their slot maps and work buffers."""

@@ -22,14 +22,6 @@ from .base import CacheLayer, check_allocation_sizes, check_positive
 _STATE_NAMES = ("committed", "pending", "previous", "frame_count")
 
 
-def register_state(layer: CacheLayer, name: str) -> None:
-    """An empty state tensor attribute: a registered buffer when cache layers are `nn.Module`s."""
-    if isinstance(layer, torch.nn.Module):
-        layer.register_buffer(name, None)
-    else:
-        setattr(layer, name, None)
-
-
 class ConvStateLayer(CacheLayer):
     """Args:
     tokens_per_frame: spatial tokens of one frame (`T`), needed to allocate ahead of the first update.
@@ -44,8 +36,8 @@ class ConvStateLayer(CacheLayer):
             None if tokens_per_frame is None else check_positive("tokens_per_frame", tokens_per_frame)
         )
         self.state_frames = check_positive("state_frames", state_frames)
-        for name in _STATE_NAMES:  # buffers (`.to()`, `state_dict`) where layers are modules
-            register_state(self, name)
+        for name in _STATE_NAMES:  # buffers: `.to()`, `state_dict`, export
+            self.register_buffer(name, None)
         self.committed_frames = 0  # host mirror, for checks outside the model's forward
         self._pending_frames = 0
         self._last_chunk_frames = 0  # frames of the last committed chunk (what `rewind` can undo)
@@ -150,3 +142,36 @@ class ConvStateLayer(CacheLayer):
     def get_seq_length(self) -> int:
         """Tokens of the committed frames the state follows (the state itself holds `state_frames` of them)."""
         return 0 if self.committed is None else self.committed_frames * self.committed.shape[3]
+
+    def shift_frames(self, num_frames: int) -> None:
+        """Move the committed frame count by `num_frames` (negative: back), as when a model rebases its
+        positions; the frames held are unchanged. The count stays >= 0."""
+        if isinstance(num_frames, bool) or not isinstance(num_frames, int) or self.committed_frames + num_frames < 0:
+            raise ValueError(
+                f"`num_frames` must be an int >= {-self.committed_frames} (the committed frames), got {num_frames!r}."
+            )
+        if self.frame_count is not None:
+            self.frame_count.add_(num_frames)
+        self.committed_frames += num_frames
+
+    # ------------------------------------------------------------------------------------ saving, loading
+    config_from_state = ("tokens_per_frame",)
+
+    def state_config(self) -> dict:
+        return {"tokens_per_frame": self.tokens_per_frame, "state_frames": self.state_frames}
+
+    def host_state(self) -> dict:
+        return {
+            "pending_tokens": self.pending_tokens,
+            "committed_frames": self.committed_frames,
+            "pending_frames": self._pending_frames,
+            "last_chunk_frames": self._last_chunk_frames,
+        }
+
+    def load_host_state(self, state) -> None:
+        self.pending_tokens, self.committed_frames = state["pending_tokens"], state["committed_frames"]
+        self._pending_frames, self._last_chunk_frames = state["pending_frames"], state["last_chunk_frames"]
+
+    def allocate_like(self, tensors, extra) -> None:
+        committed = tensors["committed"]
+        self._allocate(tuple(committed.shape), committed.dtype, committed.device)

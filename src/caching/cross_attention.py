@@ -10,15 +10,25 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch import nn
 
 from .base import CacheLayer, check_key_value
 
 
 class CrossAttentionLayer(CacheLayer):
-    """K/V of the text (or other conditioning), `(batch, text_tokens, heads, head_dim)`."""
+    """K/V of the text (or other conditioning), `(batch, text_tokens, heads, head_dim)`.
+
+    Not part of a saved state: the K/V are recomputed from the conditioning (non-persistent buffers, no extra
+    state), and a container's `load_state_dict` leaves its cross-attention layers empty.
+    """
+
+    get_extra_state = nn.Module.get_extra_state  # torch saves extra state only for kinds that override these
+    set_extra_state = nn.Module.set_extra_state
 
     def __init__(self) -> None:
         super().__init__()
+        for name in ("keys", "values"):
+            self.register_buffer(name, None, persistent=False)
         self.num_computations = 0  # how many times K/V were (re)computed: one per prompt
         self._source: weakref.ref | None = None
         self._source_version = -1

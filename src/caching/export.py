@@ -57,7 +57,5 @@ def export_chunk(
 def sync_host_counters(module: nn.Module) -> None:
     """Re-read every sliding layer's host counter from its device counter (after running exported chunks)."""
     for layer in _cache_layers(module):
-        if getattr(layer, "committed_tokens", None) is not None and hasattr(layer, "_committed_count"):
-            layer._committed_count = int(layer.committed_tokens.item())
-            layer.pending_tokens = 0
-            layer._counters_moved()  # `window_full` follows the count; the slot arithmetic is redone
+        if hasattr(layer, "sync_host_counters"):
+            layer.sync_host_counters()  # `window_full` follows the count; the slot arithmetic is redone

@@ -5,19 +5,24 @@ For keys `k` and values `v` (after ReLU; `k` rotated for the numerator), a chunk
 Both are kept in fp32 over all committed chunks, or over the last `window_chunks` chunks. Sums are
 formed in stream order, one chunk after another, so they equal a from-scratch recomputation exactly.
 A per-block tail (e.g. the temporal convolution's last frame) rides along with the same commit.
+
+`RewindableLinearAttentionLayer` also keeps what one commit changed, so it can forget the last committed
+chunk (LongSANA's re-cache on a prompt switch). `map_vk_states` transforms every held `v k^T` in place
+(LongSANA rotates their key axis to rebase RoPE positions).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
 from .base import CacheLayer, check_key_value, check_positive
 
 # Every state tensor, registered as a buffer (`state_dict`, `.to()`, export); the per-chunk ring only with a window.
-_STATE_NAMES = ("committed_vk", "committed_k_sum", "pending_vk", "pending_k_sum", "_total_vk", "_total_k_sum")
-_STATE_NAMES += ("chunk_vk", "chunk_k_sum")
+_STATE_NAMES = ("committed_vk", "committed_k_sum", "pending_vk", "pending_k_sum", "chunk_vk", "chunk_k_sum")
+_SCRATCH_NAMES = ("_total_vk", "_total_k_sum")  # what `update` returns: recomputed every step, never saved
 
 
 def chunk_state(
@@ -40,8 +45,11 @@ class LinearAttentionLayer(CacheLayer):
         self._summarised_tokens: deque[int] = deque(maxlen=self.window_chunks)  # tokens of each held chunk
         for name in _STATE_NAMES:
             self.register_buffer(name, None)
-        self.tail: torch.Tensor | None = None
-        self._pending_tail: torch.Tensor | None = None
+        for name in _SCRATCH_NAMES:
+            self.register_buffer(name, None, persistent=False)
+        # The block's tail state (the caller's detached tensors, any shape): committed, and staged for the next commit.
+        self.register_buffer("tail", None)
+        self.register_buffer("_pending_tail", None)
 
     @property
     def is_initialized(self) -> bool:
@@ -67,7 +75,7 @@ class LinearAttentionLayer(CacheLayer):
             self.chunk_k_sum = torch.zeros(self.window_chunks, *self.committed_k_sum.shape, **f32)
 
     def _tensors(self) -> list[torch.Tensor]:
-        names = (*_STATE_NAMES, "tail", "_pending_tail")
+        names = (*_STATE_NAMES, *_SCRATCH_NAMES, "tail", "_pending_tail")
         return [t for t in (getattr(self, n, None) for n in names) if t is not None]
 
     def update(
@@ -158,7 +166,122 @@ class LinearAttentionLayer(CacheLayer):
         """Committed tokens the state summarises (those of the held chunks; the state has no token axis)."""
         return sum(self._summarised_tokens)
 
+    # ------------------------------------------------------------------------------------ saving, loading
+    optional_buffers = ("tail", "_pending_tail")
+
+    def state_config(self) -> dict:
+        return {"window_chunks": self.window_chunks}
+
+    def host_state(self) -> dict:
+        return {
+            "pending_tokens": self.pending_tokens,
+            "committed_chunks": self.committed_chunks,
+            "summarised_tokens": list(self._summarised_tokens),
+        }
+
+    def load_host_state(self, state) -> None:
+        self.pending_tokens, self.committed_chunks = state["pending_tokens"], state["committed_chunks"]
+        self._summarised_tokens = deque(state["summarised_tokens"], maxlen=self.window_chunks)
+
+    def allocate_like(self, tensors, extra) -> None:
+        batch, heads, head_dim, _ = tensors["committed_vk"].shape
+        self._allocate(batch, heads, head_dim, tensors["committed_vk"].device)
+
     @property
     def held_chunks(self) -> int:
         """Committed chunks whose sums are held (all of them, or the last `window_chunks`)."""
         return len(self._summarised_tokens)
+
+    def vk_state_names(self) -> tuple[str, ...]:
+        """Buffers holding `v k^T` sums `(..., D_v, D_k)` of committed chunks (not the pending chunk's)."""
+        return ("committed_vk", "chunk_vk")
+
+    @torch.no_grad()
+    def map_vk_states(self, transform: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace every held `v k^T` state by `transform(state)` (same shape), in place, between chunks.
+
+        For a change of the keys that is linear along their last axis (LongSANA: a RoPE rotation that moves
+        every committed key to another position), so the sums stay what the changed keys would have given.
+        """
+        for name in self.vk_state_names():
+            state = getattr(self, name)
+            if state is not None:
+                state.copy_(transform(state))
+
+
+class RewindableLinearAttentionLayer(LinearAttentionLayer):
+    """`LinearAttentionLayer` that can forget its last committed chunk (LongSANA's re-cache on a prompt switch).
+
+    Before each commit it keeps the committed sums (and, windowed, the chunk about to be evicted), so
+    `rewind` restores them exactly: two more state-sized buffers, constant in the video's length.
+    """
+
+    can_rewind = True
+    _UNDO_NAMES = ("_previous_vk", "_previous_k_sum", "_evicted_vk", "_evicted_k_sum")
+
+    def __init__(self, window_chunks: int | None = None) -> None:
+        super().__init__(window_chunks)
+        for name in self._UNDO_NAMES:
+            self.register_buffer(name, None)
+        self._evicted_tokens: int | None = None
+        self._can_undo = False
+
+    def _allocate(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:
+        super()._allocate(batch, heads, head_dim, device)
+        self._previous_vk = torch.zeros_like(self.committed_vk)
+        self._previous_k_sum = torch.zeros_like(self.committed_k_sum)
+        self._evicted_vk = torch.zeros_like(self.committed_vk)
+        self._evicted_k_sum = torch.zeros_like(self.committed_k_sum)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return super()._tensors() + [t for t in (getattr(self, n) for n in self._UNDO_NAMES) if t is not None]
+
+    def vk_state_names(self) -> tuple[str, ...]:
+        return (*super().vk_state_names(), "_previous_vk", "_evicted_vk")
+
+    def commit(self) -> None:
+        self._require_pending()
+        self._previous_vk.copy_(self.committed_vk)
+        self._previous_k_sum.copy_(self.committed_k_sum)
+        self._evicted_tokens = None
+        if self.window_chunks is not None and self.committed_chunks >= self.window_chunks:
+            slot = self.committed_chunks % self.window_chunks  # the oldest chunk, overwritten by this commit
+            self._evicted_vk.copy_(self.chunk_vk[slot])
+            self._evicted_k_sum.copy_(self.chunk_k_sum[slot])
+            self._evicted_tokens = self._summarised_tokens[0]
+        super().commit()
+        self._can_undo = True
+
+    def check_rewind(self, num_tokens: int) -> None:
+        super().check_rewind(num_tokens)
+        last = self._summarised_tokens[-1] if self._summarised_tokens and self._can_undo else 0
+        if num_tokens != last:
+            raise ValueError(
+                f"{type(self).__name__} can rewind exactly the last committed chunk ({last} tokens), "
+                f"got `num_tokens`={num_tokens}."
+            )
+
+    def rewind(self, num_tokens: int) -> None:
+        self.check_rewind(num_tokens)
+        self.committed_vk.copy_(self._previous_vk)
+        self.committed_k_sum.copy_(self._previous_k_sum)
+        self.committed_chunks -= 1
+        self._summarised_tokens.pop()
+        if self._evicted_tokens is not None:
+            slot = self.committed_chunks % self.window_chunks
+            self.chunk_vk[slot].copy_(self._evicted_vk)
+            self.chunk_k_sum[slot].copy_(self._evicted_k_sum)
+            self._summarised_tokens.appendleft(self._evicted_tokens)
+        self._can_undo = False
+        self.pending_tokens = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self._can_undo = False
+
+    def host_state(self) -> dict:
+        return {**super().host_state(), "evicted_tokens": self._evicted_tokens, "can_undo": self._can_undo}
+
+    def load_host_state(self, state) -> None:
+        super().load_host_state(state)
+        self._evicted_tokens, self._can_undo = state["evicted_tokens"], state["can_undo"]

@@ -15,19 +15,20 @@ All counters are device tensors: no host sync, no Python-int guard that grows wi
 In eager mode the slot arithmetic (positions, slots, slot map, mask) runs at a chunk's first step only;
 its other denoising steps and the context pass write the same slots (compiled, it is part of the graph).
 
-Options, each changing only where and how K/V are stored (the slot arithmetic is the same):
-- `quantization="int8"` / `"fp8"`: codes plus per token-and-head scales (`quantization.py`); `update`
-  returns K/V dequantized into a scratch shared by the cache's layers, with the pending chunk exact.
-- `offload=True`: committed K/V live in CPU memory and visit the compute device when the block runs
-  (`offload.py`).
-- A buffer allocated for batch B serves any batch b <= B: its first b rows.
+The layer owns positions, slots, the mask and commit / rewind / crop (the ring arithmetic, in one place);
+where and how the K/V are stored is its `storage` (`storage.py`), chosen by two options:
+- `quantization="int8"` / `"fp8"`: codes plus per token-and-head scales; `update` returns K/V dequantized
+  into a scratch shared by the cache's layers, with the pending chunk exact;
+- `offload=True`: committed K/V live in CPU memory and visit the compute device when the block runs.
+A buffer allocated for batch B serves any batch b <= B: its first b rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from . import offload as offloading
 from .base import (
     CacheLayer,
     check_dtype_device,
@@ -36,10 +37,15 @@ from .base import (
     check_positive,
 )
 from .layout import window_start
-from .quantization import as_bits, check_quantization, dequantize_into, quantize_into, storage_dtype
+from .quantization import check_quantization
+from .storage import KVStorage, OffloadedKVStorage, QuantizedKVStorage
 from .workspace import CacheWorkspace
 
-_HOME = torch.device("cpu")
+
+def make_storage(quantization: str | None, offload: bool) -> KVStorage | OffloadedKVStorage:
+    """The storage of a sliding layer's K/V: dense or quantized, resident or offloaded to CPU memory."""
+    stored = KVStorage() if quantization is None else QuantizedKVStorage(quantization)
+    return OffloadedKVStorage(stored) if offload else stored
 
 
 class SlidingWindowLayer(CacheLayer):
@@ -80,23 +86,19 @@ class SlidingWindowLayer(CacheLayer):
         self.offload = offload
         self.is_compileable = not offload
         self.capacity = self.sink_tokens + self.window_tokens
-        for name in ("key_scales", "value_scales", "slot_positions", "committed_tokens"):
+        self.storage = make_storage(self.quantization, offload)
+        for name in ("slot_positions", "committed_tokens"):
             self.register_buffer(name, None)
         # committed_tokens: 0-dim long on the compute device; slot_positions: (capacity,) token index per slot, -1 empty
-        self.workspace = CacheWorkspace()  # scratch of quantized / offloaded layers; a container shares one
-        self._compute_dtype: torch.dtype | None = None  # what a quantized layer dequantizes to
         self._committed_count = 0  # host mirror, read only outside the attention step
         self._stream_batch: int | None = None  # rows the stream uses since the last reset (eager updates)
-        self._workspace_names: dict[str, str] = {}
-        self._work_parity = 0  # which of the two shared work buffers an offloaded layer uses
-        self._next_offloaded: SlidingWindowLayer | None = None  # prefetched after this layer (set by the container)
-        self._prefetch_event = None
-        self._prefetched_batch: int | None = None
-        self._staged: dict[str, torch.Tensor] = {}  # offload: the pending chunk in host memory
-        self._cropped = False  # `crop` emptied slots: the mask is needed even when the window is full
-        self._ring_wrapped = False  # a token may sit outside its own index's slot: no `visible_prefix`
+        # Called as hook(self, batch) after an offloaded update: the container prefetches the next offloaded layer.
+        self._prefetch_hook: Callable[[SlidingWindowLayer, int], None] | None = None
         # Eager steps of one chunk write the same slots: `update` does the slot arithmetic once per chunk.
         self._slot_arithmetic_done: tuple | None = None
+        # `_frontier`: the ring holds every committed token of [frontier - window, committed), none older;
+        # `_window_full_flag` and `_prefix_readable` follow from it and the count (all set in `_set_counters`).
+        self._set_counters(0, 0)
 
     def _set_chunk_tokens(self, chunk_tokens: int) -> None:
         check_positive("chunk_tokens", chunk_tokens)
@@ -136,19 +138,7 @@ class SlidingWindowLayer(CacheLayer):
             self._allocate(batch_size, num_heads, head_dim, dtype, device)
 
     def _allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self._compute_dtype = dtype
-        home = _HOME if self.offload else device
-        stored = dtype if self.quantization is None else storage_dtype(self.quantization)
-        pin = self.offload and torch.cuda.is_available()  # pinned host memory: asynchronous copies to the GPU
-
-        def zeros(*shape, dtype=stored, where=home):
-            return torch.zeros(shape, dtype=dtype, device=where, pin_memory=pin and where == _HOME)
-
-        self.keys = zeros(batch, self.capacity, heads, head_dim)
-        self.values = zeros(batch, self.capacity, heads, head_dim)
-        quantized = self.quantization is not None
-        self.key_scales = zeros(batch, self.capacity, heads, 1, dtype=torch.float32) if quantized else None
-        self.value_scales = zeros(batch, self.capacity, heads, 1, dtype=torch.float32) if quantized else None
+        self.storage.allocate((batch, self.capacity, heads, head_dim), self.chunk_tokens, dtype, device)
         self.slot_positions = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
         self.committed_tokens = torch.zeros((), dtype=torch.long, device=device)
         # Scratch for the per-step index arithmetic, so the steady state allocates nothing.
@@ -164,70 +154,54 @@ class SlidingWindowLayer(CacheLayer):
         }
         for name, tensor in scratch.items():
             self.register_buffer(name, tensor, persistent=False)
-        if self.offload:  # host memory for the pending chunk, written home at commit
-            self._staged = {
-                name: zeros(batch, self.chunk_tokens, heads, tensor.shape[-1], dtype=tensor.dtype, where=_HOME)
-                for name, tensor in self._home().items()
-            }
-            # host twins of the index scratch: the home slots of a commit, computed without allocating
+        if self.offload:  # host twins of the index scratch: the home slots of a commit, without allocating
             self._home_index = torch.zeros(
                 4, self.chunk_tokens, dtype=torch.long
             )  # offsets, positions, slots, scratch
             torch.arange(self.chunk_tokens, out=self._home_index[0])
-        self._committed_count, self.pending_tokens, self._stream_batch = 0, 0, None
-        self._counters_moved()
-        self._prefetch_event = None
-        self._reserve_workspace()
+        self.pending_tokens, self._stream_batch = 0, None
+        self._set_counters(0, 0, move_device=False)
+
+    # The stored K/V (codes when quantized; in CPU memory when offloaded), through the storage.
+    keys = property(lambda self: self.storage.keys)
+    values = property(lambda self: self.storage.values)
+    key_scales = property(lambda self: getattr(self.storage, "key_scales", None))
+    value_scales = property(lambda self: getattr(self.storage, "value_scales", None))
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.storage.is_allocated
 
     @property
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype K/V arrive and are read in: the buffers' own (they follow `.to(dtype)`), or, quantized, the
         dtype given at allocation."""
-        if self.keys is None:
-            return None
-        return self.keys.dtype if self.quantization is None else self._compute_dtype
+        return self.storage.compute_dtype
 
-    def _home(self) -> dict[str, torch.Tensor]:
-        """The stored K/V (codes and scales when quantized): on the compute device, or in CPU memory if offloaded."""
-        home = {"keys": self.keys, "values": self.values}
-        if self.quantization is not None:
-            home.update(key_scales=self.key_scales, value_scales=self.value_scales)
-        return home
-
-    def _reserve_workspace(self) -> None:
-        """Name (and size) this layer's shares of the workspace; called at allocation and when a container shares one."""
-        if self.keys is None or (self.quantization is None and not self.offload):
-            return
-        batch, _, heads, head_dim = self.keys.shape
-        device, ws, names = self.slot_positions.device, self.workspace, {}
-        if self.quantization is not None:
-            chunk = (batch, self.chunk_tokens, heads, head_dim)
-            names["quant_work"] = ws.reserve("quant_work", chunk, torch.float32, device)
-            names["quant_codes"] = ws.reserve("quant_codes", chunk, self.keys.dtype, device)
-            names["quant_scales"] = ws.reserve("quant_scales", (*chunk[:3], 1), torch.float32, device)
-            for name in ("keys", "values"):
-                names[f"dequant_{name}"] = ws.reserve(f"dequant_{name}", self.keys.shape, self.compute_dtype, device)
-        if self.offload:
-            for name, tensor in self._home().items():
-                role = f"offload{self._work_parity}_{name}"
-                names[f"work_{name}"] = ws.reserve(role, tuple(tensor.shape), tensor.dtype, device)
-        self._workspace_names = names
+    @property
+    def workspace(self) -> CacheWorkspace:
+        """Scratch of quantized / offloaded storage; a container shares one between its layers."""
+        return self.storage.workspace
 
     def share_workspace(self, workspace: CacheWorkspace, work_parity: int = 0) -> None:
         """Use the container's workspace (one scratch for all layers); `work_parity` picks an offload work buffer."""
-        self.workspace = workspace
-        self._work_parity = work_parity % 2
-        self._reserve_workspace()
+        self.storage.share_workspace(workspace, work_parity)
 
-    def _tensors(self) -> list[torch.Tensor]:
-        held = [*self._home().values(), self.slot_positions, *self._staged.values()]
-        return [t for t in held if t is not None]
+    @property
+    def work_parity(self) -> int:
+        """Which of the container's two device work buffers this offloaded layer reads (alternating by block)."""
+        return getattr(self.storage, "work_parity", 0)
+
+    def memory_bytes(self, device: torch.device | str | None = None) -> int:
+        own = [] if self.slot_positions is None else [self.slot_positions]
+        if device is not None:
+            own = [t for t in own if t.device.type == torch.device(device).type]
+        return self.storage.memory_bytes(device) + sum(t.nbytes for t in own)
 
     def resident_bytes(self) -> int:
         """Bytes this layer keeps on the compute device (an offloaded layer: only its slot map)."""
-        if self.offload:
-            return 0 if self.slot_positions is None else self.slot_positions.nbytes
-        return self.memory_bytes()
+        slot_map = 0 if self.slot_positions is None else self.slot_positions.nbytes
+        return self.storage.resident_bytes() + slot_map
 
     # ----------------------------------------------------------------------------------------- the window arithmetic
     def _slots_for(self, positions: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
@@ -242,36 +216,55 @@ class SlidingWindowLayer(CacheLayer):
 
     @property
     def window_full(self) -> bool:
-        """True once every slot holds a token the next full chunk attends to: its mask is all True.
+        """True when every slot holds a token the next full chunk attends to: its mask is all True.
 
-        A host-side flag (changed only by `commit`, `rewind` and `reset`), so a compiled step can drop the
-        mask (flash-attention kernels) without reading the device. Not after `crop`, which empties slots.
+        The promise: `window_full` => `attention_mask.all()` after an `update` of `chunk_tokens` tokens, after
+        any sequence of commit, rewind, crop and reset. A stored host bool (set only by `_set_counters`), so a
+        compiled step can drop the mask (flash-attention kernels) without reading the device.
         """
-        return getattr(self, "_window_full_flag", False)  # a stored bool: compile guards on it, not on a count
+        return self._window_full_flag  # a stored bool: compile guards on it, not on a count
 
-    def _counters_moved(self) -> None:
-        """Called by every method that moves the committed count or the slot map (commit, rewind, reset, crop,
-        allocation): recompute the `window_full` flag, and let the next `update` redo its slot arithmetic."""
+    def _set_counters(self, committed: int, frontier: int, move_device: bool = True) -> None:
+        """The one place the stream counters change (allocation, commit, rewind, crop, reset, loading a state).
+
+        `committed`: tokens committed since the last reset (the next chunk starts at this index). `frontier`:
+        the ring holds every committed token of `[max(sink, frontier - window), committed)` in its own slot,
+        and no older window token (older slots were overwritten by later writes, or evicted by `crop`).
+        Every write of a chunk starting at `c` overwrites the slots of `c - window ..` and nothing older, which
+        `commit` records as `frontier = min(max(frontier, c + chunk_tokens), c + window)` (any chunk since the
+        last commit had at most `chunk_tokens` tokens); a rewind lowers `committed`, not `frontier`, so the
+        slots rewound tokens still occupy count as overwritten. From the two counts:
+        - the window is full when the next chunk's `window - chunk` recent tokens are all held:
+          `committed >= sink + window - chunk` and `frontier <= committed + chunk`;
+        - the visible keys are slots `0 .. committed + n - 1` (`visible_prefix`) while no token sits outside its
+          own index's slot: `committed + chunk <= capacity` and `frontier <= capacity`.
+        The device counter moves by the same difference (in place: a traced commit stays relative), unless
+        `move_device` is False (it was loaded or is being read back); the eager slot memo is forgotten.
+        """
+        if move_device and self.committed_tokens is not None:
+            if committed == 0:
+                self.committed_tokens.zero_()
+            elif committed != self._committed_count:
+                self.committed_tokens.add_(committed - self._committed_count)
+        self._committed_count, self._frontier = committed, frontier
+        chunk = self.chunk_tokens
         self._window_full_flag = (
-            self.chunk_tokens is not None
-            and self._committed_count >= self.capacity - self.chunk_tokens
-            and not self._cropped
+            chunk is not None and committed >= self.capacity - chunk and frontier <= committed + chunk
         )
-        if self.chunk_tokens is not None and self._committed_count + self.chunk_tokens > self.capacity:
-            self._ring_wrapped = True  # the next chunk may write past the last slot (conservative: stays set)
+        self._prefix_readable = chunk is not None and committed + chunk <= self.capacity and frontier <= self.capacity
         self.forget_slot_arithmetic()
 
     def visible_prefix(self, num_pending: int) -> int | None:
         """While the window fills, the keys a chunk of `num_pending` tokens attends to are exactly slots
         `0 .. n-1` (token p sits in slot p until the ring wraps): returns n, so attention can read that prefix
         with no mask (fused kernels, and only the work the tokens need: a stream's first chunk is 4x cheaper
-        at sink 3 + window 9). `None` once the ring may have wrapped, after `crop`, and in a compiled or
-        exported step, which keeps one graph with the mask (a prefix length would recompile per fill state).
-        Host state only: no device read.
+        at sink 3 + window 9). `None` once a slot of the prefix may hold another token (the ring wrapped, or a
+        crop emptied it; see `_set_counters`), and in a compiled or exported step, which keeps one graph with
+        the mask (a prefix length would recompile per fill state). Host state only: no device read.
         """
         if torch.compiler.is_compiling():  # first: a compiled step must not guard on the flags below
             return None
-        if self._ring_wrapped or self._cropped or self.chunk_tokens is None:
+        if not self._prefix_readable:
             return None
         return self._committed_count + num_pending
 
@@ -323,16 +316,14 @@ class SlidingWindowLayer(CacheLayer):
             self.slot_positions.index_copy_(0, slots, positions)
             self._refresh_mask(num_pending)
             self._slot_arithmetic_done = self._slot_state(num_pending) if eager else None
-        storage = self._fetch(batch) if self.offload else {name: t[:batch] for name, t in self._home().items()}
-        keys, values = self._write(storage, slots, key, value)
+        keys, values = self.storage.write(slots, key, value)
         self.pending_tokens = num_pending
-        if self.offload:
-            self._prefetch_next(batch)
+        if self.offload and self._prefetch_hook is not None:
+            self._prefetch_hook(self, batch)
         return keys, values
 
     def _slot_state(self, num_pending: int) -> tuple[int, int]:
-        """The chunk whose slots, slot map and mask `update` last computed (eager); cleared by `_counters_moved`
-        and by loading a state dict."""
+        """The chunk whose slots, slot map and mask `update` last computed (eager); cleared by `_set_counters`."""
         return (self._committed_count, num_pending)
 
     def forget_slot_arithmetic(self) -> None:
@@ -340,10 +331,55 @@ class SlidingWindowLayer(CacheLayer):
         outside this layer's methods, e.g. an exported program ran)."""
         self._slot_arithmetic_done = None
 
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        self.forget_slot_arithmetic()
-        super()._load_from_state_dict(*args, **kwargs)
-        self._ring_wrapped = True  # a loaded slot map may have wrapped; `reset` clears this
+    def sync_host_counters(self) -> None:
+        """Re-read the committed count from the device counter, after something other than this layer's methods
+        advanced it (an exported program ran chunks). Assumes those chunks were committed, none rewound."""
+        if self.committed_tokens is None:
+            return
+        committed = int(self.committed_tokens.item())
+        self.pending_tokens = 0
+        self._set_counters(committed, max(self._frontier, committed + self.chunk_tokens), move_device=False)
+
+    # ----------------------------------------------------------------------------------------- saving, loading
+    config_from_state = ("chunk_tokens",)
+
+    def state_config(self) -> dict:
+        return {
+            "sink_tokens": self.sink_tokens,
+            "window_tokens": self.window_tokens,
+            "chunk_tokens": self.chunk_tokens,
+            "quantization": self.quantization,
+            "offload": self.offload,
+        }
+
+    def host_state(self) -> dict:
+        dtype = self.compute_dtype
+        return {
+            "committed_tokens": self._committed_count,
+            "frontier": self._frontier,
+            "pending_tokens": self.pending_tokens,
+            "stream_batch": self._stream_batch,
+            "compute_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+        }
+
+    def load_host_state(self, state) -> None:
+        self.pending_tokens, self._stream_batch = state["pending_tokens"], state["stream_batch"]
+        dtype = state["compute_dtype"]
+        if hasattr(self.storage, "set_compute_dtype"):  # quantized: what the codes dequantize to
+            self.storage.set_compute_dtype(None if dtype is None else getattr(torch, dtype))
+        self._set_counters(state["committed_tokens"], state["frontier"], move_device=False)
+        if self.slot_positions is not None:
+            self._refresh_mask(self.pending_tokens)  # the mask is scratch: what the last `update` computed
+
+    def allocate_like(self, tensors, extra) -> None:
+        batch, _, heads, head_dim = next(t for name, t in tensors.items() if name.endswith("keys")).shape
+        dtype = extra["state"]["compute_dtype"]
+        self._allocate(batch, heads, head_dim, getattr(torch, dtype), tensors["slot_positions"].device)
+
+    def loaded_without_host_state(self) -> None:
+        if self.committed_tokens is not None:  # host state unknown: no committed token counts as held intact
+            committed = int(self.committed_tokens.item())
+            self._set_counters(committed, committed + self.window_tokens, move_device=False)
 
     def _check_chunk(self, num_pending: int) -> None:
         if num_pending > self.chunk_tokens:
@@ -361,104 +397,39 @@ class SlidingWindowLayer(CacheLayer):
             )
         self._stream_batch = batch
 
-    def _write(self, storage: dict[str, torch.Tensor], slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-        """Write the chunk into `storage` (and stage it for home when offloaded); return K/V for attention."""
-        if self.quantization is None:
-            for name, chunk in (("keys", key), ("values", value)):
-                storage[name].index_copy_(1, slots, chunk)
-                self._stage(name, chunk)
-            return storage["keys"], storage["values"]
-        view, names = self.workspace.view_named, self._workspace_names
-        read = []
-        for name, scale_name, chunk in (("keys", "key_scales", key), ("values", "value_scales", value)):
-            codes = view(names["quant_codes"], chunk.shape)  # (B, T, H, D)
-            scales = view(names["quant_scales"], (*chunk.shape[:3], 1))  # (B, T, H, 1)
-            work = view(names["quant_work"], chunk.shape)
-            quantize_into(
-                chunk.detach(), codes, scales, work, self.quantization
-            )  # storage carries no autograd history
-            as_bits(storage[name]).index_copy_(1, slots, as_bits(codes))
-            storage[scale_name].index_copy_(1, slots, scales)
-            self._stage(name, codes)
-            self._stage(scale_name, scales)
-            dequantized = view(names[f"dequant_{name}"], storage[name].shape)  # (B, capacity, H, D)
-            dequantize_into(storage[name], storage[scale_name], dequantized)
-            read.append(dequantized.index_copy_(1, slots, chunk))  # the pending chunk itself stays exact
-        return read[0], read[1]
-
     # ----------------------------------------------------------------------------------------- offload
-    def _work_views(self, batch: int) -> dict[str, torch.Tensor]:
-        return {
-            name: self.workspace.view_named(self._workspace_names[f"work_{name}"], (batch, *tensor.shape[1:]))
-            for name, tensor in self._home().items()
-        }
+    def set_prefetch_hook(self, hook: Callable[[SlidingWindowLayer, int], None] | None) -> None:
+        """`hook(self, batch)` runs after each offloaded `update` (a container prefetches the next layer then)."""
+        self._prefetch_hook = hook
 
-    def _fetch(self, batch: int) -> dict[str, torch.Tensor]:
-        """The committed K/V on the compute device (prefetched by the previous block, or copied now)."""
-        work = self._work_views(batch)
-        device = self.slot_positions.device
-        if self._prefetch_event is not None and self._prefetched_batch == batch:
-            torch.cuda.current_stream(device).wait_event(self._prefetch_event)
-        else:
-            offloading.copy_rows(work, self._home(), batch, non_blocking=device.type == "cuda")
-        self._prefetch_event = None
-        return work
+    def prefetch(self, batch: int) -> None:
+        """Offloaded, on CUDA: start copying the committed K/V of `batch` rows to the device on a side stream (the
+        next `update` waits for it); a no-op otherwise. The container calls it for the block that runs next."""
+        self.storage.prefetch(batch)
 
-    def _stage(self, name: str, chunk: torch.Tensor) -> None:
-        """Offloaded: copy the pending chunk to host memory now (asynchronously); `commit` writes it home."""
-        if not self.offload:
-            return
-        self._staged[name][: chunk.shape[0], : chunk.shape[1]].copy_(chunk, non_blocking=chunk.is_cuda)
-
-    def _prefetch_next(self, batch: int) -> None:
-        """On CUDA, start copying the next offloaded block's K/V to the device while this block computes."""
-        following, device = self._next_offloaded, self.slot_positions.device
-        if (
-            device.type != "cuda"
-            or following is None
-            or following.keys is None
-            or following._work_parity == self._work_parity  # it would overwrite the buffer this block reads
-            or batch > following.keys.shape[0]
-        ):
-            return
-        stream = self.workspace.side_stream(device)
-        following._prefetch_event = offloading.prefetch(following._work_views(batch), following._home(), batch, stream)
-        following._prefetched_batch = batch
-
-    def _commit_home(self) -> None:
-        """Write the staged chunk into its home slots (the only time home changes)."""
-        if self.slot_positions.device.type == "cuda":
-            torch.cuda.synchronize(self.slot_positions.device)  # staged copies landed; no copy still reads home
-        self._prefetch_event = None  # a prefetched copy predates this commit
-        start, batch = self._committed_count, self._stream_batch or self.keys.shape[0]
+    def _commit_slots(self) -> torch.Tensor:
+        """The pending chunk's slots, from the host counters on CPU scratch (an offloaded layer's home is there)."""
         offsets, positions, slots, scratch = self._home_index[:, : self.pending_tokens]
-        slots = self._slots_for(torch.add(offsets, start, out=positions), slots, scratch)
-        staged = {name: t[:batch, : self.pending_tokens] for name, t in self._staged.items()}
-        offloading.write_home(self._home(), staged, slots)
+        return self._slots_for(torch.add(offsets, self._committed_count, out=positions), slots, scratch)
 
     def commit(self) -> None:
         self._require_pending()
-        if self.offload:
-            self._commit_home()
-        self.committed_tokens.add_(self.pending_tokens)
-        self._committed_count += self.pending_tokens
+        if self.offload:  # home only changes now (resident storage was written in place by `update`)
+            self.storage.commit(self._commit_slots(), self._stream_batch or self.keys.shape[0])
+        start, pending = self._committed_count, self.pending_tokens
+        # The writes since the last commit started at `start` and held at most `chunk_tokens` tokens.
+        frontier = min(max(self._frontier, start + self.chunk_tokens), start + self.window_tokens)
         self.pending_tokens = 0
-        self._counters_moved()
+        self._set_counters(start + pending, frontier)
 
     def reset(self) -> None:
-        if self.keys is not None:
-            for tensor in self._home().values():
-                tensor.zero_()
+        self.storage.reset()
+        if self.slot_positions is not None:
             self.slot_positions.fill_(-1)
-            self.committed_tokens.zero_()
             self._mask.zero_()
-        self._committed_count = 0
         self.pending_tokens = 0
         self._stream_batch = None
-        self._prefetch_event = None
-        self._cropped = False
-        self._ring_wrapped = False
-        self._counters_moved()
+        self._set_counters(0, 0)
 
     @property
     def in_use(self) -> bool:
@@ -491,16 +462,9 @@ class SlidingWindowLayer(CacheLayer):
         positions = self._visible_committed_positions()
         if not positions:
             return None
-        home = self._home()
-        slots = torch.tensor([self._slot_of(p) for p in positions], dtype=torch.long, device=self.keys.device)
-        rows = self._stream_batch or self.keys.shape[0]
-        out = []
-        for name, scale_name in (("keys", "key_scales"), ("values", "value_scales")):
-            held = home[name][:rows].index_select(1, slots)
-            if self.quantization is not None:
-                held = (held.float() * home[scale_name][:rows].index_select(1, slots)).to(self.compute_dtype)
-            out.append(held.to(self.slot_positions.device))
-        return out[0], out[1]
+        slots = torch.tensor([self._slot_of(p) for p in positions], dtype=torch.long)
+        keys, values = self.storage.read(slots, self._stream_batch or self.keys.shape[0])
+        return keys, values
 
     def get_seq_length(self) -> int:
         return len(self._visible_committed_positions())
@@ -562,9 +526,7 @@ class SlidingWindowLayer(CacheLayer):
         chunk by chunk into the same slots. Only the visible window can be rewound; the sink never is.
         """
         self.check_rewind(num_tokens)
-        self.committed_tokens.sub_(num_tokens)
-        self._committed_count -= num_tokens
-        self._counters_moved()
+        self._set_counters(self._committed_count - num_tokens, self._frontier)  # rewound slots stay overwritten
 
     def check_crop(self, max_tokens: int) -> list[int]:
         """Raise if `crop(max_tokens)` would be refused; return the positions it would evict (changes nothing)."""
@@ -589,10 +551,8 @@ class SlidingWindowLayer(CacheLayer):
         """
         evicted = self.check_crop(max_tokens)
         if evicted:
-            slots = torch.tensor(
-                [self._slot_of(p) for p in evicted], dtype=torch.long, device=self.slot_positions.device
-            )
-            self.slot_positions.index_fill_(0, slots, -1)
+            kept_from = evicted[-1] + 1  # every window token older than this is evicted, hidden ones too
+            positions = self.slot_positions
+            positions.masked_fill_((positions >= self.sink_tokens) & (positions < kept_from), -1)
             self._refresh_mask(0)
-            self._cropped = True
-            self._counters_moved()
+            self._set_counters(self._committed_count, max(self._frontier, kept_from + self.window_tokens))

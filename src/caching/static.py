@@ -70,3 +70,17 @@ class StaticLayer(CacheLayer):
 
     def get_seq_length(self) -> int:
         return self.condition_tokens
+
+    # ------------------------------------------------------------------------------------ saving, loading
+    def state_config(self) -> dict:
+        return {"max_tokens": self.max_tokens}
+
+    def host_state(self) -> dict:
+        return {"pending_tokens": self.pending_tokens, "condition_tokens": self.condition_tokens}
+
+    def load_host_state(self, state) -> None:
+        self.pending_tokens, self.condition_tokens = state["pending_tokens"], state["condition_tokens"]
+
+    def allocate_like(self, tensors, extra) -> None:
+        batch, _, heads, head_dim = tensors["keys"].shape
+        self._allocate(batch, heads, head_dim, tensors["keys"].dtype, tensors["keys"].device)

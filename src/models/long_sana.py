@@ -40,8 +40,7 @@ from diffusers.models.transformers.transformer_sana_video import (
 )
 from einops import rearrange
 
-from ..caching import CrossAttentionLayer, LinearAttentionLayer, RollingKVCache
-from ..caching.conv_state import ConvStateLayer, register_state
+from ..caching import ConvStateLayer, CrossAttentionLayer, RewindableLinearAttentionLayer, RollingKVCache
 from ..caching.layout import ChunkLayout
 from .call_context import CallContextSlot, bind_call_context
 from .patch_grid import tokens_per_latent_frame
@@ -78,75 +77,6 @@ def context_chunks(layout: ChunkLayout) -> int | None:
     return layout.window_frames // layout.chunk_frames - 1
 
 
-# ----------------------------------------------------------------------------------------- state layer
-class RewindableLinearAttentionLayer(LinearAttentionLayer):
-    """`LinearAttentionLayer` that can forget its last committed chunk (LongSANA's re-cache on a prompt switch).
-
-    Before each commit it keeps the committed sums (and, windowed, the chunk about to be evicted), so
-    `rewind` restores them exactly: two more state-sized buffers, constant in the video's length.
-    """
-
-    can_rewind = True
-    _UNDO_NAMES = ("_previous_vk", "_previous_k_sum", "_evicted_vk", "_evicted_k_sum")
-
-    def __init__(self, window_chunks: int | None = None) -> None:
-        super().__init__(window_chunks)
-        for name in self._UNDO_NAMES:
-            register_state(self, name)
-        self._evicted_tokens: int | None = None
-        self._can_undo = False
-
-    def _allocate(self, batch: int, heads: int, head_dim: int, device: torch.device) -> None:
-        super()._allocate(batch, heads, head_dim, device)
-        self._previous_vk = torch.zeros_like(self.committed_vk)
-        self._previous_k_sum = torch.zeros_like(self.committed_k_sum)
-        self._evicted_vk = torch.zeros_like(self.committed_vk)
-        self._evicted_k_sum = torch.zeros_like(self.committed_k_sum)
-
-    def _tensors(self) -> list[torch.Tensor]:
-        return super()._tensors() + [t for t in (getattr(self, n) for n in self._UNDO_NAMES) if t is not None]
-
-    def commit(self) -> None:
-        self._require_pending()
-        self._previous_vk.copy_(self.committed_vk)
-        self._previous_k_sum.copy_(self.committed_k_sum)
-        self._evicted_tokens = None
-        if self.window_chunks is not None and self.committed_chunks >= self.window_chunks:
-            slot = self.committed_chunks % self.window_chunks  # the oldest chunk, overwritten by this commit
-            self._evicted_vk.copy_(self.chunk_vk[slot])
-            self._evicted_k_sum.copy_(self.chunk_k_sum[slot])
-            self._evicted_tokens = self._summarised_tokens[0]
-        super().commit()
-        self._can_undo = True
-
-    def check_rewind(self, num_tokens: int) -> None:
-        super().check_rewind(num_tokens)
-        last = self._summarised_tokens[-1] if self._summarised_tokens and self._can_undo else 0
-        if num_tokens != last:
-            raise ValueError(
-                f"{type(self).__name__} can rewind exactly the last committed chunk ({last} tokens), "
-                f"got `num_tokens`={num_tokens}."
-            )
-
-    def rewind(self, num_tokens: int) -> None:
-        self.check_rewind(num_tokens)
-        self.committed_vk.copy_(self._previous_vk)
-        self.committed_k_sum.copy_(self._previous_k_sum)
-        self.committed_chunks -= 1
-        self._summarised_tokens.pop()
-        if self._evicted_tokens is not None:
-            slot = self.committed_chunks % self.window_chunks
-            self.chunk_vk[slot].copy_(self._evicted_vk)
-            self.chunk_k_sum[slot].copy_(self._evicted_k_sum)
-            self._summarised_tokens.appendleft(self._evicted_tokens)
-        self._can_undo = False
-        self.pending_tokens = 0
-
-    def reset(self) -> None:
-        super().reset()
-        self._can_undo = False
-
-
 # ----------------------------------------------------------------------------------------- per-call context
 @dataclass
 class SanaCallContext:
@@ -166,6 +96,11 @@ def _rotate(hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos[..., 0::2], sin[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2).type_as(hidden_states)
+
+
+def _rotate_to_state(state: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`_rotate` with the tables moved to the state's device."""
+    return _rotate(state, cos.to(state.device), sin.to(state.device))
 
 
 def _linear_attention_readout(query, query_rotated, vk, k_sum) -> torch.Tensor:
@@ -493,15 +428,12 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
             shift = min(step, remaining)
             cos = torch.cat([t_cos[shift], h_cos[0], w_cos[0]]).float()  # rotation by -shift frames
             sin = torch.cat([-t_sin[shift], h_sin[0], w_sin[0]]).float()
-            for layer in kv_cache.layers:
-                for name in ("committed_vk", "chunk_vk", "_previous_vk", "_evicted_vk"):
-                    state = getattr(layer, name, None)
-                    if state is not None:  # (..., D_v, D_k): rotate every row along the key axis
-                        state.copy_(_rotate(state, cos.to(state.device), sin.to(state.device)))
+            rotate = functools.partial(_rotate_to_state, cos=cos, sin=sin)
+            for layer in kv_cache.layers:  # (..., D_v, D_k) states: rotate every row along the key axis
+                layer.map_vk_states(rotate)
             remaining -= shift
         for layer in conv_layers:
-            layer.frame_count.sub_(num_frames)
-            layer.committed_frames -= num_frames
+            layer.shift_frames(-num_frames)
 
     # ---------------------------------------------------------------------------------------- forward
     def forward(
