@@ -132,13 +132,27 @@ def test_state_file_is_safetensors_with_json_metadata(pipe, tmp_path):
     with safe_open(str(state_path_for(path)), framework="pt") as file:
         header = json.loads(file.metadata()["rolldiff_state"])
         names = list(file.keys())
-    assert header["format"] == "rolldiff-resume-1" and header["next_chunk"] == 2
-    assert header["values"]["active_prompt"] == 0
-    assert any(name.startswith("cache0.layers.0.") for name in names)  # conditional branch
-    assert any(name.startswith("cache1.layers.0.") for name in names)  # guidance branch
-    assert any(name.startswith("decoder._feat_map.") for name in names)
-    assert "generator.0" in names and "recent" in names
-    assert not any("_cross_modules" in name for name in names)  # text K/V are recomputed, not saved
+    assert header["format"] == "rolldiff-resume-2" and load_state(state_path_for(path)).next_chunk == 2
+    extras = header["extras"]  # every layer's host counters, as JSON (the layers' get_extra_state)
+    assert any(key.startswith("cache.0.") and key.endswith("_extra_state") for key in extras)
+    assert any(name.startswith("cache.0.layers.0.") for name in names)  # conditional branch
+    assert any(name.startswith("cache.1.layers.0.") for name in names)  # guidance branch
+    assert any(name.startswith("decoder.features.") for name in names)
+    assert "generator.0" in names and "recent" in names and "position" in names
+    assert not any("cross" in name for name in names)  # text K/V are recomputed from the embeddings, not saved
+
+
+def test_a_state_file_of_the_old_format_is_refused_with_a_clear_message(pipe, tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "video.mp4"
+    save_file(
+        {"x": torch.zeros(1)},
+        str(state_path_for(path)),
+        metadata={"rolldiff_state": json.dumps({"format": "rolldiff-resume-1"})},
+    )
+    with pytest.raises(ResumeError, match="older rolldiff .*start over"):
+        load_state(state_path_for(path))
 
 
 @pytest.mark.parametrize(
