@@ -95,7 +95,7 @@ def check_matches_buffer(
     """
     if allow_smaller_batch:
         if torch.compiler.is_compiling():  # a symbolic batch: assert without specialising the graph on it
-            torch._check(tensor.shape[0] <= buffer.shape[0])
+            torch._check(tensor.shape[0] <= buffer.shape[0])  # noqa: SLF001 (torch's documented symbolic check)
         elif tensor.shape[0] > buffer.shape[0]:
             raise ValueError(
                 f"`{name}` has batch {tensor.shape[0]} but the cache was allocated for at most {buffer.shape[0]} "

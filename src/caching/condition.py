@@ -73,6 +73,11 @@ class ConditionLayer(CacheLayer):
         self._fixed_rows = False  # early_initialization fixes the batch
 
     # ------------------------------------------------------------------------------------ allocation
+    @property
+    def fixed_rows(self) -> bool:
+        """Whether `early_initialization` fixed the batch rows (a larger batch is then refused)."""
+        return self._fixed_rows
+
     def early_initialization(
         self, batch_size: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
@@ -349,7 +354,7 @@ class ConditionKVCache(RollingKVCache):
         """Raise (before any work) if conditions of these per-sample lengths plus `current_tokens` exceed
         `max_tokens`, or `batch_size` exceeds the batch the cache was allocated for ahead."""
         layer = self.layers[0]
-        if layer._fixed_rows and batch_size > layer.keys.shape[0]:
+        if layer.fixed_rows and batch_size > layer.keys.shape[0]:
             raise ValueError(
                 f"batch {batch_size} exceeds the `batch_size`={layer.keys.shape[0]} the condition cache was "
                 "allocated for; allocate it for the largest batch (prompts x num_images_per_prompt)."

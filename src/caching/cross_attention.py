@@ -49,7 +49,7 @@ class CrossAttentionLayer(CacheLayer):
             self._filled
             and self._source is not None
             and self._source() is conditioning
-            and conditioning._version == self._source_version
+            and conditioning._version == self._source_version  # noqa: SLF001 (torch's in-place write counter)
         )
 
     def update(
@@ -63,7 +63,7 @@ class CrossAttentionLayer(CacheLayer):
         else:
             self.keys, self.values = key.detach().clone(), value.detach().clone()
         self._source = weakref.ref(conditioning) if conditioning is not None else None
-        self._source_version = conditioning._version if conditioning is not None else -1
+        self._source_version = conditioning._version if conditioning is not None else -1  # noqa: SLF001
         self.num_computations += 1
         self._filled = True
         return self.keys, self.values

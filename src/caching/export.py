@@ -45,13 +45,13 @@ def export_chunk(
         if hasattr(layer, "forget_slot_arithmetic"):
             layer.forget_slot_arithmetic()
     saved = [{k: v for k, v in vars(layer).items() if isinstance(v, _HOST_TYPES)} for layer in layers]
-    buffers = [dict(layer._buffers) for layer in layers]  # a layer that (re)allocates while tracing keeps its own
+    buffers = [dict(layer._buffers) for layer in layers]  # noqa: SLF001 (nn.Module's buffer table, restored below)
     try:
         return torch.export.export(module, args, dict(kwargs or {}), **export_kwargs)
     finally:
         for layer, state, held in zip(layers, saved, buffers):
             vars(layer).update(state)
-            layer._buffers.update(held)
+            layer._buffers.update(held)  # noqa: SLF001
 
 
 def sync_host_counters(module: nn.Module) -> None:

@@ -215,6 +215,11 @@ class SlidingWindowLayer(CacheLayer):
         return window_start(committed, self.sink_tokens, self.window_tokens, self.chunk_tokens, out=out)
 
     @property
+    def committed_count(self) -> int:
+        """Tokens committed since the last reset (a host int: the stream position, never read inside a step)."""
+        return self._committed_count
+
+    @property
     def window_full(self) -> bool:
         """True when every slot holds a token the next full chunk attends to: its mask is all True.
 

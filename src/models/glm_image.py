@@ -124,7 +124,7 @@ class GlmImageCachedTransformer2DModel(GlmImageTransformer2DModel):
     """
 
     @register_to_config
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the config: diffusers' GlmImageTransformer2DModel arguments)
         self,
         patch_size: int = 2,
         in_channels: int = 16,

@@ -426,11 +426,11 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
             )
 
     def committed_frames(self, kv_cache: RollingKVCache, layout: ChunkLayout) -> int:
-        """Latent frames committed to `kv_cache` so far (the stream position; reads a device counter)."""
-        return int(kv_cache[0].committed_tokens) // layout.tokens_per_frame if kv_cache[0].is_initialized else 0
+        """Latent frames committed to `kv_cache` so far (the stream position, a host counter)."""
+        return kv_cache[0].committed_count // layout.tokens_per_frame
 
     # ---------------------------------------------------------------------------------------- forward
-    def forward(
+    def forward(  # noqa: PLR0913 (diffusers' Wan forward, plus the cache's arguments)
         self,
         hidden_states: torch.Tensor,
         timestep: torch.Tensor,
@@ -522,7 +522,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         if grid_frames > layout.chunk_frames:
             raise ValueError(f"A chunk of {grid_frames} frames exceeds `chunk_frames`={layout.chunk_frames}.")
         if layout.position_mode == "absolute" and not torch.compiler.is_compiling():
-            end_frame = kv_cache[0]._committed_count // layout.tokens_per_frame + grid_frames
+            end_frame = kv_cache[0].committed_count // layout.tokens_per_frame + grid_frames
             self.check_frame_budget(end_frame, layout)
 
     def _add_dense_chunks(

@@ -436,7 +436,7 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
             layer.shift_frames(-num_frames)
 
     # ---------------------------------------------------------------------------------------- forward
-    def forward(
+    def forward(  # noqa: PLR0913 (diffusers' SANA-Video forward, plus the cache's arguments)
         self,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,

@@ -15,6 +15,8 @@ For the same components and seed it produces diffusers' image (tests/test_glm_im
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,6 +55,18 @@ def feature_maps(pooler_output: Sequence[torch.Tensor] | torch.Tensor, grids: to
     for features, (_, h, w) in zip(pooler_output, grids.tolist()):
         maps.append(features if features.ndim == 3 else rearrange(features, "(h w) c -> c h w", h=h, w=w))
     return maps
+
+
+@dataclass(frozen=True)
+class DecoderConditions:
+    """What every denoising step of the decoder is conditioned on (the prompt branches and the prior's tokens)."""
+
+    prompt_embeds: torch.Tensor
+    negative_prompt_embeds: torch.Tensor | None
+    prior_token_ids: torch.Tensor
+    size: tuple[int, int]
+    crops_coords_top_left: tuple[int, int]
+    editing: bool = False
 
 
 class GlmImageCachedPipeline(GlmImagePipeline):
@@ -343,7 +357,7 @@ class GlmImageCachedPipeline(GlmImagePipeline):
 
     # ------------------------------------------------------------------------------------ call
     @torch.no_grad()
-    def __call__(
+    def __call__(  # noqa: PLR0913 (diffusers' GlmImagePipeline signature)
         self,
         prompt: str | list[str] | None = None,
         image: PIL.Image.Image | list[PIL.Image.Image] | list[list[PIL.Image.Image]] | None = None,
@@ -464,10 +478,13 @@ class GlmImageCachedPipeline(GlmImagePipeline):
             height, width, num_inference_steps, timesteps, sigmas, device
         )
         self._num_timesteps = len(timesteps)
+        conditions = DecoderConditions(
+            prompt_embeds, negative_prompt_embeds, prior_token_ids.repeat_interleave(num_images_per_prompt, dim=0),
+            (height, width), crops_coords_top_left, editing=images is not None,
+        )  # fmt: skip
         latents = self._denoise(
-            latents, timesteps, num_inference_steps, cache, images is not None, prompt_embeds, negative_prompt_embeds,
-            prior_token_ids.repeat_interleave(num_images_per_prompt, dim=0), (height, width), crops_coords_top_left,
-            callback_on_step_end, callback_on_step_end_tensor_inputs,
+            latents, timesteps, num_inference_steps, cache, conditions, callback_on_step_end,
+            callback_on_step_end_tensor_inputs,
         )  # fmt: skip
         self._current_timestep = None
         cache.clear()
@@ -487,20 +504,12 @@ class GlmImageCachedPipeline(GlmImagePipeline):
         return GlmImagePipelineOutput(images=images_out)
 
     def _denoise(
-        self,
-        latents,
-        timesteps,
-        num_inference_steps,
-        cache,
-        editing,
-        prompt_embeds,
-        negative_prompt_embeds,
-        prior_token_ids,
-        size,
-        crops_coords_top_left,
-        callback_on_step_end,
+        self, latents, timesteps, num_inference_steps, cache, conditions: DecoderConditions, callback_on_step_end,
         callback_tensor_inputs,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor:  # fmt: skip
+        prompt_embeds, negative_prompt_embeds = conditions.prompt_embeds, conditions.negative_prompt_embeds
+        prior_token_ids, size, editing = conditions.prior_token_ids, conditions.size, conditions.editing
+        crops_coords_top_left = conditions.crops_coords_top_left
         batch = latents.shape[0]
         device, dtype = latents.device, prompt_embeds.dtype
         target_size = torch.tensor([size], dtype=dtype, device=device).repeat(batch, 1)

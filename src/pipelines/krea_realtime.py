@@ -96,7 +96,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
     options_class = KreaCacheOptions
     output_class = KreaRealtimeVideoPipelineOutput
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the config: components and their registered defaults)
         self,
         tokenizer,
         text_encoder,

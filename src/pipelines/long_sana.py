@@ -91,7 +91,7 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
     options_class = LongSanaCacheOptions
     output_class = LongSanaVideoPipelineOutput
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the config: components and their registered defaults)
         self,
         tokenizer,
         text_encoder,

@@ -24,6 +24,48 @@ def _as_prompt_list(name: str, prompt) -> list[str]:
     return prompts
 
 
+def _check_frame(frame, num_frames: int, last_chunk_start: int | None, previous: int) -> int:
+    """One switch frame: an int in [0, num_frames), after the previous one, no later than the last chunk's start."""
+    if isinstance(frame, bool) or not isinstance(frame, numbers.Integral):
+        raise ValueError(
+            f"`prompt_schedule` frame {frame!r} is a {type(frame).__name__}; frames must be ints "
+            f"(pixel frame numbers in [0, {num_frames}))."
+        )
+    frame = int(frame)
+    if not 0 <= frame < num_frames:
+        raise ValueError(
+            f"`prompt_schedule` frame {frame!r} is out of range: frames must be ints in [0, {num_frames})."
+        )
+    if last_chunk_start is not None and frame > last_chunk_start:
+        raise ValueError(
+            f"`prompt_schedule` frame {frame} comes after the last chunk starts (frame "
+            f"{last_chunk_start}), so the switch would never apply; a switch takes effect at the first "
+            "chunk starting at or after its frame. Use an earlier frame or a longer video."
+        )
+    if frame <= previous:
+        raise ValueError(f"`prompt_schedule` frames must be strictly increasing; {frame} follows {previous}.")
+    return frame
+
+
+def _schedule_entries(
+    schedule, num_frames: int, last_chunk_start: int | None, has_prompt: bool
+) -> list[tuple[int, list[str]]]:
+    """`prompt_schedule` as checked `(frame, prompts)` entries."""
+    pairs = list(schedule.items()) if isinstance(schedule, dict) else list(schedule)
+    if not pairs:
+        raise ValueError("`prompt_schedule` is empty; give at least one (frame, prompt) pair or omit it.")
+    entries, previous = [], -1
+    for pair in pairs:
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+            raise ValueError(f"`prompt_schedule` entries must be (frame, prompt) pairs, got {pair!r}.")
+        frame = _check_frame(pair[0], num_frames, last_chunk_start, previous)
+        if frame == 0 and has_prompt:
+            raise ValueError("Give either `prompt` or a `prompt_schedule` entry at frame 0, not both.")
+        entries.append((frame, _as_prompt_list("prompt_schedule", pair[1])))
+        previous = frame
+    return entries
+
+
 @dataclass(frozen=True)
 class PromptSchedule:
     """`entries`: `(start_frame, prompts per batch element)`, sorted, the first at frame 0."""
@@ -50,38 +92,7 @@ class PromptSchedule:
         if prompt is not None:
             entries.append((0, _as_prompt_list("prompt", prompt)))
         if schedule is not None:
-            pairs = list(schedule.items()) if isinstance(schedule, dict) else list(schedule)
-            if not pairs:
-                raise ValueError("`prompt_schedule` is empty; give at least one (frame, prompt) pair or omit it.")
-            previous = -1
-            for pair in pairs:
-                if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
-                    raise ValueError(f"`prompt_schedule` entries must be (frame, prompt) pairs, got {pair!r}.")
-                frame, text = pair
-                if isinstance(frame, bool) or not isinstance(frame, numbers.Integral):
-                    raise ValueError(
-                        f"`prompt_schedule` frame {frame!r} is a {type(frame).__name__}; frames must be ints "
-                        f"(pixel frame numbers in [0, {num_frames}))."
-                    )
-                frame = int(frame)
-                if not 0 <= frame < num_frames:
-                    raise ValueError(
-                        f"`prompt_schedule` frame {frame!r} is out of range: frames must be ints in [0, {num_frames})."
-                    )
-                if last_chunk_start is not None and frame > last_chunk_start:
-                    raise ValueError(
-                        f"`prompt_schedule` frame {frame} comes after the last chunk starts (frame "
-                        f"{last_chunk_start}), so the switch would never apply; a switch takes effect at the first "
-                        "chunk starting at or after its frame. Use an earlier frame or a longer video."
-                    )
-                if frame <= previous:
-                    raise ValueError(
-                        f"`prompt_schedule` frames must be strictly increasing; {frame} follows {previous}."
-                    )
-                if frame == 0 and prompt is not None:
-                    raise ValueError("Give either `prompt` or a `prompt_schedule` entry at frame 0, not both.")
-                entries.append((frame, _as_prompt_list("prompt_schedule", text)))
-                previous = frame
+            entries += _schedule_entries(schedule, num_frames, last_chunk_start, has_prompt=prompt is not None)
         if not entries:
             raise ValueError("Either `prompt` or `prompt_schedule` is required.")
         if entries[0][0] != 0:

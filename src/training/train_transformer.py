@@ -193,7 +193,7 @@ def context_check(
     return results
 
 
-def train_transformer(
+def train_transformer(  # noqa: PLR0913 (hyperparameters as keywords, one per CLI flag)
     model: KreaRealtimeTransformer3DModel,
     data: LatentVideos,
     config: TinyConfig,

@@ -50,7 +50,7 @@ def reconstruction_loss(vae: AutoencoderKLWan, pixels: torch.Tensor, generator: 
     return mse + KL_WEIGHT * kl
 
 
-def train_vae(
+def train_vae(  # noqa: PLR0913 (hyperparameters as keywords, one per CLI flag)
     vae: AutoencoderKLWan,
     config: TinyConfig,
     seconds: float,
