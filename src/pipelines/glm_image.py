@@ -15,9 +15,8 @@ For the same components and seed it produces diffusers' image (tests/test_glm_im
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
