@@ -17,25 +17,13 @@ import sys
 import time
 
 import torch
-from _common import markdown_table
+from _common import WAN_1_3B, markdown_table
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
 from rolldiff import KreaRealtimeTransformer3DModel, KreaRealtimeVideoPipeline
 from rolldiff.recipes import get_recipe
 
-WAN_BLOCK = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=12,
-    attention_head_dim=128,
-    in_channels=16,
-    out_channels=16,
-    text_dim=4096,
-    freq_dim=256,
-    ffn_dim=8960,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    rope_max_seq_len=1024,
-)
+WAN_BLOCK = {key: value for key, value in WAN_1_3B.items() if key != "num_layers"}
 TINY_BLOCK = {**WAN_BLOCK, "num_attention_heads": 2, "attention_head_dim": 16, "text_dim": 32, "ffn_dim": 64}
 ROWS = (
     ("rolling (rolldiff default: sink 3 + window 9)", None, {}),

@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from .weights import rename_by_tables
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["convert_original_sana_video_state_dict", "infer_sana_video_config", "load_original_sana_video_checkpoint"]
@@ -111,18 +113,14 @@ def _select_weights(checkpoint: Mapping, use_ema: bool) -> Mapping:
 
 def _rename(name: str) -> str | None:
     """The diffusers name of one unfused original key (wrappers stripped), or None."""
-    match = _BLOCK_KEY.match(name)
-    if match is not None:
-        index, rest = match.groups()
-        prefix, modules, parameters = f"transformer_blocks.{index}.", _BLOCK_MODULES, _BLOCK_PARAMETERS
-    else:
-        rest, prefix, modules, parameters = name, "", _TOP_LEVEL_MODULES, _TOP_LEVEL_PARAMETERS
-    if rest in parameters:
-        return prefix + parameters[rest]
-    module, _, suffix = rest.rpartition(".")
-    if suffix in _SUFFIXES and module in modules:
-        return f"{prefix}{modules[module]}.{suffix}"
-    return None
+    return rename_by_tables(
+        name,
+        _BLOCK_KEY,
+        "transformer_blocks.{}.",
+        (_BLOCK_MODULES, _BLOCK_PARAMETERS),
+        (_TOP_LEVEL_MODULES, _TOP_LEVEL_PARAMETERS),
+        _SUFFIXES,
+    )
 
 
 def _split_fused(name: str, tensor: Tensor) -> dict[str, Tensor] | None:

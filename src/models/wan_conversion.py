@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .weights import preview_keys
+from .weights import preview_keys, rename_by_tables
 
 logger = logging.getLogger(__name__)
 
@@ -95,19 +95,14 @@ _SAFETENSORS_SUFFIXES = (".safetensors",)
 
 def _rename_key(key: str) -> str | None:
     """Return the diffusers name of one original Wan key (wrappers already stripped), or None if it has none."""
-    match = _BLOCK_KEY.match(key)
-    if match is not None:
-        block_index, rest = match.groups()
-        prefix, modules, parameters = f"blocks.{block_index}.", _BLOCK_MODULES, _BLOCK_PARAMETERS
-    else:
-        rest, prefix, modules, parameters = key, "", _TOP_LEVEL_MODULES, _TOP_LEVEL_PARAMETERS
-
-    if rest in parameters:
-        return prefix + parameters[rest]
-    module, _, suffix = rest.rpartition(".")
-    if suffix in _TENSOR_SUFFIXES and module in modules:
-        return f"{prefix}{modules[module]}.{suffix}"
-    return None
+    return rename_by_tables(
+        key,
+        _BLOCK_KEY,
+        "blocks.{}.",
+        (_BLOCK_MODULES, _BLOCK_PARAMETERS),
+        (_TOP_LEVEL_MODULES, _TOP_LEVEL_PARAMETERS),
+        _TENSOR_SUFFIXES,
+    )
 
 
 def _strip_wrappers(key: str) -> str:

@@ -13,7 +13,7 @@ import importlib
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -146,3 +146,30 @@ def check_pipeline_weights(folder: str | os.PathLike) -> None:
             continue  # from_pretrained reports a component it cannot import
         if isinstance(model_class, type) and issubclass(model_class, ModelMixin) and (folder / name).is_dir():
             check_weights_match_config(model_class, folder / name)
+
+
+def rename_by_tables(
+    name: str,
+    block_key: re.Pattern,
+    block_prefix: str,
+    block_tables: tuple[Mapping[str, str], Mapping[str, str]],
+    top_tables: tuple[Mapping[str, str], Mapping[str, str]],
+    suffixes: Iterable[str],
+) -> str | None:
+    """The diffusers name of one original checkpoint key, or None: the converters' shared renaming rule.
+
+    `block_key` matches `blocks.{i}.rest`; `block_prefix` formats the diffusers block (`"blocks.{}."`). Each tables
+    pair is `(modules, parameters)`: a parameter renamed whole, or a module renamed with its `.weight`-like suffix.
+    """
+    match = block_key.match(name)
+    if match is not None:
+        index, rest = match.groups()
+        prefix, (modules, parameters) = block_prefix.format(index), block_tables
+    else:
+        rest, prefix, (modules, parameters) = name, "", top_tables
+    if rest in parameters:
+        return prefix + parameters[rest]
+    module, _, suffix = rest.rpartition(".")
+    if suffix in suffixes and module in modules:
+        return f"{prefix}{modules[module]}.{suffix}"
+    return None
