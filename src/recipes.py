@@ -55,9 +55,10 @@ RECIPES: dict[str, Recipe] = {
                 denoising_steps=(1000, 750, 500, 250),
                 sigma_mapping="shift",
                 timestep_shift=5.0,
+                recache="longlive",
             ),
-            "Plain inference equals upstream. Its prompt-switch re-cache re-encodes the recent frames in one "
-            "unmasked pass; rolldiff re-caches them chunk by chunk, causally (see README: recipes).",
+            "A prompt switch re-runs the last min(12, frame) frames in one unmasked t=0 pass under the new prompt "
+            "(interactive_causal_inference.py:54-90); inside the first 12 frames it rewrites the sink too.",
         ),
         Recipe(
             "krea-realtime",

@@ -435,3 +435,21 @@ def test_compiles_once_and_never_recompiles():
         torch._dynamo.reset()
     assert len(graphs) == 1
     assert torch.equal(layer.keys, eager_layer.keys) and torch.equal(layer.attention_mask, eager_layer.attention_mask)
+
+
+def test_advance_moves_the_position_empties_the_window_and_keeps_the_sink():
+    """A scalar trace: sink 1, window 3, chunks of 1 token; after `advance(5)` the next token sits at position 7 and
+    sees the sink and itself only (LongLive's one-pass re-cache builds its pass this way)."""
+    layer = SlidingWindowLayer(sink_tokens=1, window_tokens=3, chunk_tokens=1)
+    for value in (1.0, 2.0):
+        layer.update(torch.full((1, 1, 1, 1), value), torch.full((1, 1, 1, 1), value))
+        layer.commit()
+    layer.advance(5)
+    assert layer.committed_count == 7 and not layer.window_full
+    held = layer.get()[0].flatten().tolist()
+    assert held == [1.0]  # the sink only: the window token (2.0) is gone, nothing else was written
+    assert layer.pending_positions(1).tolist() == [7]
+    keys, _ = layer.update(torch.full((1, 1, 1, 1), 9.0), torch.full((1, 1, 1, 1), 9.0))
+    assert keys[0, layer.attention_mask, 0, 0].tolist() == [1.0, 9.0]
+    with pytest.raises(RuntimeError, match="pending"):
+        layer.advance(1)

@@ -148,6 +148,7 @@ KREA_LIKE = {
     "self-forcing/no_warp": dict(sigma_mapping="table"),  # warp_denoising_step: false
     "self-forcing/context_noise": dict(context_noise=100),
     "longlive/plain": {},
+    "longlive/prompt_switch": {},  # one unmasked re-cache pass: an early switch (frame 6) and a late one (18)
     "krea-realtime/keep_first_frame": dict(recompute_first_frame="keep"),
     "krea-realtime/prompt_lerp": dict(recompute_first_frame="keep"),  # blended over 4 chunks (the recipe's)
     "krea-realtime/reencode": {},  # the recipe's default: the first frame re-encoded from decoded pixels
@@ -171,10 +172,13 @@ def test_krea_like_recipes_match_upstream(case, monkeypatch):
         recipe=recipe, **KREA_LIKE[case],
     )  # fmt: skip
     switch = golden.settings.get("prompt_switch")
+    switch_frames = dict(zip(golden.settings.get("switch_frames", []), golden.settings.get("prompts", [])[1:]))
     made = []
     for index in range(stream.num_chunks):
         if switch is not None and index == switch["before_block"]:
             stream.switch_prompt(prompt_embeds=golden.text[switch["to"]])
+        if 3 * index in switch_frames:  # LongLive's switch frames are latent frames at chunk starts
+            stream.switch_prompt(prompt_embeds=golden.text[switch_frames[3 * index]])
         made.append(next(stream))
     errors = _errors(golden, made)
     print(f"\n{case} through the pipeline: {[f'{e:.1e}' for e in errors]}, floor {golden.floor:.1e}")

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from rolldiff import TinyVideoAutoencoder
 from rolldiff.models.tiny_autoencoder import infer_tiny_autoencoder_config
-from rolldiff.models.wan_conversion import WeightsMismatchError
+from rolldiff.models.weights import WeightsMismatchError
 from rolldiff.pipelines.streaming_tiny_decode import StreamingTinyDecoder, StreamingTinyEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))

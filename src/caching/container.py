@@ -164,6 +164,14 @@ class RollingKVCache(nn.Module):
         for layer in self._stream_layers():
             layer.rewind(num_tokens)
 
+    def advance(self, num_tokens: int) -> None:
+        """`advance(num_tokens)` on every sliding self-attention layer: the positions jump, the windows empty."""
+        layers = [layer for layer in self.layers if hasattr(layer, "advance")]
+        if len(layers) != len(self.layers):
+            raise TypeError("Only caches of SlidingWindowLayer can advance.")
+        for layer in layers:
+            layer.advance(num_tokens)
+
     def crop(self, max_tokens: int) -> None:
         """`crop(max_tokens)` on every sliding self-attention layer (evict the oldest window tokens early).
 

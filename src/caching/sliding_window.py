@@ -533,6 +533,28 @@ class SlidingWindowLayer(CacheLayer):
         self.check_rewind(num_tokens)
         self._set_counters(self._committed_count - num_tokens, self._frontier)  # rewound slots stay overwritten
 
+    def advance(self, num_tokens: int) -> None:
+        """Move the stream position `num_tokens` forward with nothing written: the window is emptied, the sink kept.
+
+        The next chunk then sits at its true absolute positions after a gap, attending to the sink and itself; a
+        re-cache that runs several frames in one pass at their own positions (LongLive's) builds its pass in a
+        small scratch cache this way, whatever the stream's length. Needs a full sink and no pending chunk.
+        """
+        check_positive("num_tokens", num_tokens, allow_zero=True)
+        if self.pending_tokens:
+            raise RuntimeError("advance() with a chunk pending; commit it first.")
+        if self._committed_count < self.sink_tokens:
+            raise ValueError(
+                f"advance() needs the sink filled first ({self._committed_count} of {self.sink_tokens} tokens)."
+            )
+        if num_tokens == 0 or self.keys is None:
+            return
+        positions = self.slot_positions
+        positions.masked_fill_(positions >= self.sink_tokens, -1)  # no window token is held any more
+        committed = self._committed_count + num_tokens
+        self._set_counters(committed, committed + self.window_tokens)
+        self._refresh_mask(0)
+
     def check_crop(self, max_tokens: int) -> list[int]:
         """Raise if `crop(max_tokens)` would be refused; return the positions it would evict (changes nothing)."""
         check_positive("max_tokens", max_tokens, allow_zero=True)

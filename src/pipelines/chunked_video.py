@@ -43,6 +43,7 @@ from .request import (
     check_context_policy,
     check_embeds,
     check_first_frame,
+    check_recache,
     check_generator,
     check_guidance_scale,
     check_latents,
@@ -229,6 +230,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         context_noise: float | None = None,
         context_policy: str | None = None,
         first_chunk: str | None = None,
+        recache: str | None = None,
         recompute_first_frame: str | None = None,
         prompt_blend_chunks: int | None = None,
     ) -> ChunkStream:
@@ -258,6 +260,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             context_noise=context_noise,
             context_policy=context_policy,
             first_chunk=first_chunk,
+            recache=recache,
             recompute_first_frame=recompute_first_frame,
             prompt_blend_chunks=prompt_blend_chunks,
         )
@@ -306,6 +309,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             context_noise=check_context_noise(settings["context_noise"] or 0.0),
             context_policy=check_context_policy(settings["context_policy"] or "rolling"),
             recompute_first_frame=check_first_frame(settings["recompute_first_frame"] or "keep"),
+            recache_mode=check_recache(settings["recache"] or "causal"),
             prompt_blend_chunks=check_blend_chunks(settings["prompt_blend_chunks"] or 1),
             recipe=settings["recipe"],
         )
@@ -438,6 +442,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         context_noise: float | None = None,
         context_policy: str | None = None,
         first_chunk: str | None = None,
+        recache: str | None = None,
         recompute_first_frame: str | None = None,
         prompt_blend_chunks: int | None = None,
         return_dict: bool = True,
@@ -484,6 +489,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             context_noise=context_noise,
             context_policy=context_policy,
             first_chunk=first_chunk,
+            recache=recache,
             recompute_first_frame=recompute_first_frame,
             prompt_blend_chunks=prompt_blend_chunks,
         )

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -177,17 +178,64 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         ).sample
 
     def recache_frames(self, layout: ChunkLayout, committed_frames: int, chunk_frames: int) -> int:
-        return layout.rewindable_frames(committed_frames)
+        # LongLive's one-pass re-cache may re-run up to sink + window frames: keep that many (a few latent frames)
+        return min(committed_frames, layout.context_frames)
 
     def recache(
         self, recent: torch.Tensor, embeds: torch.Tensor, cache: RollingKVCache, request: VideoRequest
     ) -> None:
-        """LongLive's re-cache: rewind the recent window and write it again at t = 0 under the new prompt.
+        """Rewrite the recent context under the new prompt (the sink is never touched in "causal" mode).
 
-        The sink is never touched; the recent clean frames are written chunk by chunk into the same
-        slots, so the next chunk sees its past as if told by the new prompt.
+        - `recache="causal"` (rolldiff's default): rewind the visible window and write it again at t = 0, chunk by
+          chunk, so each re-cached chunk sees its past as the next chunk will.
+        - `recache="longlive"` (LongLive's `interactive_causal_inference.py:54-90`): the last `min(sink + window,
+          frame)` frames re-run in ONE pass with no mask between them, so each sees all the others; a switch inside
+          the first `sink + window` frames re-runs from frame 0 and rewrites the sink too.
         """
         layout: ChunkLayout = request.layout
-        cache.rewind(recent.shape[2] * layout.tokens_per_frame)
-        for start in range(0, recent.shape[2], layout.chunk_frames):
+        if request.recache_mode == "longlive":
+            self._longlive_recache(recent, embeds, cache, request)
+            return
+        frames = min(recent.shape[2], layout.rewindable_frames(self.transformer.committed_frames(cache, layout)))
+        recent = recent[:, :, recent.shape[2] - frames :]
+        cache.rewind(frames * layout.tokens_per_frame)
+        for start in range(0, frames, layout.chunk_frames):
             self.context_pass(recent[:, :, start : start + layout.chunk_frames], [embeds], [cache], request)
+
+    def _longlive_recache(self, recent, embeds, cache: RollingKVCache, request: VideoRequest) -> None:
+        """LongLive's pass, computed in a small scratch cache at the frames' own positions, then written in place
+        of the window (or of everything, for an early switch)."""
+        layout, tokens = request.layout, request.layout.tokens_per_frame
+        frame = self.transformer.committed_frames(cache, layout)
+        start = 0 if frame <= layout.context_frames else frame - layout.window_frames  # past the sink upstream skips
+        frames = recent[:, :, recent.shape[2] - (frame - start) :]
+        count = frames.shape[2]
+        # a window of twice the pass: once committed, the whole pass is still what `get()` returns
+        scratch_layout = dataclasses.replace(layout, chunk_frames=count, window_frames=2 * count)
+        scratch = self.transformer.make_cache(scratch_layout)
+        if start > 0:  # the kept sink at its positions, then the stream position moved to the pass's first frame
+            sink = [tuple(t[:, : layout.sink_tokens] for t in layer.get()) for layer in cache]
+            _write_key_values(scratch, sink, layout.sink_tokens)
+            scratch.advance((start - layout.sink_frames) * tokens)
+        self.transformer.prepare_conditioning(scratch, embeds)
+        timestep = torch.zeros(frames.shape[0], device=frames.device)
+        self.transformer(frames, timestep, embeds, kv_cache=scratch, layout=scratch_layout)
+        scratch.commit()
+        recached = [tuple(t[:, -count * tokens :] for t in layer.get()) for layer in scratch]
+        if start == 0:  # every slot rewritten: the stream's cache holds exactly the re-cached frames
+            cache.reset()
+            self.set_conditioning(cache, embeds)
+            _write_key_values(cache, recached, layout.chunk_tokens)
+            return
+        window = layout.rewindable_frames(frame) * tokens  # the frames the next chunk sees after the sink
+        cache.rewind(window)
+        _write_key_values(cache, [(k[:, -window:], v[:, -window:]) for k, v in recached], layout.chunk_tokens)
+
+
+def _write_key_values(cache: RollingKVCache, keys_values: list[tuple[torch.Tensor, torch.Tensor]], chunk: int) -> None:
+    """Commit per-block K/V `(batch, tokens, heads, head_dim)`, as stored (after RoPE in absolute mode), chunk by
+    chunk."""
+    for start in range(0, keys_values[0][0].shape[1], chunk):
+        for layer, (key, value) in zip(cache, keys_values):
+            layer.update(key[:, start : start + chunk], value[:, start : start + chunk])
+        cache.commit()

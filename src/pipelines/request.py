@@ -139,6 +139,7 @@ class VideoRequest:
     callback_tensor_inputs: tuple[str, ...] = ("latents",)
     conditioning: Conditioning | None = None  # a start image or an input video (`rolldiff.pipelines.conditioning`)
     context_policy: str = "rolling"  # "recompute": each chunk rebuilds its context in one t = 0 pass (Krea)
+    recache_mode: str = "causal"  # after a prompt switch: "causal" (chunk by chunk) or "longlive" (one pass)
     recompute_first_frame: str = "keep"  # "reencode": Krea's first context frame re-encoded from decoded pixels
     prompt_blend_chunks: int = 1  # a prompt switch blends the embeddings over this many chunks (Krea: 4)
     context_noise: float = 0.0  # the timestep of the context pass (Self-Forcing's `context_noise`; 0: clean)
@@ -198,7 +199,14 @@ def check_context_policy(policy: Any) -> str:
     return policy
 
 
+RECACHE_MODES = ("causal", "longlive")
 FIRST_FRAME_RULES = ("keep", "reencode")
+
+
+def check_recache(mode: Any) -> str:
+    if mode not in RECACHE_MODES:
+        raise ValueError(f"`recache` must be one of {RECACHE_MODES}, got {mode!r}.")
+    return mode
 
 
 def check_first_frame(rule: Any) -> str:
