@@ -176,3 +176,31 @@ def test_a_frame_that_changes_size_mid_stream_stops_with_a_clear_error(pipe):
     next(stream)
     with pytest.raises(ValueError, match="frame .* same size"):
         next(stream)
+
+
+@torch.no_grad()
+def test_image_mode_frame_commits_the_images_single_latent_frame_first(pipe, monkeypatch):
+    """Self-Forcing / CausVid's convention: the start image is one latent frame of clean context, then whole chunks."""
+    image = _input_video(pipe, 1)[0]
+    seen = _record_inputs(pipe, monkeypatch)
+    num_frames = pipe.latent_to_frames(1 + 2 * pipe.config.chunk_frames)
+    stream = pipe.stream(PROMPT, num_frames, image=image, image_mode="frame", generator=_seed(), output_type="latent")
+    chunks = list(stream)
+    assert [chunk.shape[2] for chunk in chunks] == [1, pipe.config.chunk_frames, pipe.config.chunk_frames]
+    pixels = torch.from_numpy(image).permute(2, 0, 1)[None, :, None].float() / 127.5 - 1.0
+    torch.testing.assert_close(chunks[0], pipe.make_encoder().encode(pixels).to(chunks[0].dtype), atol=1e-6, rtol=0)
+    assert seen[0][1] == 0.0 and seen[0][0].shape[2] == 1  # only written, at t = 0
+    frames = np.concatenate(
+        list(pipe.stream(PROMPT, num_frames, image=image, image_mode="frame", generator=_seed())), 1
+    )
+    assert frames.shape[1] == num_frames
+
+
+def test_image_mode_is_checked(pipe):
+    image = _input_video(pipe, 1)[0]
+    with pytest.raises(ValueError, match="`image_mode` must be one of"):
+        pipe.stream(PROMPT, _frames(pipe), image=image, image_mode="repeat")
+    with pytest.raises(ValueError, match="`image_mode` applies to `image=`"):
+        pipe.stream(PROMPT, _frames(pipe), image_mode="frame")
+    with pytest.raises(ValueError, match="one frame and then whole chunks"):
+        pipe.stream(PROMPT, _frames(pipe), image=image, image_mode="frame")  # whole chunks only: one frame short

@@ -60,7 +60,7 @@ from .streaming_encode import StreamingWanEncoder
 from .streaming_tiny_decode import StreamingTinyDecoder
 from .text_encoding import check_max_sequence_length, check_prompts, encode_prompts
 
-FIRST_CHUNK_RULES = ("whole", "remainder")
+FIRST_CHUNK_RULES = ("whole", "remainder", "frame")
 
 
 class CacheAllocationError(MemoryError):
@@ -113,13 +113,36 @@ _ARGUMENTS = """
                 what each means); `None` takes the pipeline config's value, and a family refuses an option it
                 does not have. A window longer than the video is shortened to what the video can fill.
             image: a start frame (image-to-video): a PIL image, an `(H, W, 3)` array, a `(3, H, W)` tensor, or one
-                per batch element; resized like diffusers' `VideoProcessor`. It is encoded, repeated over the first
-                chunk, and becomes the clean first chunk: frame 0 of the video is the image.
+                per batch element; resized like diffusers' `VideoProcessor`. It is encoded and becomes the clean
+                first chunk: frame 0 of the video is the image.
+            image_mode: "chunk" (default; Krea: the image repeated over the first chunk) or "frame" (Self-Forcing /
+                CausVid: the image's single latent frame is the first committed context; `num_frames` then takes
+                one latent frame and whole chunks).
             video: an input video (video-to-video), streamed chunk by chunk: a file path, an `(F, H, W, 3)` array,
                 or any iterator of frames (endless included, e.g. a webcam). The output ends with the input.
             strength: how much of each input chunk is replaced, in (0, 1] (default 0.8, diffusers'); of the N
                 denoising steps the last `int(N * strength)` run. 1.0 equals text-to-video with the same noise.
 """
+
+
+IMAGE_MODES = ("chunk", "frame")
+
+
+def _first_chunk_rule(first_chunk: str | None, image: Any, image_mode: str | None) -> str:
+    """The first chunk's rule: as asked, or one latent frame for a start image in the "frame" convention."""
+    if image_mode is None:
+        return first_chunk or "whole"
+    if image_mode not in IMAGE_MODES:
+        raise ValueError(f"`image_mode` must be one of {IMAGE_MODES}, got {image_mode!r}.")
+    if image is None:
+        raise ValueError("`image_mode` applies to `image=` (image-to-video) only; pass an `image` or drop it.")
+    if image_mode == "chunk":
+        return first_chunk or "whole"
+    if first_chunk not in (None, "frame"):
+        raise ValueError(
+            f"`image_mode='frame'` makes the first chunk one latent frame; drop `first_chunk`={first_chunk!r}."
+        )
+    return "frame"
 
 
 def _shared_docstring(method: Callable) -> Callable:
@@ -222,6 +245,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         image: Any = None,
         video: Any = None,
         strength: float | None = None,
+        image_mode: str | None = None,
         recipe: str | None = None,
         sigma_mapping: str | None = None,
         sigmas: Sequence[float] | None = None,
@@ -266,7 +290,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         )
         given = {name: settings.pop(name) for name in CacheOptions.known_names}
         options = self.options_class.resolve(self.config, given, type(self).__name__)
-        geometry, layout = self._geometry(num_frames, height, width, options, settings["first_chunk"] or "whole")
+        first_chunk = _first_chunk_rule(settings["first_chunk"], image, image_mode)
+        geometry, layout = self._geometry(num_frames, height, width, options, first_chunk)
         schedule = self._schedule(prompt, prompt_schedule, prompt_embeds, geometry)
         guidance_scale = check_guidance_scale(guidance_scale)
         max_sequence_length = check_max_sequence_length(
@@ -340,8 +365,9 @@ class ChunkedVideoPipeline(DiffusionPipeline):
     def _geometry(
         self, num_frames, height, width, options: CacheOptions, first_chunk: str
     ) -> tuple[VideoGeometry, ChunkLayout]:
-        """Frames, sizes and the cache layout of one video: whole chunks (or a first chunk that takes the leftover
-        frames, `first_chunk="remainder"`), inside the positions' range."""
+        """Frames, sizes and the cache layout of one video, inside the positions' range: whole chunks, or a first
+        chunk that takes the leftover frames (`first_chunk="remainder"`, LongSANA) or is one latent frame
+        (`first_chunk="frame"`: a start image's single latent frame, Self-Forcing / CausVid image-to-video)."""
         if first_chunk not in FIRST_CHUNK_RULES:
             raise ValueError(f"`first_chunk` must be one of {FIRST_CHUNK_RULES}, got {first_chunk!r}.")
         num_frames = check_num_frames(num_frames)
@@ -352,25 +378,42 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         tokens_per_frame = self.transformer.tokens_per_frame(height // spatial, width // spatial)
         layout = self.make_layout(tokens_per_frame, options, latent_frames)
         chunk_frames = layout.chunk_frames
-        leftover = latent_frames % chunk_frames if first_chunk == "remainder" and latent_frames > chunk_frames else 0
-        if (num_frames - 1) % self.vae_scale_factor_temporal or (latent_frames % chunk_frames and not leftover):
-            below, above = self.valid_num_frames(num_frames, chunk_frames)
-            raise ValueError(
-                f"`num_frames`={num_frames} cannot be made of whole chunks of {chunk_frames} latent frames "
-                f"(VAE temporal factor {self.vae_scale_factor_temporal}); nearest valid values: {below} or {above}"
-                " (or `first_chunk='remainder'`: the first chunk takes the leftover frames)."
-            )
-        if leftover:  # the model and cache are sized by the largest chunk, the first
-            layout = self.make_layout(tokens_per_frame, options, latent_frames, chunk_frames + leftover)
+        first = self._first_chunk_frames(num_frames, latent_frames, chunk_frames, first_chunk)
+        if first > chunk_frames:  # the model and cache are sized by the largest chunk, the first
+            layout = self.make_layout(tokens_per_frame, options, latent_frames, first)
         self.transformer.check_frame_budget(latent_frames, layout)
+        channels = self.transformer.config.in_channels
         return VideoGeometry(
             num_frames=num_frames,
             height=height,
             width=width,
             num_latent_frames=latent_frames,
-            chunk_shape=(1, self.transformer.config.in_channels, chunk_frames, height // spatial, width // spatial),
-            first_chunk_frames=chunk_frames + leftover if leftover else 0,
+            chunk_shape=(1, channels, chunk_frames, height // spatial, width // spatial),
+            first_chunk_frames=first,
         ), layout
+
+    def _first_chunk_frames(self, num_frames: int, latent_frames: int, chunk: int, rule: str) -> int:
+        """Latent frames of the first chunk under `rule`; raises naming the nearest valid `num_frames` otherwise."""
+        temporal = self.vae_scale_factor_temporal
+        if (
+            rule == "frame"
+            and latent_frames > 1
+            and (latent_frames - 1) % chunk == 0
+            and not (num_frames - 1) % temporal
+        ):
+            return 1
+        if rule == "remainder" and latent_frames >= chunk and not (num_frames - 1) % temporal:
+            return chunk + latent_frames % chunk
+        if rule == "whole" and latent_frames % chunk == 0 and not (num_frames - 1) % temporal:
+            return chunk
+        offset = 1 if rule == "frame" else 0
+        chunks = max(1, (latent_frames - offset) // chunk)
+        below, above = (self.latent_to_frames(offset + n * chunk) for n in (chunks, chunks + 1))
+        raise ValueError(
+            f"`num_frames`={num_frames} cannot be made of {'one frame and then ' if offset else ''}whole chunks of "
+            f"{chunk} latent frames (VAE temporal factor {temporal}); nearest valid values: {below} or {above}"
+            + ("" if offset else " (or `first_chunk='remainder'`: the first chunk takes the leftover frames).")
+        )
 
     def _schedule(self, prompt, prompt_schedule, prompt_embeds, geometry: VideoGeometry) -> PromptSchedule:
         """The prompt schedule (`prompt_embeds` stand for the prompt at frame 0); its batch is the video's."""
@@ -434,6 +477,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         image: Any = None,
         video: Any = None,
         strength: float | None = None,
+        image_mode: str | None = None,
         recipe: str | None = None,
         sigma_mapping: str | None = None,
         sigmas: Sequence[float] | None = None,
@@ -481,6 +525,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             image=image,
             video=video,
             strength=strength,
+            image_mode=image_mode,
             recipe=recipe,
             sigma_mapping=sigma_mapping,
             sigmas=sigmas,
