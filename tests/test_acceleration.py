@@ -16,6 +16,7 @@ from torch._dynamo.testing import CompileCounter
 from rolldiff import ChunkLayout
 from rolldiff.pipelines import acceleration
 from rolldiff.pipelines.acceleration import (
+    attention_accepts_mask,
     attention_backend_for,
     available_attention_backends,
     capture_cuda_graphs,
@@ -197,3 +198,8 @@ def test_cloned_outputs_survive_the_next_replay_overwriting_the_graphs_buffer():
     graph_output.fill_(-1.0)  # the next replay
     assert torch.equal(cloned.sample, torch.arange(4.0)) and isinstance(cloned, Transformer2DModelOutput)
     assert torch.equal(as_tuple[0], torch.arange(4.0)) and as_tuple[1] == "kept"
+
+
+def test_mask_support_is_probed_not_assumed():
+    assert attention_accepts_mask("native", "cpu") and attention_accepts_mask("_native_math", "cpu")
+    assert not attention_accepts_mask("flash", "cpu")  # flash-attn kernels take no mask at all

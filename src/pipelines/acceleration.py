@@ -215,6 +215,27 @@ def attention_backend_for(backend: Any, masked: bool) -> Any:
     return backend
 
 
+def attention_accepts_mask(name: str, device: torch.device | str) -> bool:
+    """Whether backend `name` runs a masked attention on `device` (a tiny bf16 call through the dispatcher).
+
+    A compiled cached step attends with a mask while the window fills; a backend that refuses masks can then
+    only serve an eager step (or a processor that falls back with `attention_backend_for`).
+    """
+    if name in MASK_FREE_BACKENDS:
+        return False
+    from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    query = torch.randn(1, 8, 2, 64, device=device, dtype=dtype)  # (batch, tokens, heads, head_dim)
+    mask = torch.ones(1, 1, 8, 8, device=device, dtype=torch.bool).tril()
+    try:
+        dispatch_attention_fn(query, query, query, attn_mask=mask, backend=AttentionBackendName(name))
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
 # ----------------------------------------------------------------------------------------- CUDA graphs
 @dataclasses.dataclass
 class CompiledStep:
