@@ -303,7 +303,7 @@ def measure(row: Row, loop, decoder, args, full_from: int) -> None:
     # interval a steady one (not the end-of-video drain, which has no next chunk to wait for).
     extra = int(isinstance(decoder, OverlappedDecoder))
     intervals, finite = [], None
-    start = previous = time.perf_counter()
+    previous = time.perf_counter()
     for frames in itertools.islice(frames_of(loop, decoder, args.chunks + extra), args.chunks):
         delivered(frames)
         now = time.perf_counter()
