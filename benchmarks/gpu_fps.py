@@ -114,7 +114,9 @@ PLAN = (
     Technique("Self-Forcing loop + best decode", approach="self-forcing", vae="best", overlap=True),
     Technique(BEST, vae="best", overlap=True, attention=True),
     Technique(f"{BEST} + CUDA graphs", vae="best", overlap=True, attention=True, compile="cuda-graphs"),
-    Technique(f"{BEST} + CUDA graphs + fp8", vae="best", overlap=True, attention=True, compile="cuda-graphs", fp8=True),
+    Technique(
+        f"{BEST} + CUDA graphs + fp8", vae="best", overlap=True, attention=True, compile="cuda-graphs", fp8=True
+    ),
     Technique(f"{BEST} + torch.compile (no CUDA graphs)", vae="best", overlap=True, attention=True, compile="default"),
 )
 
