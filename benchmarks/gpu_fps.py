@@ -321,32 +321,44 @@ def measure(row: Row, loop, decoder, args, full_from: int) -> None:
     row.fps = 4 * loop.setup.chunk_frames / float(np.median(steady))
 
 
+def row_decoder(row: Row, technique: Technique, args, decoders: Decoders):
+    """The row's decoder, reset for a new video (None: no decode; sets `row.error` if the row cannot run)."""
+    from rolldiff.pipelines.overlap import OverlappedDecoder
+
+    if not args.vae:
+        row.decoder = "none"
+        if technique.vae == "tiny" or technique.overlap:
+            row.error = "skipped: --no-vae"
+        return None
+    decoder, row.decoder, row.error = decoders.pick(technique.vae)
+    if decoder is None:
+        return None
+    decoder.reset()  # the VAE is shared by the rows; each starts a new video
+    if technique.overlap:
+        decoder = OverlappedDecoder(decoder, row_device(args))
+        row.decoder += ", overlapped" if decoder.overlaps else ", overlapped (CPU: synchronous)"
+    return decoder
+
+
+def row_device(args) -> str:
+    return "cpu" if args.dry_run else "cuda"
+
+
 def run_row(technique: Technique, setup: Setup, args, decoders: Decoders, flops: dict) -> Row:
     """Build the row's loop and step, warm up (compiling, if asked), count FLOPs once, then measure."""
     from torch._dynamo.utils import counters
 
-    from rolldiff.pipelines.overlap import OverlappedDecoder
-
     row, device = Row(technique.name), setup.device
-    if not args.vae and (technique.vae == "tiny" or technique.overlap):
-        row.error = "skipped: --no-vae"
+    decoder = row_decoder(row, technique, args, decoders)
+    if row.error:
         return row
-    decoder, row.decoder, missing = decoders.pick(technique.vae) if args.vae else (None, "none", "")
-    if missing:
-        row.error = missing
-        return row
-    if decoder is not None:
-        decoder.reset()  # the VAE is shared by the rows; each starts a new video
-    if decoder is not None and technique.overlap:
-        decoder = OverlappedDecoder(decoder, device)
-        row.decoder += ", overlapped" if decoder.overlaps else ", overlapped (CPU: synchronous)"
     loop = None
     try:
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         loop = make_loop(technique.approach, setup)
-        graphs_before, skips_before = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+        before = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
         row.step = setup_step(loop, technique, args, device)
         began = time.perf_counter()
         for frames in frames_of(loop, decoder, args.warmup):
@@ -360,10 +372,8 @@ def run_row(technique: Technique, setup: Setup, args, decoders: Decoders, flops:
         row.tflops = flops[key] * row.fps / (4 * setup.chunk_frames) / 1e12 if key in flops else math.nan
         if device.startswith("cuda"):
             row.peak_mib = torch.cuda.max_memory_allocated() / 2**20
-        if technique.compile is not None:
-            row.graphs = f"{counters['stats']['unique_graphs'] - graphs_before} (fullgraph)"
-            if technique.compile == "cuda-graphs":
-                row.graphs += f", {counters['inductor']['cudagraph_skips'] - skips_before} cudagraph skips"
+        row.graphs = graphs_label(technique, counters["stats"]["unique_graphs"] - before[0],
+                                  counters["inductor"]["cudagraph_skips"] - before[1])  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others; the exit status says it
         row.error = refusal_or_failure(exc)
     finally:
@@ -374,6 +384,14 @@ def run_row(technique: Technique, setup: Setup, args, decoders: Decoders, flops:
         del loop
         torch.compiler.reset()
     return row
+
+
+def graphs_label(technique: Technique, graphs: int, cudagraph_skips: int) -> str:
+    """Graphs dynamo compiled for the row, and how often inductor declined to record a CUDA graph."""
+    if technique.compile is None:
+        return "-"
+    label = f"{graphs} (fullgraph)"
+    return label + f", {cudagraph_skips} cudagraph skips" if technique.compile == "cuda-graphs" else label
 
 
 def refusal_or_failure(exc: Exception) -> str:
