@@ -143,7 +143,13 @@ def test_gpu_checks_dry_run_compares_every_row_of_both_embedded_models(capsys):
     krea, sana = "tiny-bouncing-shapes", "tiny-bouncing-shapes-sana"
     assert (krea, "cuda kv_offload") in names and (sana, "cuda kv_offload") not in names  # SANA has no K/V window
     assert {(sana, "cuda model_cpu_offload"), (krea, "cuda bfloat16")} <= set(names)
-    assert all(row[-1].strip(" |") == "ok" for row in rows)
+    speed = {"cuda CUDA graphs", "cuda fastest attention", "cuda fp8", "cuda overlapped decode"}
+    assert {(model, row) for model in (krea, sana) for row in speed} <= set(names)
+    results = {(model.lstrip("| "), row): result.strip(" |") for model, row, *_, result in rows}
+    refused_on_cpu = {"cuda CUDA graphs": "skipped: capture_cuda_graphs", "cuda fp8": "skipped: enable_fp8"}
+    for (model, row), result in results.items():
+        assert result.startswith(refused_on_cpu.get(row, "ok")), (model, row, result)
+    assert all(float(row[3]) == 0.0 for row in rows if row[1] == "cuda overlapped decode")  # exact
 
 
 def test_recorded_gpu_runs_render_into_the_benchmarks_page():
