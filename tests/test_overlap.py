@@ -7,6 +7,8 @@ refusals) is the same code on every device and is specified here.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from tiny_components import tiny_vae
@@ -139,6 +141,17 @@ def test_state_with_a_pending_chunk_resumes_without_losing_or_repeating_a_chunk(
     resumed.load_state_dict(state)
     handed += [resumed.submit(chunks[3]), resumed.result()]
     assert [frames.shape[2] for frames in handed] == [frames.shape[2] for frames in serial_frames]
+    for ours, serial in zip(handed, serial_frames, strict=True):
+        assert torch.equal(ours, serial)
+
+
+def test_decode_ahead_resumed_mid_video_goes_on_where_the_saved_stream_was(vae, serial_frames):
+    chunks = latent_chunks()
+    first = OverlappedDecoder(StreamingWanDecoder(vae, denormalize=True), "cpu")
+    handed = list(itertools.islice(decode_ahead(iter(chunks[:3]), first), 2))  # chunk 2 decoded, not handed back
+    resumed = OverlappedDecoder(StreamingWanDecoder(vae, denormalize=True), "cpu")
+    resumed.load_state_dict(first.state_dict())
+    handed += list(decode_ahead(iter(chunks[3:]), resumed))
     for ours, serial in zip(handed, serial_frames, strict=True):
         assert torch.equal(ours, serial)
 

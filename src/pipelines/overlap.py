@@ -205,12 +205,13 @@ class OverlappedDecoder:
 def decode_ahead(latent_chunks: Iterable[torch.Tensor], decoder: OverlappedDecoder) -> Iterator[torch.Tensor]:
     """Each chunk's frames, in order, with chunk k's decode overlapping the production of chunk k + 1.
 
-    The first chunk is decoded and handed back at once (the time to the first frame stays that of a serial
-    loop); from then on each chunk's frames come back once the next chunk's latents exist, and the last when
-    `latent_chunks` ends. Pulling the next latent chunk is what queues the next denoise: keep the producer free
-    of host syncs (`.item()`, `bool(tensor)`) to let the two streams overlap.
+    A video's first chunk is decoded and handed back at once (the time to the first frame stays that of a
+    serial loop); from then on each chunk's frames come back once the next chunk's latents exist, and the last
+    when `latent_chunks` ends. A decoder resumed mid-video (`load_state_dict`, maybe with a pending chunk) goes
+    on where it was. Pulling the next latent chunk is what queues the next denoise: keep the producer free of
+    host syncs (`.item()`, `bool(tensor)`) to let the two streams overlap.
     """
-    first = True
+    first = decoder.latent_frames_decoded == 0 and not decoder.has_pending
     for latents in latent_chunks:
         if first:
             yield decoder.decode(latents)
