@@ -11,6 +11,14 @@ fails or differs by more than its tolerance:
                                       is small and has no offload)
   cuda model_cpu_offload vs cuda      the same arithmetic, hooks only: atol 1e-5
   cuda bfloat16 vs cuda float32       reported (bf16 rounding drifts over a long video), finite required
+  cuda CUDA graphs vs cuda float32    `capture_cuda_graphs` (inductor + graph replay): atol 2e-3 (fused kernels)
+  cuda fastest attention vs bfloat16  `fastest_attention_backend`'s kernel in bf16: reported, finite required
+  cuda fp8 vs cuda bfloat16           `enable_fp8` (float8 linears): reported, finite required
+  cuda overlapped decode vs serial    `OverlappedDecoder` on a side stream while the main stream is busy, random
+                                      latents through the model's own decoder: exact (atol 0)
+
+On the CPU (dry run) the overlapped decode runs its synchronous path, attention "native", and CUDA graphs and
+fp8 report their refusal as "skipped".
 
     python benchmarks/gpu_checks.py              # one GPU, under a minute
     python benchmarks/gpu_checks.py --dry-run    # every row on the CPU (CI: the script itself works)
@@ -29,6 +37,13 @@ import torch
 from _common import markdown_table, require_cuda_unless_dry_run
 
 from rolldiff.defaults import embedded_models, frames_for_seconds, load_pipeline, pipeline_class
+from rolldiff.pipelines.acceleration import (
+    capture_cuda_graphs,
+    enable_fp8,
+    fastest_attention_backend,
+    set_attention_backend,
+)
+from rolldiff.pipelines.overlap import OverlappedDecoder, decode_ahead
 
 PROMPT = "a red circle moving right"
 SEED = 0
@@ -43,22 +58,56 @@ class Check:
     seconds: float = 0.0
     max_diff: float = float("nan")
     error: str = ""
+    skipped: str = ""  # a technique's own refusal on this device (CUDA graphs or fp8 on a CPU)
 
     @property
     def passed(self) -> bool:
-        return not self.error and (self.atol is None or self.max_diff <= self.atol)
+        return bool(self.skipped) or (not self.error and (self.atol is None or self.max_diff <= self.atol))
 
 
 def generate(model: str, device: str, dtype: str, seconds: float, offload: str | None = None) -> np.ndarray:
-    """The video of `PROMPT` as `(frames, H, W, 3)` float32 in [0, 1]."""
+    """The video of `PROMPT` as `(frames, H, W, 3)` float32 in [0, 1]; `offload` also names a speed switch
+    ("cuda-graphs", "attention", "fp8") applied to the transformer after loading."""
     pipe = load_pipeline(model, device="cpu" if offload == "model" else device, dtype=dtype)
     if offload == "model":
         pipe.enable_model_cpu_offload(device=device)
+    apply_speed_switch(pipe.transformer, offload, device)
     num_frames = frames_for_seconds(pipe, seconds, 16)
     generator = torch.Generator("cpu").manual_seed(SEED)
     options = {"kv_offload": True} if offload == "kv" else {}
     frames = pipe(PROMPT, num_frames=num_frames, generator=generator, **options).frames
     return np.asarray(frames[0], dtype=np.float32)
+
+
+def apply_speed_switch(transformer: torch.nn.Module, switch: str | None, device: str) -> None:
+    if switch == "cuda-graphs":
+        capture_cuda_graphs(transformer)
+    elif switch == "attention":
+        set_attention_backend(transformer, fastest_attention_backend(device))
+    elif switch == "fp8" and not enable_fp8(transformer):
+        raise ValueError("enable_fp8 (--fp8) found no 16-aligned linear layer in this model's blocks")
+
+
+def overlap_difference(model: str, device: str, chunks: int = 4) -> float:
+    """Max |overlapped - serial| over `chunks` random latent chunks decoded by the model's own decoder; the
+    main stream runs a matmul chain before each chunk exists, so the side stream races real work."""
+    pipe = load_pipeline(model, device=device, dtype="float32")
+    generator = torch.Generator("cpu").manual_seed(SEED)
+    channels = pipe.transformer.config.out_channels
+    latents = [torch.randn(1, channels, 1 if i == 0 else 3, 8, 8, generator=generator) for i in range(chunks)]
+    decoder = pipe.make_decoder()
+    serial = [decoder.decode(chunk.to(device)) for chunk in latents]
+    side = 2048 if device.startswith("cuda") else 32  # on a CPU only the order matters, not the race
+    busy = torch.randn(side, side, device=device)
+
+    def produced():
+        for chunk in latents:
+            for _ in range(8):
+                busy.copy_(torch.tanh(busy @ busy))  # main-stream work queued before the chunk exists
+            yield chunk.to(device) + 0.0 * busy[0, 0]
+
+    overlapped = list(decode_ahead(produced(), OverlappedDecoder(pipe.make_decoder(), device)))
+    return max(float((a - b).abs().max()) for a, b in zip(overlapped, serial, strict=True))
 
 
 def accepts_kv_offload(model: str) -> bool:
@@ -79,22 +128,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def run_check(check: Check, rows: dict, videos: dict[str, np.ndarray], seconds: float) -> None:
+    """Generate the row's video and its reference's (each once per model) and compare them, in place."""
+    model, name, reference = check.model, check.name, check.reference
+    try:
+        if name == "cuda overlapped decode":
+            start = time.perf_counter()
+            check.max_diff = overlap_difference(model, rows[name][0])
+            check.seconds = time.perf_counter() - start
+            return
+        for row in (reference, name):
+            if row not in videos:
+                start = time.perf_counter()
+                videos[row] = generate(model, *rows[row][:2], seconds, rows[row][2])
+                check.seconds = time.perf_counter() - start
+        video, expected = videos[name], videos[reference]
+        if not np.isfinite(video).all():
+            raise FloatingPointError("non-finite frames")
+        check.max_diff = float(np.abs(video - expected).max())
+    except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others; the exit status says it
+        message = str(exc).splitlines()[0][:160] if str(exc) else ""
+        if "--cuda-graphs" in message or "--fp8" in message:
+            check.skipped = message
+        else:
+            check.error = f"{type(exc).__name__}: {message}"
+    finally:
+        torch.compiler.reset()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     gpu = "cpu" if args.dry_run else "cuda"
-    # row name -> (device, dtype, offload); the reference rows come first
+    # row name -> (device, dtype, offload or speed switch); the reference rows come first
     rows = {
         "cpu float32": ("cpu", "float32", None),
         "cuda float32": (gpu, "float32", None),
         "cuda kv_offload": (gpu, "float32", "kv"),
         "cuda model_cpu_offload": (gpu, "float32", "model"),
         "cuda bfloat16": (gpu, "bfloat16", None),
+        "cuda CUDA graphs": (gpu, "float32", "cuda-graphs"),
+        "cuda fastest attention": (gpu, "bfloat16", "attention"),
+        "cuda fp8": (gpu, "bfloat16", "fp8"),
+        "cuda overlapped decode": (gpu, "float32", None),
     }
     plan = [
         ("cuda float32", "cpu float32", 2e-3),
         ("cuda kv_offload", "cuda float32", 1e-5),
         ("cuda model_cpu_offload", "cuda float32", 1e-5),
         ("cuda bfloat16", "cuda float32", None),
+        ("cuda CUDA graphs", "cuda float32", 2e-3),
+        ("cuda fastest attention", "cuda bfloat16", None),
+        ("cuda fp8", "cuda bfloat16", None),
+        ("cuda overlapped decode", "cuda serial decode", 0.0),
     ]
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -105,18 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             if rows[name][2] == "kv" and not accepts_kv_offload(model):
                 continue
             check = Check(model, name, reference, atol)
-            try:
-                for row in (reference, name):
-                    if row not in videos:
-                        start = time.perf_counter()
-                        videos[row] = generate(model, *rows[row][:2], args.seconds, rows[row][2])
-                        check.seconds = time.perf_counter() - start
-                video, expected = videos[name], videos[reference]
-                if not np.isfinite(video).all():
-                    raise FloatingPointError("non-finite frames")
-                check.max_diff = float(np.abs(video - expected).max())
-            except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others; the exit status says it
-                check.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+            run_check(check, rows, videos, args.seconds)
             checks.append(check)
             print(f"  {model} / {name}: {'ok' if check.passed else 'FAILED'}", flush=True)
     where = "CPU (dry run)" if args.dry_run else torch.cuda.get_device_name()
@@ -130,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{c.max_diff:.2e}",
             "reported" if c.atol is None else f"{c.atol:g}",
             f"{c.seconds:.1f}",
-            "ok" if c.passed else f"FAILED {c.error}".strip(),
+            f"skipped: {c.skipped}" if c.skipped else "ok" if c.passed else f"FAILED {c.error}".strip(),
         ]
         for c in checks
     ]

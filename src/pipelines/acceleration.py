@@ -1,0 +1,309 @@
+"""Speed switches for a loaded transformer: float8 linear layers, the fastest attention backend, CUDA graphs.
+
+Each switch changes how the same step runs, never what it computes beyond the stated rounding:
+
+- `enable_fp8`: torchao's float8 dynamic-activation / float8-weight quantization (per-row scales) of the
+  linear layers that run at every denoising step. Kept in the model's dtype: everything outside the block
+  stack (patch embedding, time and text embedders, `proj_out`) and the cross-attention K/V projections of the
+  text, which run once per prompt (their K/V live in the cache). Layers whose sides are not multiples of 16
+  (the float8 GEMM's alignment) are kept too, by name, rather than skipped silently as torchao would.
+- `fastest_attention_backend` / `set_attention_backend`: diffusers' attention dispatcher. Offered: exact
+  backends only (FA3, flash-attn 2, cuDNN, torch's own SDPA kernels); lossy ones (Sage, int8) and those that
+  download kernels at run time (`*_hub`) are not.
+- `capture_cuda_graphs`: the cached step under `torch.compile(mode="reduce-overhead")`, i.e. inductor's CUDA
+  graph trees. Replay is valid because every tensor the step writes or reads across calls has a fixed
+  address: the cache's ring buffers and device counters are registered `nn.Module` buffers, allocated once and
+  written in place (`commit`, eviction and `reset()` never reallocate), which dynamo marks as static inputs; the
+  per-call inputs (latents, timestep, text) are copied into the graph's own input buffers. The step's shapes
+  never grow with the video and the only host-side guard is "window full", so a stream records 2 graphs (window
+  filling, window full) and never re-captures as the video grows. A graph's outputs are overwritten by its next
+  replay, so the returned velocity is cloned (a chunk-sized copy) before the next call can run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
+FP8_ALIGNMENT = 16  # torch._scaled_mm needs both sides of the weight to be multiples of 16
+# Cross-attention projections of the text: run once per prompt, their K/V are kept in the cache.
+TEXT_KV_PROJECTIONS = ("attn2.to_k", "attn2.to_v", "attn2.add_k_proj", "attn2.add_v_proj")
+# Fastest first. Exact kernels only; every one takes the (batch, tokens, heads, head_dim) layout.
+ATTENTION_PREFERENCE = ("_flash_3", "flash", "_native_cudnn", "native")
+OFFERED_BACKENDS = (*ATTENTION_PREFERENCE, "_native_flash", "_native_efficient", "_native_math")
+MASK_FREE_BACKENDS = frozenset({"_flash_3", "flash", "_native_flash"})  # raise on an attention mask
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def transformer_device(transformer: nn.Module) -> torch.device:
+    """The device of the transformer's first parameter (where its matmuls run)."""
+    try:
+        return next(transformer.parameters()).device
+    except StopIteration:
+        raise ValueError("The transformer has no parameters; load its weights first.") from None
+
+
+def cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """`(major, minor)` compute capability of a CUDA device, None for any other device."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+# ----------------------------------------------------------------------------------------- fp8
+def fp8_linear_names(transformer: nn.Module) -> list[str]:
+    """Qualified names of the `nn.Linear` layers `enable_fp8` converts, in module order.
+
+    Selected: linear layers inside the block stack (the children of the transformer's top-level
+    `nn.ModuleList`s, e.g. `blocks.3.ffn.net.0.proj`), except the text K/V projections of cross-attention
+    (`TEXT_KV_PROJECTIONS`) and layers whose input or output size is not a multiple of 16.
+    """
+    names = []
+    for stack_name, stack in transformer.named_children():
+        if not isinstance(stack, nn.ModuleList):
+            continue
+        for name, module in stack.named_modules(prefix=stack_name):
+            if isinstance(module, nn.Linear) and not name.endswith(TEXT_KV_PROJECTIONS) and _fp8_aligned(module):
+                names.append(name)
+    return names
+
+
+def _fp8_aligned(linear: nn.Linear) -> bool:
+    return linear.in_features % FP8_ALIGNMENT == 0 and linear.out_features % FP8_ALIGNMENT == 0
+
+
+def fp8_refusal(device: torch.device, capability: tuple[int, int] | None, dtype: torch.dtype) -> str | None:
+    """Why float8 linear layers cannot run for this device / weights dtype (None: they can).
+
+    Args:
+        device: where the transformer's weights are.
+        capability: its CUDA compute capability, None when it is not a CUDA device.
+        dtype: the dtype of the layers to convert (per-row float8 scales are computed from bfloat16 weights).
+    """
+    why = "enable_fp8 (--fp8): float8 matmuls need an NVIDIA GPU of compute capability >= 8.9 (Ada, Hopper, "
+    if capability is None:
+        return why + f"Blackwell); the transformer is on {device}. Run without --fp8, or move it to such a GPU."
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        return why + f"Blackwell); {device} has {capability[0]}.{capability[1]}. Run without --fp8."
+    if dtype != torch.bfloat16:
+        return (
+            f"enable_fp8 (--fp8): the linear layers are {dtype}; float8 with per-row scales converts bfloat16 "
+            "weights. Load the pipeline with dtype='bfloat16' (torch_dtype=torch.bfloat16) first."
+        )
+    return None
+
+
+def enable_fp8(transformer: nn.Module) -> bool:
+    """Quantize the per-step linear layers (`fp8_linear_names`) to float8, in place; True if any was converted.
+
+    Activations are quantized dynamically (per row, at every call) and weights once (per row), with
+    `Float8DynamicActivationFloat8WeightConfig`; the matmul is `torch._scaled_mm` with bfloat16 output. Fast
+    only compiled (`torch.compile` fuses the activation quantization into the preceding kernel). Apply after
+    loading and before compiling; a converted model is for inference, not for `save_pretrained`. torchao's
+    `set_inductor_config` is off, so no global inductor flag is changed (its coordinate-descent tuning would
+    multiply the compile time).
+
+    Raises:
+        RuntimeError: on a CPU or a GPU without float8 tensor cores, for non-bfloat16 weights, or when torchao
+            is not installed; before anything is changed.
+    """
+    names = fp8_linear_names(transformer)
+    device = transformer_device(transformer)
+    dtype = transformer.get_submodule(names[0]).weight.dtype if names else torch.bfloat16
+    refusal = fp8_refusal(device, cuda_capability(device), dtype)
+    if refusal is not None:
+        raise RuntimeError(refusal)
+    config = _fp8_config()
+    if not names:
+        return False
+    from torchao.quantization import quantize_
+
+    selected = set(names)
+    quantize_(transformer, config, filter_fn=lambda module, name: name in selected)
+    return True
+
+
+def torchao_installed() -> bool:
+    return importlib.util.find_spec("torchao") is not None
+
+
+def _fp8_config():
+    """torchao's float8 config, or a RuntimeError saying how to install it."""
+    if not torchao_installed():
+        raise RuntimeError("enable_fp8 (--fp8) needs torchao: `pip install torchao` (0.10 or newer).")
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
+    except ImportError as exc:
+        raise RuntimeError(
+            f"enable_fp8 (--fp8): the installed torchao has no Float8DynamicActivationFloat8WeightConfig ({exc}); "
+            "`pip install -U torchao`."
+        ) from None
+    return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+
+
+# ----------------------------------------------------------------------------------------- attention
+def available_attention_backends(device: torch.device | str) -> list[str]:
+    """The offered attention backends that can run on `device`, fastest first where known."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ["native", "_native_math"]
+    from diffusers.utils import is_flash_attn_3_available, is_flash_attn_available
+
+    capability = torch.cuda.get_device_capability(device)
+    usable = {"native": True, "_native_math": True, "_native_efficient": True}
+    usable["_native_flash"] = capability >= (8, 0)
+    cudnn_version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    usable["_native_cudnn"] = capability >= (8, 0) and (cudnn_version or 0) >= 90000
+    usable["flash"] = capability >= (8, 0) and is_flash_attn_available()
+    usable["_flash_3"] = capability[0] == 9 and is_flash_attn_3_available()  # FA3 is Hopper-only
+    return [name for name in OFFERED_BACKENDS if usable[name]]
+
+
+def fastest_attention_backend(device: torch.device | str) -> str:
+    """The first usable of FA3 (Hopper), flash-attn 2, cuDNN (compute capability >= 9.0), torch's SDPA.
+
+    cuDNN's fused attention is preferred over torch's default only on Hopper and newer, where it is the faster
+    kernel; before that torch's own flash kernel (what "native" picks without a mask) is as fast.
+    """
+    device = torch.device(device)
+    available = available_attention_backends(device)
+    capability = cuda_capability(device)
+    for name in ATTENTION_PREFERENCE:
+        if name == "_native_cudnn" and (capability is None or capability < (9, 0)):
+            continue
+        if name in available:
+            return name
+    return "native"
+
+
+def set_attention_backend(transformer: nn.Module, name: str) -> None:
+    """Run every attention of `transformer` through diffusers' backend `name` (an offered one for its device).
+
+    Uses `transformer.set_attention_backend`, which also makes `name` diffusers' process-wide active backend
+    (what processors with no backend of their own use). Backends in `MASK_FREE_BACKENDS` raise on a masked
+    call: a cached step passes a mask only while the window fills under `torch.compile`, or with
+    `attention_bias != 1`; `attention_backend_for(backend, masked=True)` gives the processor a masked fallback.
+
+    Raises:
+        ValueError: for a name that is not offered, or not usable on the transformer's device (the message lists
+            the usable ones).
+    """
+    device = transformer_device(transformer)
+    available = available_attention_backends(device)
+    if name not in available:
+        why = "is not an offered attention backend" if name not in OFFERED_BACKENDS else f"cannot run on {device}"
+        raise ValueError(
+            f"attention backend {name!r} {why}; usable on {device}: {', '.join(available)} "
+            "(FA3 needs the flash_attn_3 package on a Hopper GPU, 'flash' the flash-attn package)."
+        )
+    transformer.set_attention_backend(name)
+
+
+def attention_backend_for(backend: Any, masked: bool) -> Any:
+    """The backend a processor should call: `backend` itself, or torch's SDPA for a masked call that a
+    mask-free kernel (flash-attn 2/3, torch's flash) would refuse. `backend` is a name, an
+    `AttentionBackendName` or None (the active one)."""
+    value = getattr(backend, "value", backend)
+    if masked and value in MASK_FREE_BACKENDS:
+        from diffusers.models.attention_dispatch import AttentionBackendName
+
+        return AttentionBackendName.NATIVE
+    return backend
+
+
+def attention_accepts_mask(name: str, device: torch.device | str) -> bool:
+    """Whether backend `name` runs a masked attention on `device` (a tiny bf16 call through the dispatcher).
+
+    A compiled cached step attends with a mask while the window fills; a backend that refuses masks can then
+    only serve an eager step (or a processor that falls back with `attention_backend_for`).
+    """
+    if name in MASK_FREE_BACKENDS:
+        return False
+    from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    query = torch.randn(1, 8, 2, 64, device=device, dtype=dtype)  # (batch, tokens, heads, head_dim)
+    mask = torch.ones(1, 1, 8, 8, device=device, dtype=torch.bool).tril()
+    try:
+        dispatch_attention_fn(query, query, query, attn_mask=mask, backend=AttentionBackendName(name))
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------- CUDA graphs
+@dataclasses.dataclass
+class CompiledStep:
+    """The callable `compile_cached_step` installs as `transformer.forward`: the compiled forward, with its
+    outputs cloned when graph replays would overwrite them."""
+
+    compiled: Callable[..., Any]
+    clone: bool
+    mode: str | None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.compiled(*args, **kwargs)
+        return clone_outputs(out) if self.clone else out
+
+
+def clone_outputs(out: Any) -> Any:
+    """`out` with every tensor cloned: a tensor, a tuple / list of them, or a diffusers `BaseOutput`."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, (tuple, list)):
+        return type(out)(clone_outputs(item) for item in out)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        fields = {field.name: clone_outputs(getattr(out, field.name)) for field in dataclasses.fields(out)}
+        return dataclasses.replace(out, **fields)
+    return out
+
+
+def compile_cached_step(
+    transformer: nn.Module, *, backend: Any = "inductor", mode: str | None = None, fullgraph: bool = True
+) -> CompiledStep:
+    """Compile `transformer.forward` (the cached step) in place; returns the installed `CompiledStep`.
+
+    Args:
+        backend: a `torch.compile` backend ("inductor"; "eager" or a `CompileCounter` to count graphs).
+        mode: `torch.compile`'s mode; "reduce-overhead" (inductor) records CUDA graphs and clones the outputs.
+        fullgraph: one graph per guard set, no graph breaks (the step is written to trace whole).
+    """
+    if isinstance(transformer.forward, CompiledStep):
+        raise RuntimeError("The transformer's forward is compiled already; load a fresh transformer to recompile.")
+    options = {"mode": mode} if mode not in (None, "default") else {}
+    compiled = torch.compile(transformer.forward, backend=backend, fullgraph=fullgraph, **options)
+    step = CompiledStep(compiled, clone=mode == "reduce-overhead", mode=mode)
+    transformer.forward = step  # nn.Module.__call__ runs hooks, then this
+    return step
+
+
+def capture_cuda_graphs(transformer: nn.Module) -> CompiledStep:
+    """Run the cached step as replayed CUDA graphs (`torch.compile(fullgraph=True, mode="reduce-overhead")`).
+
+    Graphs are recorded at the first calls (a stream's first chunks: one graph while the window fills, one once
+    it is full) and replayed from then on. One stream per transformer: another stream's cache has other buffer
+    addresses, so alternating streams would re-record at every switch (serve concurrent streams with a plain
+    `compile_cached_step`). The cache must be compileable (not `kv_offload`).
+
+    Raises:
+        ValueError: when the transformer is not on a CUDA device (on the CPU use `compile_cached_step`, the CLI's
+            `--compile`: a silent fallback would make a "CUDA graphs" row or claim untrue), or when its weights
+            are moved by offload hooks (a graph needs them resident).
+    """
+    device = transformer_device(transformer)
+    if device.type != "cuda":
+        raise ValueError(
+            f"capture_cuda_graphs (--cuda-graphs): CUDA graphs need the transformer on a CUDA device; it is on "
+            f"{device}. Use compile_cached_step(transformer) (--compile) instead."
+        )
+    if getattr(transformer, "_hf_hook", None) is not None:
+        raise ValueError(
+            "capture_cuda_graphs (--cuda-graphs): the transformer has offload hooks (enable_model_cpu_offload or "
+            "a device_map); a CUDA graph replays fixed weight addresses. Load it without offloading."
+        )
+    return compile_cached_step(transformer, backend="inductor", mode="reduce-overhead", fullgraph=True)
