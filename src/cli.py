@@ -188,6 +188,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-offload", action="store_true", default=None, help="keep the K/V window in CPU memory between blocks"
     )
     generate.add_argument(
+        "--fp8",
+        action="store_true",
+        help="float8 weights and activations for the linear layers (torchao; CUDA, sm 8.9+)",
+    )
+    generate.add_argument(
+        "--attention-backend",
+        metavar="NAME",
+        help="diffusers attention backend (flash, _flash_3, _native_cudnn, native, ...) or 'fastest' for the device",
+    )
+    generate.add_argument(
+        "--cuda-graphs", action="store_true", help="replay the compiled cached step as CUDA graphs (implies --compile)"
+    )
+    generate.add_argument(
+        "--overlap-decode", action="store_true", help="decode chunk k on a side stream while chunk k+1 denoises (CUDA)"
+    )
+    generate.add_argument(
         "--tiny-vae",
         type=Path,
         metavar="PATH",
@@ -253,6 +269,35 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _accelerate(pipe, args: argparse.Namespace, device: str) -> None:
+    """--fp8, --attention-backend, --cuda-graphs / --compile, in that order (fp8 before compiling); a refusal
+    (no CUDA, no torchao, an unknown backend) is a usage error naming the flag."""
+    from .pipelines.acceleration import (
+        capture_cuda_graphs,
+        enable_fp8,
+        fastest_attention_backend,
+        set_attention_backend,
+    )
+
+    flag = "--fp8"
+    try:
+        if args.fp8:
+            enable_fp8(pipe.transformer)
+        flag = "--attention-backend"
+        if args.attention_backend:
+            name = args.attention_backend
+            set_attention_backend(pipe.transformer, fastest_attention_backend(device) if name == "fastest" else name)
+        flag = "--cuda-graphs"
+        if args.cuda_graphs:
+            if args.kv_offload:
+                raise ValueError("CUDA graphs need the cache's buffers on the GPU; drop --kv-offload")
+            capture_cuda_graphs(pipe.transformer)
+        elif args.compile:  # one graph while the window fills, one once it is full; compiled at the first chunks
+            pipe.transformer.compile(fullgraph=True, backend=args.compile)
+    except (ValueError, RuntimeError, ImportError) as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+
+
 def _start_image(path: Path | None):
     """`--image` read as an RGB picture, or a usage error naming the file."""
     if path is None:
@@ -286,8 +331,7 @@ def run_generate(args: argparse.Namespace) -> int:
             pipe.load_tiny_autoencoder(args.tiny_vae)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--tiny-vae: {exc}") from None
-    if args.compile:  # one graph while the window fills, one once it is full; compiled at the first chunks
-        pipe.transformer.compile(fullgraph=True, backend=args.compile)
+    _accelerate(pipe, args, device)
     native_height, native_width = native_size(pipe)
     height, width = args.height or native_height, args.width or native_width
     recipe = get_recipe(args.recipe).settings if args.recipe else {}
@@ -306,6 +350,7 @@ def run_generate(args: argparse.Namespace) -> int:
         video=None if args.video is None else str(args.video),
         strength=args.strength,
         recipe=args.recipe,
+        overlap_decode=args.overlap_decode,
     )
     try:
         with warnings.catch_warnings(record=True) as caught:

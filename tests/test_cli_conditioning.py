@@ -69,3 +69,22 @@ def test_generate_takes_a_recipe_and_refuses_one_of_another_pipeline(tmp_path, c
     assert _read(out).shape[0] > 0
     assert main([*BASE, "--recipe", "longsana", "--out", str(out)]) == 2  # the embedded model is Krea-like
     assert "`recipe` must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--fp8"], "--fp8"),
+        (["--cuda-graphs"], "--cuda-graphs"),
+        (["--attention-backend", "warp9"], "--attention-backend"),
+    ],
+)
+def test_gpu_flags_on_a_cpu_are_refused_naming_the_flag(tmp_path, capsys, flags, message):
+    assert main([*BASE, *flags, "--device", "cpu", "--out", str(tmp_path / "video.mp4")]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_overlap_decode_and_the_fastest_backend_run_on_a_cpu(tmp_path):
+    out = tmp_path / "video.mp4"
+    assert main([*BASE, "--overlap-decode", "--attention-backend", "fastest", "--out", str(out)]) == 0
+    assert _read(out).shape[0] > 0

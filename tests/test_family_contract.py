@@ -210,3 +210,20 @@ def test_docs_list_exactly_the_hooks_of_the_contract():
     for name in [*TRANSFORMER_METHODS, *PIPELINE_HOOKS]:
         assert f"`{name}(" in text, f"docs/model_families.md does not list `{name}`"
         assert hasattr(VideoTransformer if name in TRANSFORMER_METHODS else ChunkedVideoPipeline, name), name
+
+
+@torch.no_grad()
+def test_an_overlapped_decode_gives_the_serial_frames_and_resumes(pipe, tmp_path):
+    """`overlap_decode=True` (a side stream on CUDA, in place here): the same frames in the same order, and a state
+    saved one chunk ahead of the frames handed out (the pending decode travels with it) resumes exactly."""
+    serial = list(pipe.stream(PROMPT, _frames(pipe), generator=_seed()))
+    overlapped = pipe.stream(PROMPT, _frames(pipe), generator=_seed(), overlap_decode=True)
+    first = [next(overlapped), next(overlapped)]
+    save_state(tmp_path / "s.safetensors", RunState({}, 0, overlapped.state_dict()))
+    rest = list(overlapped)
+    for made, expected in zip([*first, *rest], serial, strict=True):
+        np.testing.assert_array_equal(made, expected)
+    resumed = pipe.stream(PROMPT, _frames(pipe), generator=_seed(), overlap_decode=True)
+    resumed.load_state_dict(load_state(tmp_path / "s.safetensors").stream)
+    for made, expected in zip(resumed, serial[2:], strict=True):
+        np.testing.assert_array_equal(made, expected)

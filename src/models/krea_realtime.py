@@ -44,6 +44,7 @@ from diffusers.models.transformers.transformer_wan import (
 
 from ..caching import CrossAttentionLayer, RollingKVCache, SlidingWindowLayer
 from ..caching.layout import POSITION_MODES, ChunkLayout
+from .attention_backends import attention_backend_for
 from .call_context import CallContextSlot, bind_call_context
 from .patch_grid import tokens_per_latent_frame
 from .placement import block_devices
@@ -234,7 +235,9 @@ class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
         return attn.to_out[1](attn.to_out[0](out))
 
     def _attend(self, query, key, value, mask: torch.Tensor | None) -> torch.Tensor:
-        return dispatch_attention_fn(query, key, value, attn_mask=mask, backend=self._attention_backend)
+        # a mask-free kernel (flash-attn 2/3) cannot take the filling window's mask: SDPA for that call
+        backend = attention_backend_for(self._attention_backend, masked=mask is not None)
+        return dispatch_attention_fn(query, key, value, attn_mask=mask, backend=backend)
 
     def _cached(self, query, key, value, layer: SlidingWindowLayer, inputs: CausalAttentionInputs) -> torch.Tensor:
         num_tokens = query.shape[1]

@@ -30,6 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..models.attention_backends import MASK_FREE_BACKENDS as MASK_FREE_BACKENDS  # re-exported
+from ..models.attention_backends import attention_backend_for as attention_backend_for  # re-exported
+
 FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
 FP8_ALIGNMENT = 16  # torch._scaled_mm needs both sides of the weight to be multiples of 16
 # Cross-attention projections of the text: run once per prompt, their K/V are kept in the cache.
@@ -37,7 +40,6 @@ TEXT_KV_PROJECTIONS = ("attn2.to_k", "attn2.to_v", "attn2.add_k_proj", "attn2.ad
 # Fastest first. Exact kernels only; every one takes the (batch, tokens, heads, head_dim) layout.
 ATTENTION_PREFERENCE = ("_flash_3", "flash", "_native_cudnn", "native")
 OFFERED_BACKENDS = (*ATTENTION_PREFERENCE, "_native_flash", "_native_efficient", "_native_math")
-MASK_FREE_BACKENDS = frozenset({"_flash_3", "flash", "_native_flash"})  # raise on an attention mask
 
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -201,18 +203,6 @@ def set_attention_backend(transformer: nn.Module, name: str) -> None:
             "(FA3 needs the flash_attn_3 package on a Hopper GPU, 'flash' the flash-attn package)."
         )
     transformer.set_attention_backend(name)
-
-
-def attention_backend_for(backend: Any, masked: bool) -> Any:
-    """The backend a processor should call: `backend` itself, or torch's SDPA for a masked call that a
-    mask-free kernel (flash-attn 2/3, torch's flash) would refuse. `backend` is a name, an
-    `AttentionBackendName` or None (the active one)."""
-    value = getattr(backend, "value", backend)
-    if masked and value in MASK_FREE_BACKENDS:
-        from diffusers.models.attention_dispatch import AttentionBackendName
-
-        return AttentionBackendName.NATIVE
-    return backend
 
 
 def attention_accepts_mask(name: str, device: torch.device | str) -> bool:

@@ -43,6 +43,7 @@ from .request import (
     check_context_policy,
     check_embeds,
     check_first_frame,
+    check_flag,
     check_generator,
     check_guidance_scale,
     check_latents,
@@ -118,6 +119,9 @@ _ARGUMENTS = """
             image_mode: "chunk" (default; Krea: the image repeated over the first chunk) or "frame" (Self-Forcing /
                 CausVid: the image's single latent frame is the first committed context; `num_frames` then takes
                 one latent frame and whole chunks).
+            overlap_decode: on CUDA, decode chunk k on a side stream while chunk k + 1 denoises (frames still come
+                in order, equal to the serial decode; each arrives once the next chunk's latents exist, the first at
+                once). Decodes in place on other devices.
             video: an input video (video-to-video), streamed chunk by chunk: a file path, an `(F, H, W, 3)` array,
                 or any iterator of frames (endless included, e.g. a webcam). The output ends with the input.
             strength: how much of each input chunk is replaced, in (0, 1] (default 0.8, diffusers'); of the N
@@ -246,6 +250,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         video: Any = None,
         strength: float | None = None,
         image_mode: str | None = None,
+        overlap_decode: bool = False,
         recipe: str | None = None,
         sigma_mapping: str | None = None,
         sigmas: Sequence[float] | None = None,
@@ -335,6 +340,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             context_policy=check_context_policy(settings["context_policy"] or "rolling"),
             recompute_first_frame=check_first_frame(settings["recompute_first_frame"] or "keep"),
             recache_mode=check_recache(settings["recache"] or "causal"),
+            overlap_decode=check_flag("overlap_decode", overlap_decode),
             prompt_blend_chunks=check_blend_chunks(settings["prompt_blend_chunks"] or 1),
             recipe=settings["recipe"],
         )
@@ -478,6 +484,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         video: Any = None,
         strength: float | None = None,
         image_mode: str | None = None,
+        overlap_decode: bool = False,
         recipe: str | None = None,
         sigma_mapping: str | None = None,
         sigmas: Sequence[float] | None = None,
@@ -526,6 +533,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             video=video,
             strength=strength,
             image_mode=image_mode,
+            overlap_decode=overlap_decode,
             recipe=recipe,
             sigma_mapping=sigma_mapping,
             sigmas=sigmas,

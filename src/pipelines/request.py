@@ -139,6 +139,7 @@ class VideoRequest:
     callback_tensor_inputs: tuple[str, ...] = ("latents",)
     conditioning: Conditioning | None = None  # a start image or an input video (`rolldiff.pipelines.conditioning`)
     context_policy: str = "rolling"  # "recompute": each chunk rebuilds its context in one t = 0 pass (Krea)
+    overlap_decode: bool = False  # decode chunk k on a side stream while chunk k + 1 denoises (CUDA)
     recache_mode: str = "causal"  # after a prompt switch: "causal" (chunk by chunk) or "longlive" (one pass)
     recompute_first_frame: str = "keep"  # "reencode": Krea's first context frame re-encoded from decoded pixels
     prompt_blend_chunks: int = 1  # a prompt switch blends the embeddings over this many chunks (Krea: 4)
@@ -200,6 +201,14 @@ def check_context_policy(policy: Any) -> str:
 
 
 RECACHE_MODES = ("causal", "longlive")
+
+
+def check_flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+    return value
+
+
 FIRST_FRAME_RULES = ("keep", "reencode")
 
 

@@ -30,6 +30,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 from .conditioning import ConditioningInput, strength_steps
+from .overlap import OverlappedDecoder, decode_ahead
 from .request import VideoRequest, check_embeds
 from .steps import StepPlan
 
@@ -76,6 +77,7 @@ class ChunkStream(Iterator[Any]):
         self._decoder = None
         self._inputs: ConditioningInput | None = None  # a start image or an input video, with its encoder
         self._progress = None
+        self._overlapped: Iterator[torch.Tensor] | None = None  # frames, one chunk behind (`overlap_decode`)
         self._scheduler = FlowMatchEulerDiscreteScheduler.from_config(
             pipe.scheduler.config, stochastic_sampling=True, use_dynamic_shifting=False
         )  # its own: concurrent streams never share step counters
@@ -208,6 +210,10 @@ class ChunkStream(Iterator[Any]):
         self._recent = torch.zeros((*chunk_shape[:2], 0, *chunk_shape[3:]), device=device, dtype=dtype)
         reencodes = request.context_policy == "recompute" and request.recompute_first_frame == "reencode"
         self._decoder = pipe.make_decoder() if request.output_type != "latent" or reencodes else None
+        if request.overlap_decode and self._decoder is not None and request.output_type != "latent":
+            # chunk k decodes on a side stream while chunk k + 1 denoises (CUDA; decodes in place elsewhere)
+            self._decoder = OverlappedDecoder(self._decoder, device)
+            self._overlapped = decode_ahead(self._latent_chunks(), self._decoder)
         if request.conditioning is not None:
             self._inputs = ConditioningInput(request.conditioning, pipe.make_encoder())
         self._caches, self._embeds = caches, embeds
@@ -219,7 +225,7 @@ class ChunkStream(Iterator[Any]):
         return self
 
     def __next__(self) -> Any:
-        if self._closed or self._next_chunk >= self.num_chunks:
+        if self._closed or (self._next_chunk >= self.num_chunks and self._overlapped is None):
             self.close()
             raise StopIteration
         with torch.no_grad():
@@ -227,12 +233,31 @@ class ChunkStream(Iterator[Any]):
             if self._progress is None:
                 self._progress = self._pipe.progress_bar(total=self.num_chunks)
                 self._progress.update(self._next_chunk)  # a resumed stream starts part-way
+            if self._overlapped is not None:
+                return self._next_overlapped()
             clean = self._generate_chunk()
-            if clean is None:  # interrupted (`pipe.interrupt = True`) before the chunk finished
+            if clean is None:  # interrupted (`pipe.interrupt = True`) before the chunk finished, or the input ended
                 self.close()
                 raise StopIteration
             self._progress.update()
             return self._emit(clean)
+
+    def _latent_chunks(self) -> Iterator[torch.Tensor]:
+        """The clean latents of every chunk still to come (for the overlapped decode)."""
+        while self._next_chunk < self.num_chunks:
+            clean = self._generate_chunk()
+            if clean is None:
+                return
+            self._progress.update()
+            yield clean
+
+    def _next_overlapped(self) -> Any:
+        video = next(self._overlapped, None)
+        if video is None:
+            self.close()
+            raise StopIteration
+        self._frames_emitted += video.shape[2]
+        return self._pipe.postprocess(video, self._request.output_type)
 
     def _generate_chunk(self) -> torch.Tensor | None:
         """Denoise, context-pass and commit the next chunk; its clean latents in the model's dtype (None: the
@@ -379,6 +404,8 @@ class ChunkStream(Iterator[Any]):
         self._closed = True
         if self._inputs is not None:
             self._inputs.close()
+        if isinstance(self._decoder, OverlappedDecoder):
+            self._decoder.drain()
         if self._progress is not None:
             self._progress.close()
         self._pipe.maybe_free_model_hooks()
