@@ -151,10 +151,10 @@ def test_the_form_checks_into_one_config_with_the_demos_defaults():
     assert GenerateFields(RED, 1, MAX_SEED, "sana").check(60).model == "sana"
 
 
-def test_the_forms_fields_are_the_generate_apis_arguments_in_the_pages_order():
+def test_the_forms_fields_are_the_generate_apis_arguments_the_input_fields_last():
     assert GenerateFields.names() == [
         "prompt", "seconds", "seed", "model", "chunk_frames", "sink_frames", "window_frames", "denoising_steps",
-        "position_mode",
+        "position_mode", "image", "video", "webcam", "strength",
     ]  # fmt: skip
 
 
