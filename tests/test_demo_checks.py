@@ -149,6 +149,11 @@ def test_a_bad_cache_field_is_named_by_its_label(fields, message):
 
 
 # ---------------------------------------------------------------------------------------- the input fields
+def _uploaded(path) -> dict:
+    """A file record as Gradio hands an upload over (with preprocessing off)."""
+    return {"path": str(path), "meta": {"_type": "gradio.FileData"}}
+
+
 @pytest.fixture
 def picture_file(tmp_path):
     path = tmp_path / "start.png"
@@ -157,20 +162,35 @@ def picture_file(tmp_path):
 
 
 def test_an_uploaded_start_image_is_read_now_as_rgb(picture_file):
-    for raw in ({"path": str(picture_file), "meta": {"_type": "gradio.FileData"}}, str(picture_file), picture_file):
+    for raw in (_uploaded(picture_file), str(picture_file), picture_file):
         image = parse_image(raw)
         assert image.mode == "RGB" and image.size == (6, 4)
         np.testing.assert_array_equal(np.asarray(image), np.arange(72, dtype=np.uint8).reshape(4, 6, 3))
     array = np.zeros((4, 6, 3), np.uint8)
     assert parse_image(array) is array  # a picture given from Python goes to the pipeline as it is
-    assert parse_image(None) is None and parse_image({"path": None}) is None and parse_image("") is None
+    assert parse_image(None) is None and parse_image("") is None
+
+
+def test_a_file_outside_the_upload_folder_is_refused_unread(picture_file, tmp_path):
+    """The page passes Gradio's upload folder: a record sent through the API could name any file on the server."""
+    uploads = tmp_path / "uploads"
+    uploads.mkdir()
+    inside = uploads / "start.png"
+    inside.write_bytes(picture_file.read_bytes())
+    assert parse_image(_uploaded(inside), uploads=str(uploads)).size == (6, 4)
+    for parse, label in ((parse_image, "Start image"), (parse_video, "Input video")):
+        for outside in (str(picture_file), str(uploads / ".." / "start.png")):
+            with pytest.raises(
+                DemoInputError, match=rf"^{label}: upload .*; '.*' is not a file uploaded to this demo"
+            ):
+                parse({"path": outside}, uploads=str(uploads))
 
 
 def test_a_start_image_that_is_not_a_picture_is_refused_naming_the_field(tmp_path):
     text = tmp_path / "notes.png"
     text.write_text("not a picture")
     with pytest.raises(DemoInputError, match=r"^Start image: 'notes.png' is not a picture PIL can read"):
-        parse_image({"path": str(text)})
+        parse_image(_uploaded(text))
     with pytest.raises(DemoInputError, match=r"^Start image: there is no file at '/no/such.png'; upload a picture"):
         parse_image("/no/such.png")
     with pytest.raises(DemoInputError, match=r"^Start image: upload a picture \(PNG, JPEG or WebP\), got 5\.$"):
@@ -180,9 +200,9 @@ def test_a_start_image_that_is_not_a_picture_is_refused_naming_the_field(tmp_pat
 def test_an_uploaded_video_is_its_path_and_a_missing_one_is_refused(tmp_path):
     clip = tmp_path / "clip.mp4"
     clip.write_bytes(b"")  # its contents are the pipeline's to check, as it decodes them
-    assert parse_video({"path": str(clip)}) == str(clip) and parse_video(None) is None
+    assert parse_video(_uploaded(clip)) == str(clip) and parse_video(None) is None
     with pytest.raises(DemoInputError, match=r"^Input video: there is no file at '/no/clip.mp4'; upload a video"):
-        parse_video({"path": "/no/clip.mp4"})
+        parse_video(_uploaded("/no/clip.mp4"))
     with pytest.raises(DemoInputError, match=r"^Input video: upload a video file \(mp4, webm, ...\), got \[1\]\.$"):
         parse_video([1])
 
@@ -219,8 +239,8 @@ def test_a_bad_strength_names_the_field_the_range_and_the_value(raw, message):
 )
 def test_an_image_and_a_video_together_are_refused_naming_both(picture_file, given, message):
     raw = dict(
-        image={"path": str(picture_file)} if given.get("image") else None,
-        video={"path": str(picture_file)} if given.get("video") else None,  # any file: the pipeline reads it
+        image=_uploaded(picture_file) if given.get("image") else None,
+        video=_uploaded(picture_file) if given.get("video") else None,  # any file: the pipeline reads it
         webcam=given.get("webcam", False),
     )
     with pytest.raises(DemoInputError) as refused:

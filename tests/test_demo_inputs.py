@@ -237,6 +237,7 @@ def test_an_uploaded_start_image_gives_the_pipelines_image_to_video(server, pipe
         (dict(video="mp4", webcam=True), "Input video and Webcam: give one of them, not both"),
         (dict(video="mp4", strength=0), "Strength: type a number above 0 and at most 1"),
         (dict(video="one-frame"), "`video` has 1 frames; one chunk needs 2"),  # the pipeline's check
+        (dict(image={"path": "/etc/hostname"}), "'/etc/hostname' is not a file uploaded to this demo"),
     ],
 )
 def test_bad_inputs_are_refused_through_the_api_before_any_work(server, model_calls, tmp_path, fields, message):

@@ -122,8 +122,12 @@ def prompt_notes(pipe, prompt: str, name: str = "prompt") -> list[str]:
 IMAGE_LABEL, VIDEO_LABEL, WEBCAM_LABEL, STRENGTH_LABEL = "Start image", "Input video", "Webcam", "Strength"
 
 
-def _upload_path(label: str, value: Any, what: str) -> str | None:
-    """The file path of an upload: Gradio's file record `{"path": ...}`, or a path; `None` when nothing is given."""
+def _upload_path(label: str, value: Any, what: str, uploads: str | None) -> str | None:
+    """The file path of an upload (Gradio's file record `{"path": ...}`, or a path), or `None` when nothing is given.
+
+    `uploads`: the folder every file must be in (the page passes Gradio's upload folder: a record sent through the
+    API may name any path, and Gradio does not check every kind of record); `None` for a Python caller's own files.
+    """
     if isinstance(value, dict):
         value = value.get("path")
     if _is_empty(value):
@@ -131,17 +135,22 @@ def _upload_path(label: str, value: Any, what: str) -> str | None:
     if not isinstance(value, (str, os.PathLike)):
         raise DemoInputError(f"{label}: upload {what}, got {value!r}.")
     path = os.fspath(value)
+    if uploads is not None and os.path.commonpath([os.path.realpath(path), os.path.realpath(uploads)]) != (
+        os.path.realpath(uploads)
+    ):
+        raise DemoInputError(f"{label}: upload {what}; {path!r} is not a file uploaded to this demo.")
     if not os.path.isfile(path):
         raise DemoInputError(f"{label}: there is no file at {path!r}; upload {what} again.")
     return path
 
 
-def parse_image(value: Any) -> PIL.Image.Image | np.ndarray | None:
+def parse_image(value: Any, uploads: str | None = None) -> PIL.Image.Image | np.ndarray | None:
     """The start image: an upload (read now, so a file that is not a picture is refused before any work), or a
-    PIL image or `(H, W, 3)` array given from Python (checked by the pipeline); `None` when the field is empty."""
+    PIL image or `(H, W, 3)` array given from Python (checked by the pipeline); `None` when the field is empty.
+    `uploads`: the folder an uploaded file must be in (None: anywhere)."""
     if isinstance(value, (PIL.Image.Image, np.ndarray)):
         return value
-    path = _upload_path(IMAGE_LABEL, value, "a picture (PNG, JPEG or WebP)")
+    path = _upload_path(IMAGE_LABEL, value, "a picture (PNG, JPEG or WebP)", uploads)
     if path is None:
         return None
     try:
@@ -154,9 +163,10 @@ def parse_image(value: Any) -> PIL.Image.Image | np.ndarray | None:
         ) from None
 
 
-def parse_video(value: Any) -> str | None:
-    """The uploaded input video's path (the pipeline decodes it as chunks need it); `None` when the field is empty."""
-    return _upload_path(VIDEO_LABEL, value, "a video file (mp4, webm, ...)")
+def parse_video(value: Any, uploads: str | None = None) -> str | None:
+    """The uploaded input video's path (the pipeline decodes it as chunks need it); `None` when the field is empty.
+    `uploads`: the folder an uploaded file must be in (None: anywhere)."""
+    return _upload_path(VIDEO_LABEL, value, "a video file (mp4, webm, ...)", uploads)
 
 
 def parse_strength(value: Any) -> float:
@@ -205,11 +215,12 @@ class InputConfig:
             )
 
     @classmethod
-    def parse(cls, image: Any, video: Any, webcam: Any, strength: Any) -> InputConfig:
-        """The raw input fields: each checked, then the combination (one input at most)."""
+    def parse(cls, image: Any, video: Any, webcam: Any, strength: Any, uploads: str | None = None) -> InputConfig:
+        """The raw input fields: each checked, then the combination (one input at most). `uploads`: the folder
+        uploaded files must be in (None: anywhere)."""
         return cls(
-            image=parse_image(image),
-            video=parse_video(video),
+            image=parse_image(image, uploads),
+            video=parse_video(video, uploads),
             webcam=parse_switch(WEBCAM_LABEL, webcam),
             strength=parse_strength(strength),
         )
@@ -304,8 +315,12 @@ class GenerateFields:
     def names(cls) -> list[str]:
         return [field.name for field in fields(cls)]
 
-    def check(self, max_seconds: float) -> GenerateConfig:
-        """The checked values; the first bad field raises `DemoInputError` (in the order of `names()`)."""
+    def check(self, max_seconds: float, uploads: str | None = None) -> GenerateConfig:
+        """The checked values; the first bad field raises `DemoInputError` (in the order of `names()`).
+
+        `uploads`: the folder the start image's and input video's files must be in; the page passes Gradio's
+        upload folder, so an API caller cannot name another file on the server. None: anywhere (Python callers).
+        """
         return GenerateConfig(
             prompt=parse_prompt(self.prompt),
             seconds=parse_seconds(self.seconds, max_seconds),
@@ -314,7 +329,7 @@ class GenerateFields:
             settings=ChunkSettings.parse(
                 self.chunk_frames, self.sink_frames, self.window_frames, self.denoising_steps, self.position_mode
             ),
-            inputs=InputConfig.parse(self.image, self.video, self.webcam, self.strength),
+            inputs=InputConfig.parse(self.image, self.video, self.webcam, self.strength, uploads),
         )
 
 

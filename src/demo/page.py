@@ -239,7 +239,8 @@ class _Handlers:
     def generate(self, form: GenerateFields, session: DemoSession) -> Iterator[tuple]:
         """The Generate event: after every chunk, the video so far, the summary, the two plots and the details."""
         try:
-            generation = Generation(self.shelf, form.check(self.settings.max_seconds), self.settings)
+            config = form.check(self.settings.max_seconds, uploads=gr.utils.get_upload_folder())  # no other files
+            generation = Generation(self.shelf, config, self.settings)
         except ValueError as exc:  # ours and the pipeline's: each names the field or argument
             raise _refusal(exc) from exc
         for note in generation.notes:  # unknown words are ignored: say so where the person looks
