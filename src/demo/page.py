@@ -2,9 +2,12 @@
 
 Type a prompt, watch the video appear chunk by chunk beside two live plots (time per chunk, cache memory), switch
 the prompt while it runs. A start image (image-to-video) or an input video (video-to-video: an uploaded clip, or
-the webcam streamed frame by frame) can lead the video; the generated video shows beside the input. Gradio's own preprocessing is off for the Generate event, so a bad value reaches the
-demo's checks (`fields.py`) instead of failing inside Gradio with a generic "exception"; a refusal is shown as a
-`gr.Error` that names the field. `build_demo(...)` returns the `gr.Blocks` and starts nothing.
+the webcam streamed frame by frame) can lead the video; the generated video shows beside the input.
+
+Gradio's own preprocessing is off for the Generate event, so a bad value reaches the demo's checks (`fields.py`)
+instead of failing inside Gradio with a generic "exception"; a refusal is shown as a `gr.Error` that names the
+field. Uploaded files are taken only from Gradio's upload folder. `build_demo(...)` returns the `gr.Blocks` and
+starts nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
+from gradio.utils import get_upload_folder
 
 from ..caching.layout import POSITION_MODES
 from ..pipelines.conditioning import DEFAULT_STRENGTH
@@ -239,7 +243,7 @@ class _Handlers:
     def generate(self, form: GenerateFields, session: DemoSession) -> Iterator[tuple]:
         """The Generate event: after every chunk, the video so far, the summary, the two plots and the details."""
         try:
-            config = form.check(self.settings.max_seconds, uploads=gr.utils.get_upload_folder())  # no other files
+            config = form.check(self.settings.max_seconds, uploads=get_upload_folder())  # no other files
             generation = Generation(self.shelf, config, self.settings)
         except ValueError as exc:  # ours and the pipeline's: each names the field or argument
             raise _refusal(exc) from exc
