@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
+import PIL.Image
 import pytest
 
 from rolldiff.cli import main
@@ -19,11 +21,15 @@ from rolldiff.demo import (
     DemoSettings,
     GenerateConfig,
     GenerateFields,
+    InputConfig,
     check_address,
+    parse_image,
     parse_position_mode,
     parse_prompt,
     parse_seconds,
     parse_steps,
+    parse_strength,
+    parse_video,
     parse_whole_number,
 )
 
@@ -142,6 +148,128 @@ def test_a_bad_cache_field_is_named_by_its_label(fields, message):
     assert str(refused.value) == message
 
 
+# ---------------------------------------------------------------------------------------- the input fields
+def _uploaded(path) -> dict:
+    """A file record as Gradio hands an upload over (with preprocessing off)."""
+    return {"path": str(path), "meta": {"_type": "gradio.FileData"}}
+
+
+@pytest.fixture
+def picture_file(tmp_path):
+    path = tmp_path / "start.png"
+    PIL.Image.fromarray(np.arange(4 * 6 * 3, dtype=np.uint8).reshape(4, 6, 3)).save(path)
+    return path
+
+
+def test_an_uploaded_start_image_is_read_now_as_rgb(picture_file):
+    for raw in (_uploaded(picture_file), str(picture_file), picture_file):
+        image = parse_image(raw)
+        assert image.mode == "RGB" and image.size == (6, 4)
+        np.testing.assert_array_equal(np.asarray(image), np.arange(72, dtype=np.uint8).reshape(4, 6, 3))
+    array = np.zeros((4, 6, 3), np.uint8)
+    assert parse_image(array) is array  # a picture given from Python goes to the pipeline as it is
+    assert parse_image(None) is None and parse_image("") is None
+
+
+def test_a_file_outside_the_upload_folder_is_refused_unread(picture_file, tmp_path):
+    """The page passes Gradio's upload folder: a record sent through the API could name any file on the server."""
+    uploads = tmp_path / "uploads"
+    uploads.mkdir()
+    inside = uploads / "start.png"
+    inside.write_bytes(picture_file.read_bytes())
+    assert parse_image(_uploaded(inside), uploads=str(uploads)).size == (6, 4)
+    for parse, label in ((parse_image, "Start image"), (parse_video, "Input video")):
+        for outside in (str(picture_file), str(uploads / ".." / "start.png")):
+            with pytest.raises(
+                DemoInputError, match=rf"^{label}: upload .*; '.*' is not a file uploaded to this demo"
+            ):
+                parse({"path": outside}, uploads=str(uploads))
+
+
+def test_a_start_image_that_is_not_a_picture_is_refused_naming_the_field(tmp_path):
+    text = tmp_path / "notes.png"
+    text.write_text("not a picture")
+    with pytest.raises(DemoInputError, match=r"^Start image: 'notes.png' is not a picture PIL can read"):
+        parse_image(_uploaded(text))
+    with pytest.raises(DemoInputError, match=r"^Start image: there is no file at '/no/such.png'; upload a picture"):
+        parse_image("/no/such.png")
+    with pytest.raises(DemoInputError, match=r"^Start image: upload a picture \(PNG, JPEG or WebP\), got 5\.$"):
+        parse_image(5)
+
+
+def test_an_uploaded_video_is_its_path_and_a_missing_one_is_refused(tmp_path):
+    clip = tmp_path / "clip.mp4"
+    clip.write_bytes(b"")  # its contents are the pipeline's to check, as it decodes them
+    assert parse_video(_uploaded(clip)) == str(clip) and parse_video(None) is None
+    with pytest.raises(DemoInputError, match=r"^Input video: there is no file at '/no/clip.mp4'; upload a video"):
+        parse_video(_uploaded("/no/clip.mp4"))
+    with pytest.raises(DemoInputError, match=r"^Input video: upload a video file \(mp4, webm, ...\), got \[1\]\.$"):
+        parse_video([1])
+
+
+@pytest.mark.parametrize(("raw", "strength"), [(None, 0.8), ("", 0.8), (0.5, 0.5), ("0.25", 0.25), (1, 1.0)])
+def test_strength_is_above_zero_and_at_most_one_empty_is_the_pipelines_default(raw, strength):
+    assert parse_strength(raw) == strength
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (0, "Strength: type a number above 0 and at most 1 (1: ignore the input's content), got 0."),
+        (1.5, "Strength: type a number above 0 and at most 1 (1: ignore the input's content), got 1.5."),
+        (-0.1, "Strength: type a number above 0 and at most 1"),
+        ("strong", "Strength: type a number, got 'strong'."),
+        ("nan", "Strength: type a finite number, got 'nan'."),
+    ],
+)
+def test_a_bad_strength_names_the_field_the_range_and_the_value(raw, message):
+    with pytest.raises(DemoInputError) as refused:
+        parse_strength(raw)
+    assert str(refused.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("given", "message"),
+    [
+        (dict(image=True, video=True), "Start image and Input video: give one of them, not both"),
+        (dict(image=True, webcam=True), "Start image and Webcam: give one of them, not both"),
+        (dict(video=True, webcam=True), "Input video and Webcam: give one of them, not both"),
+        (dict(image=True, video=True, webcam=True), "Start image, Input video and Webcam: give one of them, not all"),
+    ],
+)
+def test_an_image_and_a_video_together_are_refused_naming_both(picture_file, given, message):
+    raw = dict(
+        image=_uploaded(picture_file) if given.get("image") else None,
+        video=_uploaded(picture_file) if given.get("video") else None,  # any file: the pipeline reads it
+        webcam=given.get("webcam", False),
+    )
+    with pytest.raises(DemoInputError) as refused:
+        GenerateFields(prompt=RED, seconds=1, **raw).check(60)
+    assert str(refused.value).startswith(message)
+    assert ("clear the start image" in str(refused.value)) == ("image" in given)
+    assert ("untick Webcam" in str(refused.value)) == ("webcam" in given)
+
+
+def test_the_webcam_field_is_a_checkbox():
+    assert InputConfig.parse(None, None, None, None) == InputConfig()
+    assert InputConfig.parse(None, None, True, 0.5) == InputConfig(webcam=True, strength=0.5)
+    with pytest.raises(DemoInputError, match=r"^Webcam: send true or false, got 'yes'\.$"):
+        InputConfig.parse(None, None, "yes", None)
+
+
+def test_the_inputs_become_the_pipelines_image_or_video_and_strength(picture_file):
+    assert InputConfig().stream_arguments() == {} and InputConfig().kind == "text"
+    image = InputConfig.parse(str(picture_file), None, False, 0.3)
+    assert image.kind == "image" and list(image.stream_arguments()) == ["image"]  # no strength without a video
+    clip = InputConfig(video="clip.mp4", strength=0.3)
+    assert clip.kind == "clip" and clip.stream_arguments() == {"video": "clip.mp4", "strength": 0.3}
+    frames = iter([])
+    webcam = InputConfig(webcam=True)
+    assert webcam.kind == "webcam" and webcam.stream_arguments(frames) == {"video": frames, "strength": 0.8}
+    with pytest.raises(ValueError, match="pass its frames as `webcam_frames`"):
+        webcam.stream_arguments()
+
+
 # ---------------------------------------------------------------------------------------- the whole form
 def test_the_form_checks_into_one_config_with_the_demos_defaults():
     config = GenerateFields(prompt=f" {RED} ", seconds="3", chunk_frames="1").check(max_seconds=60)
@@ -151,10 +279,10 @@ def test_the_form_checks_into_one_config_with_the_demos_defaults():
     assert GenerateFields(RED, 1, MAX_SEED, "sana").check(60).model == "sana"
 
 
-def test_the_forms_fields_are_the_generate_apis_arguments_in_the_pages_order():
+def test_the_forms_fields_are_the_generate_apis_arguments_the_input_fields_last():
     assert GenerateFields.names() == [
         "prompt", "seconds", "seed", "model", "chunk_frames", "sink_frames", "window_frames", "denoising_steps",
-        "position_mode",
+        "position_mode", "image", "video", "webcam", "strength",
     ]  # fmt: skip
 
 

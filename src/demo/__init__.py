@@ -1,5 +1,6 @@
 """The Gradio demo: type a prompt, watch the video appear chunk by chunk, switch the prompt while it runs.
 
+A video can start from a picture or follow an input video (an uploaded clip, or the webcam frame by frame).
 Split by job: `fields` checks every value typed (no UI), `session` runs the generations (no UI), `video` writes
 what the page shows, `serving` checks the address to listen on, `page` is the Gradio layout and its wiring.
 Importing `rolldiff.demo` does not import Gradio (the command-line tool checks an address with it before knowing
@@ -15,10 +16,14 @@ from .fields import (
     DemoSettings,
     GenerateConfig,
     GenerateFields,
+    InputConfig,
+    parse_image,
     parse_position_mode,
     parse_prompt,
     parse_seconds,
     parse_steps,
+    parse_strength,
+    parse_video,
     parse_whole_number,
     prompt_notes,
 )
@@ -26,12 +31,16 @@ from .serving import check_address, launch
 from .session import (
     Chunk,
     DemoSession,
+    FrameQueue,
     Generation,
     LivePrompt,
     LiveStream,
     ModelShelf,
+    VideoPlan,
     frame_size,
     generate_frames,
+    push_webcam_frame,
+    stop_webcam,
     streaming_available,
     switch_prompt,
 )
@@ -58,24 +67,32 @@ __all__ = [
     "DemoInputError",
     "DemoSession",
     "DemoSettings",
+    "FrameQueue",
     "GenerateConfig",
     "GenerateFields",
     "Generation",
+    "InputConfig",
     "LivePrompt",
     "LiveStream",
     "ModelShelf",
+    "VideoPlan",
     "VideoSoFar",
     "build_demo",
     "check_address",
     "frame_size",
     "generate_frames",
     "launch",
+    "parse_image",
     "parse_position_mode",
     "parse_prompt",
     "parse_seconds",
     "parse_steps",
+    "parse_strength",
+    "parse_video",
     "parse_whole_number",
     "prompt_notes",
+    "push_webcam_frame",
+    "stop_webcam",
     "streaming_available",
     "switch_prompt",
 ]

@@ -1,7 +1,7 @@
 """Every value the demo takes, checked before any work: the Generate form's fields and `build_demo`'s settings.
 
-Gradio's own preprocessing is off for the Generate event, so a field arrives raw (a number, the text of one, or
-anything a caller of the API sends) and is checked here. A bad field raises `DemoInputError` (a ValueError) whose
+Gradio's own preprocessing is off for the Generate event, so a field arrives raw (a number, the text of one, an
+uploaded file as Gradio's `{"path": ...}` record, or anything a caller of the API sends) and is checked here. A bad field raises `DemoInputError` (a ValueError) whose
 message starts with the field's label, says what to type and repeats what was typed: "Seed: type a whole number
 from 0 to 4294967295, got -1.". A bad `build_demo` setting raises a ValueError naming the argument.
 """
@@ -9,11 +9,16 @@ from 0 to 4294967295, got -1.". A bad `build_demo` setting raises a ValueError n
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
+import PIL.Image
+
 from ..caching.layout import POSITION_MODES
+from ..pipelines.conditioning import DEFAULT_STRENGTH
 from ..pipelines.text_encoding import check_prompts
 
 EXAMPLE_PROMPTS = [
@@ -113,6 +118,133 @@ def prompt_notes(pipe, prompt: str, name: str = "prompt") -> list[str]:
     return check_prompts(tokenizer, [prompt], pipe.config.max_sequence_length, name)
 
 
+# ---------------------------------------------------------------------------------------- the input pictures
+IMAGE_LABEL, VIDEO_LABEL, WEBCAM_LABEL, STRENGTH_LABEL = "Start image", "Input video", "Webcam", "Strength"
+
+
+def _upload_path(label: str, value: Any, what: str, uploads: str | None) -> str | None:
+    """The file path of an upload (Gradio's file record `{"path": ...}`, or a path), or `None` when nothing is given.
+
+    `uploads`: the folder every file must be in (the page passes Gradio's upload folder: a record sent through the
+    API may name any path, and Gradio does not check every kind of record); `None` for a Python caller's own files.
+    """
+    if isinstance(value, dict):
+        value = value.get("path")
+    if _is_empty(value):
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise DemoInputError(f"{label}: upload {what}, got {value!r}.")
+    path = os.fspath(value)
+    if uploads is not None and os.path.commonpath([os.path.realpath(path), os.path.realpath(uploads)]) != (
+        os.path.realpath(uploads)
+    ):
+        raise DemoInputError(f"{label}: upload {what}; {path!r} is not a file uploaded to this demo.")
+    if not os.path.isfile(path):
+        raise DemoInputError(f"{label}: there is no file at {path!r}; upload {what} again.")
+    return path
+
+
+def parse_image(value: Any, uploads: str | None = None) -> PIL.Image.Image | np.ndarray | None:
+    """The start image: an upload (read now, so a file that is not a picture is refused before any work), or a
+    PIL image or `(H, W, 3)` array given from Python (checked by the pipeline); `None` when the field is empty.
+    `uploads`: the folder an uploaded file must be in (None: anywhere)."""
+    if isinstance(value, (PIL.Image.Image, np.ndarray)):
+        return value
+    path = _upload_path(IMAGE_LABEL, value, "a picture (PNG, JPEG or WebP)", uploads)
+    if path is None:
+        return None
+    try:
+        with PIL.Image.open(path) as picture:
+            return picture.convert("RGB")  # reads the whole file: a broken one fails here
+    except (OSError, SyntaxError, ValueError) as exc:  # PIL's UnidentifiedImageError is an OSError
+        raise DemoInputError(
+            f"{IMAGE_LABEL}: {os.path.basename(path)!r} is not a picture PIL can read ({exc}); upload a PNG, JPEG or "
+            "WebP."
+        ) from None
+
+
+def parse_video(value: Any, uploads: str | None = None) -> str | None:
+    """The uploaded input video's path (the pipeline decodes it as chunks need it); `None` when the field is empty.
+    `uploads`: the folder an uploaded file must be in (None: anywhere)."""
+    return _upload_path(VIDEO_LABEL, value, "a video file (mp4, webm, ...)", uploads)
+
+
+def parse_strength(value: Any) -> float:
+    """How much of each input chunk is replaced, in (0, 1]; empty means the pipeline's default (0.8)."""
+    if _is_empty(value):
+        return DEFAULT_STRENGTH
+    strength = _number(STRENGTH_LABEL, value)
+    if not 0 < strength <= 1:
+        raise DemoInputError(
+            f"{STRENGTH_LABEL}: type a number above 0 and at most 1 (1: ignore the input's content), got {value!r}."
+        )
+    return float(strength)
+
+
+def parse_switch(label: str, value: Any) -> bool:
+    """A checkbox: True or False (`None`: False)."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    raise DemoInputError(f"{label}: send true or false, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class InputConfig:
+    """What the video starts from, checked: nothing (text-to-video), a start image (image-to-video), or an input
+    video (video-to-video): an uploaded clip or this session's webcam, with `strength`."""
+
+    image: PIL.Image.Image | np.ndarray | None = None
+    video: str | None = None  # an uploaded clip's path
+    webcam: bool = False
+    strength: float = DEFAULT_STRENGTH
+
+    def __post_init__(self) -> None:
+        given = {IMAGE_LABEL: self.image is not None, VIDEO_LABEL: self.video is not None, WEBCAM_LABEL: self.webcam}
+        given = [label for label, on in given.items() if on]
+        if len(given) > 1:
+            fixes = {
+                IMAGE_LABEL: "clear the start image",
+                VIDEO_LABEL: "clear the input video",
+                WEBCAM_LABEL: "untick Webcam",
+            }
+            names = ", ".join(given[:-1]) + " and " + given[-1]
+            fix = " or ".join(fixes[label] for label in given)
+            raise DemoInputError(
+                f"{names}: give one of them, not {'both' if len(given) == 2 else 'all three'} (a video starts from "
+                f"a picture or from an input video): {fix}."
+            )
+
+    @classmethod
+    def parse(cls, image: Any, video: Any, webcam: Any, strength: Any, uploads: str | None = None) -> InputConfig:
+        """The raw input fields: each checked, then the combination (one input at most). `uploads`: the folder
+        uploaded files must be in (None: anywhere)."""
+        return cls(
+            image=parse_image(image, uploads),
+            video=parse_video(video, uploads),
+            webcam=parse_switch(WEBCAM_LABEL, webcam),
+            strength=parse_strength(strength),
+        )
+
+    @property
+    def kind(self) -> str:
+        """ "text", "image", "clip" or "webcam": what the video starts from."""
+        if self.image is not None:
+            return "image"
+        if self.video is not None:
+            return "clip"
+        return "webcam" if self.webcam else "text"
+
+    def stream_arguments(self, webcam_frames: Any = None) -> dict[str, Any]:
+        """`pipe.stream`'s `image=` or `video=` + `strength=`; `webcam_frames` (an iterator of `(H, W, 3)` frames)
+        is the video when the webcam is the input."""
+        if self.webcam and webcam_frames is None:
+            raise ValueError("the webcam is the input video: pass its frames as `webcam_frames`.")
+        if self.image is not None:
+            return {"image": self.image}
+        video = webcam_frames if self.webcam else self.video
+        return {} if video is None else {"video": video, "strength": self.strength}
+
+
 # ---------------------------------------------------------------------------------------- the Advanced section
 @dataclass(frozen=True)
 class ChunkSettings:
@@ -160,9 +292,10 @@ class ChunkSettings:
 # ---------------------------------------------------------------------------------------- the Generate form
 @dataclass(frozen=True)
 class GenerateFields:
-    """The Generate form as typed: one raw value per field, in the page's order. The field names are the
-    `/generate` API's argument names; an argument an API caller leaves out is `None` (the model's own setting,
-    seed 0)."""
+    """The Generate form as typed: one raw value per field. The field names are the `/generate` API's argument
+    names; an argument an API caller leaves out is `None` (the model's own setting, seed 0, no input picture).
+    The input fields (`image`, `video`, `webcam`, `strength`) come last so that positional API calls written
+    before them still mean the same."""
 
     prompt: Any = None
     seconds: Any = None
@@ -173,13 +306,21 @@ class GenerateFields:
     window_frames: Any = None
     denoising_steps: Any = None
     position_mode: Any = None
+    image: Any = None  # the start image: an upload record `{"path": ...}`, a path, a PIL image or an array
+    video: Any = None  # the input video: an upload record or a path
+    webcam: Any = None  # True: the input video is this session's webcam
+    strength: Any = None
 
     @classmethod
     def names(cls) -> list[str]:
         return [field.name for field in fields(cls)]
 
-    def check(self, max_seconds: float) -> GenerateConfig:
-        """The checked values; the first bad field raises `DemoInputError` (the page's fields in order)."""
+    def check(self, max_seconds: float, uploads: str | None = None) -> GenerateConfig:
+        """The checked values; the first bad field raises `DemoInputError` (in the order of `names()`).
+
+        `uploads`: the folder the start image's and input video's files must be in; the page passes Gradio's
+        upload folder, so an API caller cannot name another file on the server. None: anywhere (Python callers).
+        """
         return GenerateConfig(
             prompt=parse_prompt(self.prompt),
             seconds=parse_seconds(self.seconds, max_seconds),
@@ -188,18 +329,20 @@ class GenerateFields:
             settings=ChunkSettings.parse(
                 self.chunk_frames, self.sink_frames, self.window_frames, self.denoising_steps, self.position_mode
             ),
+            inputs=InputConfig.parse(self.image, self.video, self.webcam, self.strength, uploads),
         )
 
 
 @dataclass(frozen=True)
 class GenerateConfig:
-    """One generation, checked: what to make (`model` None = the demo's first model) and how."""
+    """One generation, checked: what to make (`model` None = the demo's first model), how, and from what."""
 
     prompt: str
     seconds: float
     seed: int
     model: str | None = None
     settings: ChunkSettings = ChunkSettings()
+    inputs: InputConfig = InputConfig()
 
 
 # ---------------------------------------------------------------------------------------- the demo's settings

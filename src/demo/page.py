@@ -1,9 +1,13 @@
 """The demo's Gradio page: the layout, and the wiring of its events to the session logic (`session.py`).
 
 Type a prompt, watch the video appear chunk by chunk beside two live plots (time per chunk, cache memory), switch
-the prompt while it runs. Gradio's own preprocessing is off for the Generate event, so a bad value reaches the
-demo's checks (`fields.py`) instead of failing inside Gradio with a generic "exception"; a refusal is shown as a
-`gr.Error` that names the field. `build_demo(...)` returns the `gr.Blocks` and starts nothing.
+the prompt while it runs. A start image (image-to-video) or an input video (video-to-video: an uploaded clip, or
+the webcam streamed frame by frame) can lead the video; the generated video shows beside the input.
+
+Gradio's own preprocessing is off for the Generate event, so a bad value reaches the demo's checks (`fields.py`)
+instead of failing inside Gradio with a generic "exception"; a refusal is shown as a `gr.Error` that names the
+field. Uploaded files are taken only from Gradio's upload folder. `build_demo(...)` returns the `gr.Blocks` and
+starts nothing.
 """
 
 from __future__ import annotations
@@ -15,20 +19,37 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
+from gradio.utils import get_upload_folder
 
 from ..caching.layout import POSITION_MODES
+from ..pipelines.conditioning import DEFAULT_STRENGTH
 from .fields import (
     CACHE_FIELDS,
     EXAMPLE_PROMPTS,
+    IMAGE_LABEL,
     MAX_SEED,
+    STRENGTH_LABEL,
+    VIDEO_LABEL,
+    WEBCAM_LABEL,
     ChunkSettings,
     DemoInputError,
     DemoSettings,
     GenerateFields,
 )
-from .session import DemoSession, Generation, ModelShelf, frame_size, streaming_available, switch_prompt
+from .session import (
+    DemoSession,
+    Generation,
+    ModelShelf,
+    frame_size,
+    push_webcam_frame,
+    stop_webcam,
+    streaming_available,
+    switch_prompt,
+)
 from .video import VideoSoFar
 
+# Small webcam frames: the pipeline resizes every frame to the model's size anyway, and small ones upload quickly.
+WEBCAM_CONSTRAINTS = {"video": {"width": {"ideal": 320}, "height": {"ideal": 240}}}
 ADVANCED_INFO = {
     "chunk_frames": "made at once",
     "sink_frames": "first frames, kept forever",
@@ -77,11 +98,14 @@ def build_demo(
         session = gr.State(DemoSession())
         with gr.Row():
             with gr.Column():
-                form = _model_row(shelf, first, size) | _prompt_fields(page_settings) | _advanced_section(first)
+                form = _model_row(shelf, first, size) | _prompt_fields(page_settings)
+                inputs, webcam = _input_section()
+                form |= inputs | _advanced_section(first)
                 controls = _controls()
             with gr.Column():
                 outputs = _outputs(page_settings)
         _wire(form, controls, outputs, session, _Handlers(shelf, page_settings))
+        _wire_webcam(form["webcam"], webcam, session, page_settings)
         demo.queue(default_concurrency_limit=page_settings.max_concurrency)
     return demo
 
@@ -116,6 +140,33 @@ def _prompt_fields(settings: DemoSettings) -> dict[str, Any]:
     seconds = gr.Slider(1, settings.max_seconds, value=5, step=1, label="Length (seconds)", elem_id="seconds")
     seed = gr.Number(value=0, precision=0, label="Seed", minimum=0, maximum=MAX_SEED, elem_id="seed")
     return {"prompt": prompt, "seconds": seconds, "seed": seed}
+
+
+def _input_section() -> tuple[dict[str, Any], gr.Image]:
+    """The start image, the input video (an upload, or the webcam when ticked) and the strength; and the webcam."""
+    with gr.Accordion("Start from an image or a video", open=True, elem_id="inputs"):
+        gr.Markdown(
+            "Leave both empty for text-to-video. A start image is the first frame; an input video (uploaded, or "
+            "your webcam) is re-rendered chunk by chunk, and the video ends when it ends."
+        )
+        with gr.Row():
+            image = gr.Image(
+                label=IMAGE_LABEL, sources=["upload", "clipboard"], type="filepath", height=180, elem_id="start-image"
+            )
+            video = gr.Video(label=VIDEO_LABEL, sources=["upload"], height=180, elem_id="input-video")
+        use_webcam = gr.Checkbox(
+            False, label=WEBCAM_LABEL, elem_id="use-webcam",
+            info="the input video is your webcam: start it (Record), then press Generate; Stop ends the video",
+        )  # fmt: skip
+        webcam = gr.Image(
+            label="Your webcam", sources=["webcam"], streaming=True, type="numpy", visible=False, elem_id="webcam",
+            webcam_options=gr.WebcamOptions(constraints=WEBCAM_CONSTRAINTS),
+        )  # fmt: skip
+        strength = gr.Slider(
+            0.05, 1.0, value=DEFAULT_STRENGTH, step=0.05, label=STRENGTH_LABEL, elem_id="strength",
+            info="of an input video: how much of each chunk is replaced (1: its content is ignored)",
+        )  # fmt: skip
+    return {"image": image, "video": video, "webcam": use_webcam, "strength": strength}, webcam
 
 
 def _advanced_section(first) -> dict[str, Any]:
@@ -192,7 +243,8 @@ class _Handlers:
     def generate(self, form: GenerateFields, session: DemoSession) -> Iterator[tuple]:
         """The Generate event: after every chunk, the video so far, the summary, the two plots and the details."""
         try:
-            generation = Generation(self.shelf, form.check(self.settings.max_seconds), self.settings)
+            config = form.check(self.settings.max_seconds, uploads=get_upload_folder())  # no other files
+            generation = Generation(self.shelf, config, self.settings)
         except ValueError as exc:  # ours and the pipeline's: each names the field or argument
             raise _refusal(exc) from exc
         for note in generation.notes:  # unknown words are ignored: say so where the person looks
@@ -260,6 +312,21 @@ def _wire(form: dict, controls: dict, outputs: list, session: gr.State, handlers
     switch = dict(fn=switch_prompt, inputs=[controls["new_prompt"], session], outputs=controls["status"])
     controls["switch"].click(**switch, concurrency_limit=None, api_name="switch_prompt")
     controls["new_prompt"].submit(**switch, concurrency_limit=None, api_visibility="private")
+
+
+def _wire_webcam(use_webcam: gr.Checkbox, webcam: gr.Image, session: gr.State, settings: DemoSettings) -> None:
+    """Show the webcam when ticked; each frame it streams goes to the session's running generation, and when it
+    stops (its Stop button, or Gradio's stream ends) the generation's input ends with it."""
+    use_webcam.change(lambda on: gr.Image(visible=bool(on)), use_webcam, webcam, api_visibility="private")
+    streamed = webcam.stream(
+        _webcam_frame, [webcam, session], None, stream_every=1.0 / settings.fps, concurrency_limit=None,
+        api_visibility="private",
+    )  # fmt: skip
+    streamed.then(stop_webcam, session, None, api_visibility="private")
+
+
+def _webcam_frame(frame: Any, session: DemoSession) -> None:
+    push_webcam_frame(frame, session)  # frames nobody waits for (no webcam generation) are dropped
 
 
 def _refusal(exc: Exception) -> gr.Error:

@@ -9,6 +9,12 @@ recent window (LongLive's re-cache), exactly as a `prompt_schedule` switch at th
 is the `prompt_schedule` that reproduces the video. Each chunk's time and the cache's `memory_bytes()` are
 recorded against the chunk index: both should be flat lines, which is the point of a rolling cache.
 
+A video can start from a picture (image-to-video) or follow an input video (video-to-video): an uploaded clip, or
+the session's webcam. Webcam frames arrive one by one from the browser, in another thread than the generation's;
+a `FrameQueue` hands them over: the stream reads it as any iterator of frames (the pipeline resizes them), and the
+input, so the video, ends when the webcam stops (`close`), when no frame comes for a while (a closed tab), or when
+the video reaches its length.
+
 All contact with the pipeline's stream internals is in one class, `LiveStream` (marked below); everything else
 uses the pipeline's public API.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,7 +35,7 @@ import numpy as np
 import torch
 
 from ..defaults import embedded_models, frames_for_seconds, load_pipeline, native_size
-from .fields import ChunkSettings, DemoInputError, DemoSettings, GenerateConfig, prompt_notes
+from .fields import WEBCAM_LABEL, ChunkSettings, DemoInputError, DemoSettings, GenerateConfig, prompt_notes
 
 
 # ---------------------------------------------------------------------------------------- the live prompt
@@ -74,6 +81,84 @@ class LivePrompt:
             return latest, self._prompts[latest]
 
 
+# ---------------------------------------------------------------------------------------- the webcam
+class FrameQueue:
+    """Frames pushed one by one from any thread (the browser's webcam), read by one stream as an iterator.
+
+    Bounded: when the reader falls behind, the oldest frame is dropped (`frames_dropped`), so a live input follows
+    the camera instead of lagging ever further behind it. The reader blocks until a frame comes; its iteration
+    ends once the queued frames are read after `close()` (the webcam stopped), or when no frame has come for
+    `idle_seconds` (`first_frame_seconds` for the first one: the person may still be starting the camera). An
+    ended queue stays ended; `push` then returns False and keeps nothing.
+    """
+
+    def __init__(self, max_frames: int = 64, idle_seconds: float = 10.0, first_frame_seconds: float = 60.0) -> None:
+        for name, value in (("max_frames", max_frames), ("idle_seconds", idle_seconds),
+                            ("first_frame_seconds", first_frame_seconds)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"`{name}` must be a positive number, got {value!r}.")
+        if not isinstance(max_frames, int):
+            raise ValueError(f"`max_frames` must be a whole number, got {max_frames!r}.")
+        self.idle_seconds = float(idle_seconds)
+        self.first_frame_seconds = float(first_frame_seconds)
+        self._frames: deque = deque(maxlen=max_frames)
+        self._changed = threading.Condition()
+        self._closed = False
+        self.frames_pushed = 0  # taken in (dropped ones included)
+        self.frames_dropped = 0  # pushed out unread by newer frames
+        self.frames_read = 0
+
+    def push(self, frame: Any) -> bool:
+        """Queue one `(H, W, 3)` frame (the newest); False, keeping nothing, once the input has ended."""
+        with self._changed:
+            if self._closed:
+                return False
+            if len(self._frames) == self._frames.maxlen:
+                self.frames_dropped += 1
+            self._frames.append(frame)
+            self.frames_pushed += 1
+            self._changed.notify_all()
+            return True
+
+    def close(self) -> None:
+        """End the input: the reader gets the frames already queued, then the end."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __iter__(self) -> FrameQueue:
+        return self
+
+    def __next__(self) -> Any:
+        """The oldest queued frame, waiting for one if need be; StopIteration once the input has ended."""
+        timeout = self.idle_seconds if self.frames_read else self.first_frame_seconds
+        with self._changed:
+            if not self._changed.wait_for(lambda: self._frames or self._closed, timeout=timeout):
+                self._closed = True  # nothing came: the camera or the browser is gone
+            if not self._frames:
+                raise StopIteration
+            self.frames_read += 1
+            return self._frames.popleft()
+
+
+# ---------------------------------------------------------------------------------------- one stream
+@dataclass(frozen=True)
+class VideoPlan:
+    """What one stream makes: pixel frames and size, the seed, the cache settings, and what it starts from
+    (`inputs`: `pipe.stream`'s `image=`, or `video=` and `strength=`; empty: text-to-video)."""
+
+    num_frames: int
+    height: int
+    width: int
+    seed: int = 0
+    settings: ChunkSettings = field(default_factory=ChunkSettings)
+    inputs: Mapping[str, Any] = field(default_factory=dict)
+
+
 class LiveStream:
     """One generation's decoded chunks (a `ChunkStream`), following a `LivePrompt` as it changes.
 
@@ -81,15 +166,13 @@ class LiveStream:
     it changed, hands it to the stream's `switch_prompt` (applied at that chunk boundary, with the re-cache).
     """
 
-    def __init__(
-        self, pipe, live: LivePrompt, num_frames: int, height: int, width: int, seed: int, settings: ChunkSettings
-    ) -> None:
+    def __init__(self, pipe, live: LivePrompt, plan: VideoPlan) -> None:
         """Checks every argument now (the pipeline's ValueError) and does no work yet."""
         self._pipe, self._live, self._switch = pipe, live, 0
         self._stream = pipe.stream(
-            live.prompt, num_frames, height, width, denoising_steps=settings.denoising_steps,
-            generator=torch.Generator("cpu").manual_seed(seed), output_type="np",
-            **settings.cache_options(pipe),
+            live.prompt, plan.num_frames, plan.height, plan.width, denoising_steps=plan.settings.denoising_steps,
+            generator=torch.Generator("cpu").manual_seed(plan.seed), output_type="np",
+            **plan.settings.cache_options(pipe), **plan.inputs,
         )  # fmt: skip
         live.last_chunk_start = self._stream.last_chunk_start
 
@@ -134,12 +217,17 @@ def generate_frames(
     width: int,
     seed: int,
     settings: ChunkSettings | None = None,
+    inputs: Mapping[str, Any] | None = None,
 ) -> Iterator[Chunk]:
     """Each chunk of the video, following `live`'s prompt as it changes; `settings` None: the model's own.
 
-    Checks every argument now (raising the pipeline's ValueError) and returns the generator of chunks.
+    `inputs`: what the video starts from, as `pipe.stream` takes it: `{"image": picture}`, or `{"video": clip,
+    "strength": 0.8}` where the clip is a path, an array or any iterator of frames (a `FrameQueue`); the video
+    then ends with the input. Checks every argument now (raising the pipeline's ValueError) and returns the
+    generator of chunks.
     """
-    return _timed(LiveStream(pipe, live, num_frames, height, width, seed, settings or ChunkSettings()))
+    plan = VideoPlan(num_frames, height, width, seed, settings or ChunkSettings(), dict(inputs or {}))
+    return _timed(LiveStream(pipe, live, plan))
 
 
 def _timed(stream: LiveStream) -> Iterator[Chunk]:
@@ -221,10 +309,13 @@ def _loader(name: str | Path, device: str | None, dtype: str | None) -> Callable
 
 # ---------------------------------------------------------------------------------------- one Generate press
 class Generation:
-    """One video for one session: its model, its live prompt, its chunks so far and their statistics."""
+    """One video for one session: its model, its live prompt, its input, its chunks so far and their statistics."""
 
     def __init__(self, shelf: ModelShelf, config: GenerateConfig, settings: DemoSettings) -> None:
-        """Checks everything before any work: a DemoInputError naming the field, or the pipeline's ValueError."""
+        """Checks everything before any work: a DemoInputError naming the field, or the pipeline's ValueError.
+
+        With the webcam as input, `webcam` is the `FrameQueue` the browser's frames go to (`push_webcam_frame`).
+        """
         self.model = config.model or shelf.names[0]
         self.pipe = shelf.get(self.model)
         self.notes = prompt_notes(self.pipe, config.prompt)  # unknown words: said with the video, not refused
@@ -232,16 +323,24 @@ class Generation:
         self.fps = settings.fps
         self.num_frames = frames_for_seconds(self.pipe, config.seconds, settings.fps, config.settings.chunk_frames)
         self.live = LivePrompt(config.prompt)
-        self._chunks = generate_frames(
-            self.pipe, self.live, self.num_frames, self.height, self.width, config.seed, config.settings
-        )
+        self.inputs = config.inputs
+        self.webcam = FrameQueue() if config.inputs.webcam else None
+        plan = VideoPlan(
+            self.num_frames, self.height, self.width, config.seed, config.settings,
+            config.inputs.stream_arguments(self.webcam),
+        )  # fmt: skip
+        self._chunks = _timed(LiveStream(self.pipe, self.live, plan))
         self.chunk_seconds: list[float] = []  # per chunk made so far
         self.chunk_cache_bytes: list[int] = []
         self.frames_written = 0
         self.frames_per_second = 0.0
 
     def __iter__(self) -> Iterator[Chunk]:
-        """The chunks as they are made, each counted in the statistics before it is handed on."""
+        """The chunks as they are made, each counted in the statistics before it is handed on.
+
+        Raises:
+            DemoInputError: the webcam ended (stopped, or silent) before it sent the frames of one chunk.
+        """
         start = time.perf_counter()
         for chunk in self._chunks:
             self.chunk_seconds.append(chunk.seconds)
@@ -249,6 +348,16 @@ class Generation:
             self.frames_written += len(chunk.frames)
             self.frames_per_second = self.frames_written / (time.perf_counter() - start)
             yield chunk
+        if self.webcam is not None and self.frames_written == 0:
+            raise DemoInputError(
+                f"{WEBCAM_LABEL}: it sent {self.webcam.frames_pushed} frame(s) before it stopped, too few for one "
+                "chunk. Start the webcam (its Record button), then press Generate, and keep it running."
+            )
+
+    def close(self) -> None:
+        """The generation is over (ended, stopped or replaced): its webcam input ends, later frames are dropped."""
+        if self.webcam is not None:
+            self.webcam.close()
 
     def details(self) -> dict[str, Any]:
         """The run so far, as the page's JSON shows it."""
@@ -260,7 +369,16 @@ class Generation:
             "cache_bytes": self.chunk_cache_bytes[-1],
             "prompt_schedule": [[frame, text] for frame, text in self.live.applied],
             "prompt_notes": self.notes + self.live.notes,
+            **self._input_details(),
         }
+
+    def _input_details(self) -> dict[str, Any]:
+        details: dict[str, Any] = {"input": self.inputs.kind}
+        if self.inputs.kind in ("clip", "webcam"):
+            details["strength"] = self.inputs.strength
+        if self.webcam is not None:
+            details["webcam_frames"] = {"received": self.webcam.frames_pushed, "dropped": self.webcam.frames_dropped}
+        return details
 
     def tables(self):
         """The two plots' data: chunk index against milliseconds and against cache KiB (pandas DataFrames)."""
@@ -274,19 +392,38 @@ class Generation:
 
 @dataclass
 class DemoSession:
-    """What one browser session owns: its running generation, if any (what a prompt switch steers)."""
+    """What one browser session owns: its running generation, if any (what a prompt switch and the webcam's frames
+    steer)."""
 
     generation: Generation | None = field(default=None)
 
     @contextmanager
     def steering(self, generation: Generation) -> Iterator[Generation]:
-        """While the block runs, prompt switches of this session go to `generation` (unless a newer one starts)."""
+        """While the block runs, prompt switches and webcam frames of this session go to `generation` (unless a
+        newer one starts); when it ends, however it ends, so does its webcam input."""
         self.generation = generation
         try:
             yield generation
         finally:
+            generation.close()
             if self.generation is generation:
                 self.generation = None
+
+
+def push_webcam_frame(frame: Any, session: DemoSession) -> bool:
+    """Hand one webcam frame `(H, W, 3)` to the session's running webcam generation; False if none takes it (no
+    generation, one not fed by the webcam, or one whose input has ended): frames before Generate are not kept."""
+    generation = session.generation
+    if frame is None or generation is None or generation.webcam is None:
+        return False
+    return generation.webcam.push(frame)
+
+
+def stop_webcam(session: DemoSession) -> None:
+    """The webcam stopped: the running generation's input ends, so the video ends after the frames already sent."""
+    generation = session.generation
+    if generation is not None:
+        generation.close()
 
 
 def switch_prompt(prompt: Any, session: DemoSession) -> str:
