@@ -197,6 +197,8 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             self._longlive_recache(recent, embeds, cache, request)
             return
         frames = min(recent.shape[2], layout.rewindable_frames(self.transformer.committed_frames(cache, layout)))
+        if frames == 0:  # everything committed is sink: nothing to re-cache
+            return
         recent = recent[:, :, recent.shape[2] - frames :]
         cache.rewind(frames * layout.tokens_per_frame)
         for start in range(0, frames, layout.chunk_frames):
