@@ -57,16 +57,18 @@ def test_held_out_videos_run_on_lines_no_training_video_of_their_prompt_used():
 
 def test_image_to_video_scores_the_true_continuation_as_perfect():
     table = evaluate_image_to_video(rendered_image_to_video(), PROMPTS, 2, windows=((1, 11), (40, 50)))
-    for scores in table.values():
-        assert scores == {
-            "colour_accuracy": 1.0,
-            "keeps_colour": 1.0,
-            "keeps_shape": 1.0,
-            "found": 1.0,
-            "distance_px": 0.0,
-            "on_track": 1.0,
-            "direction_accuracy": 1.0,
-        }
+    perfect = {
+        "colour_accuracy": 1.0,
+        "keeps_colour": 1.0,
+        "keeps_shape": 1.0,
+        "found": 1.0,
+        "distance_px": 0.0,
+        "on_track": 1.0,
+        "direction_accuracy": 1.0,
+        "mean_speed": 1.0,
+    }
+    assert table["frames 40-49"] == perfect  # no frame 8 in it: no head start
+    assert table["frames 1-10"] == {**perfect, "displacement_px_frame_8": 8.0, "prompted_way_by_frame_8": 1.0}
 
 
 def test_a_held_first_chunk_lags_the_truth_by_its_length():
@@ -79,6 +81,7 @@ def test_a_held_first_chunk_lags_the_truth_by_its_length():
         expected.append(np.linalg.norm(centres - lagged, axis=1)[1:].mean())
     assert table["frames 1-10"]["distance_px"] == pytest.approx(np.mean(expected), abs=1e-5)
     assert table["frames 1-10"]["direction_accuracy"] == pytest.approx(8 / 9)  # the held frames 1 -> 2 do not move
+    assert table["frames 1-10"]["displacement_px_frame_8"] == 8.0 - (held - 1)
 
 
 def _copy_input(prompts, video, strength, num_frames):

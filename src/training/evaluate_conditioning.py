@@ -5,8 +5,8 @@
 - **Image-to-video.** Frame 0 of a held-out toy video becomes the start image (`image=`) under the video's own
   prompt. Scored per window (frames 1-10 and 90-100) against the renderer's trajectory from that start: the
   shape's colour (pixel accuracy as `evaluate_tiny`, and frames whose shape keeps the image's colour and shape),
-  the distance of its centre to the true centre, the frames within `ON_TRACK_PX` of it, and the direction
-  accuracy. Two reference rows come from the renderer: the truth held for the first chunk (what a perfect
+  the distance of its centre to the true centre, the frames within `ON_TRACK_PX` of it, the direction
+  accuracy and speed, and how far it has moved the prompted way by frame 8 (the truth: 8 px, before any bounce). Two reference rows come from the renderer: the truth held for the first chunk (what a perfect
   model reaches, since the image fills the whole first chunk and motion starts at the next) and the truth from
   another start (chance level for the distance).
 - **Video-to-video.** A held-out toy video is re-prompted to each other colour (same shape and direction) and
@@ -58,6 +58,7 @@ VideoToVideoFn = Callable[[list[str], np.ndarray, float, int], np.ndarray]
 
 IMAGE_TO_VIDEO_WINDOWS = ((1, 11), (90, 101))  # [start, stop): frames 1-10 and 90-100
 STRENGTHS = (0.3, 0.5, 0.7, 0.9, 1.0)
+HEAD_START_FRAME = 8  # == MIN_FRAMES_BEFORE_BOUNCE: every true start moves 8 px the prompted way by then
 FIRST_HELD_OUT_SEED = 500_000  # above every training render seed (1000 * video + prompt, videos < 100)
 HEIGHT = WIDTH = 32
 SHIPPED_VIDEOS_PER_PROMPT = 12  # --videos-per-prompt (its default) of both embedded models' training runs
@@ -109,8 +110,21 @@ def image_to_video_scores(
             "keeps_shape": attribute_rate(clip, shape=spec.shape),
             **follow_metrics(clip, true_clip),
             "direction_accuracy": prompted["direction_accuracy"],
+            "mean_speed": prompted["mean_speed"],
         }
+        if start <= HEAD_START_FRAME < stop:
+            scores[window_label((start, stop))].update(head_start(track, spec.direction))
     return scores
+
+
+def head_start(track: ShapeTrack, direction: str) -> dict[str, float]:
+    """How far the shape has moved the prompted way by `HEAD_START_FRAME`, before any true bounce (px, signed)."""
+    velocity = DIRECTIONS[direction]
+    axis = int(velocity[0] == 0)
+    moved = float((track.centres[HEAD_START_FRAME, axis] - track.centres[0, axis]) * velocity[axis])
+    if not (track.found[0] and track.found[HEAD_START_FRAME]):
+        return {"displacement_px_frame_8": math.nan, "prompted_way_by_frame_8": 0.0}
+    return {"displacement_px_frame_8": moved, "prompted_way_by_frame_8": float(moved >= 1.0)}
 
 
 def evaluate_image_to_video(
