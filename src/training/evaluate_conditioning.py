@@ -59,7 +59,7 @@ VideoToVideoFn = Callable[[list[str], np.ndarray, float, int], np.ndarray]
 IMAGE_TO_VIDEO_WINDOWS = ((1, 11), (90, 101))  # [start, stop): frames 1-10 and 90-100
 STRENGTHS = (0.3, 0.5, 0.7, 0.9, 1.0)
 HEAD_START_FRAME = 8  # == MIN_FRAMES_BEFORE_BOUNCE: every true start moves 8 px the prompted way by then
-FIRST_HELD_OUT_SEED = 500_000  # above every training render seed (1000 * video + prompt, videos < 100)
+FIRST_HELD_OUT_SEED = 500_000  # above every training render seed (1000 * video + prompt) up to 500 videos a prompt
 HEIGHT = WIDTH = 32
 SHIPPED_VIDEOS_PER_PROMPT = 12  # --videos-per-prompt (its default) of both embedded models' training runs
 
