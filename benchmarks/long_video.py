@@ -125,6 +125,11 @@ class GrowingLayer(CacheLayer):
         """`(committed + pending,)` all True: nothing is ever evicted."""
         return torch.ones(self._committed_count + self.pending_tokens, dtype=torch.bool, device=self.keys.device)
 
+    @property
+    def committed_count(self) -> int:
+        """Tokens committed (the stream position the model's RoPE budget check reads)."""
+        return self._committed_count
+
     def visible_prefix(self, num_pending: int) -> int:
         """Every token is visible, in stream order: attention reads them all with no mask."""
         return self._committed_count + num_pending

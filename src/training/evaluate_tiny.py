@@ -29,13 +29,22 @@ def load_pipeline(path: Path):
     return pipeline
 
 
+def evaluation_prompts() -> list[str]:
+    """The 12 evaluation prompts: colour i goes direction i, so 4 colours x 3 shapes cover every direction too."""
+    return [p for i, p in enumerate(all_prompts()) if i % 4 == (i // 12) % 4]
+
+
+def whole_chunk_frames(pipeline, num_frames: int) -> int:
+    """The fewest frames of whole chunks that hold `num_frames` (`num_frames` itself when it is whole chunks)."""
+    below, above = pipeline.valid_num_frames(num_frames)
+    return below if below >= num_frames else above
+
+
 def generate_videos(pipeline, prompts: Sequence[str], num_frames: int, seed: int, height=32, width=32) -> np.ndarray:
     """uint8 `(len(prompts), num_frames, height, width, 3)`; generates whole chunks and cuts to `num_frames`."""
-    _, reachable = pipeline.valid_num_frames(num_frames)
-    reachable = num_frames if num_frames in pipeline.valid_num_frames(num_frames) else reachable
     output = pipeline(
         list(prompts),
-        num_frames=reachable,
+        num_frames=whole_chunk_frames(pipeline, num_frames),
         height=height,
         width=width,
         generator=torch.Generator().manual_seed(seed),
@@ -66,8 +75,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--save-video", type=Path, default=None, help="save the first video here as .npy")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    # Colour i goes direction i: 12 prompts (4 colours x 3 shapes) that cover every colour, shape and direction.
-    prompts = [p for i, p in enumerate(all_prompts()) if i % 4 == (i // 12) % 4][: args.prompts]
+    prompts = evaluation_prompts()[: args.prompts]
     pipeline = load_pipeline(args.pipeline)
     model = evaluate_pipeline(pipeline, prompts, args.num_frames, args.windows, args.seeds)
     truth = evaluate_generator(ground_truth_fn(), prompts, args.num_frames, args.windows, args.seeds)

@@ -37,6 +37,14 @@ class LatentVideos:
     prompt_embeds: torch.Tensor  # (prompts, max_sequence_length, text_dim)
 
 
+def render_seed(prompt_index: int, video_seed: int) -> int:
+    """The `render_video` seed of video `video_seed` of prompt `all_prompts()[prompt_index]` in a latent data set.
+
+    Training uses video seeds `range(--videos-per-prompt)`; evaluations pick render seeds outside this map.
+    """
+    return 1000 * video_seed + prompt_index
+
+
 @torch.no_grad()
 def build_latent_videos(
     vae, tokenizer, text_encoder, config: TinyConfig, seeds: range, num_frames: int = 97, batch_size: int = 16
@@ -50,7 +58,7 @@ def build_latent_videos(
     for start in range(0, len(specs), batch_size):
         batch = specs[start : start + batch_size]
         videos = np.stack(
-            [render_video(prompts[p], num_frames, config.height, config.width, 1000 * s + p) for p, s in batch]
+            [render_video(prompts[p], num_frames, config.height, config.width, render_seed(p, s)) for p, s in batch]
         )
         latents.append((encode_videos(vae, videos) - mean) / std)
     embeds = encode_prompts(tokenizer, text_encoder, prompts, config.max_sequence_length)
