@@ -71,4 +71,6 @@ def test_one_cache_copy_and_nothing_of_an_old_chunk_survives(pipe, guidance_scal
     assert len(stream.caches) == branches
     assert copies == [branches * blocks * 2] * len(copies)  # K and V per block per branch, never a second copy
     assert seen[len(seen) - 1] == 1 and first_embeds() is None  # the replaced prompt's embeddings are gone
-    assert max(totals[2:]) == totals[2], totals  # flat: nothing grows chunk after chunk
+    # flat once the stream holds its most recent latents (a re-cache re-runs up to sink + window frames: chunk 3
+    # here): nothing grows chunk after chunk after that
+    assert max(totals[3:]) == totals[3], totals

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 import warnings
 from pathlib import Path
 
@@ -193,8 +194,15 @@ def test_the_webcam_leads_a_video_to_video_run_and_stopping_it_ends_the_video(we
         page.click("#webcam button:has-text('Stop')")  # the webcam stops: the input ends, and so does the video
         assert _wait_until(page, lambda: queue.closed, 10_000), "stopping the webcam did not end the input"
         assert queue.frames_pushed < 60 and not queue.push(object())  # ended early; later frames are refused
-        page.wait_for_timeout(1000)  # the last chunk from the frames already sent reaches the page
-        shown = page.evaluate(f"() => {chunks_shown}")
+        # the chunks made from the frames already sent still reach the page (slowly on a loaded machine): wait
+        # until the count has held for 2 s, then it must stay (the input ended, so the video did)
+        shown, held_since = page.evaluate(f"() => {chunks_shown}"), time.monotonic()
+        deadline = held_since + 30
+        while time.monotonic() - held_since < 2 and time.monotonic() < deadline:
+            page.wait_for_timeout(250)
+            now = page.evaluate(f"() => {chunks_shown}")
+            if now != shown:
+                shown, held_since = now, time.monotonic()
         page.wait_for_timeout(1500)
         assert page.evaluate(f"() => {chunks_shown}") == shown  # no chunk after the end
         assert shown * 2 <= queue.frames_read  # every chunk shown was made from the camera's frames
