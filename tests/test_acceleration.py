@@ -203,3 +203,25 @@ def test_cloned_outputs_survive_the_next_replay_overwriting_the_graphs_buffer():
 def test_mask_support_is_probed_not_assumed():
     assert attention_accepts_mask("native", "cpu") and attention_accepts_mask("_native_math", "cpu")
     assert not attention_accepts_mask("flash", "cpu")  # flash-attn kernels take no mask at all
+
+
+def test_the_pipeline_offers_each_speed_option():
+    """The pipeline's own switches: on a CPU the fastest backend is SDPA ("native", frames unchanged) and fp8 /
+    CUDA graphs are refused with a message saying why."""
+    import numpy as np
+    from tiny_components import tiny_pipeline
+
+    pipe = tiny_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    before = pipe(
+        "a red circle moving left", num_frames=6, height=16, width=16, generator=torch.Generator().manual_seed(0)
+    )
+    assert pipe.set_attention_backend() == "native"
+    after = pipe(
+        "a red circle moving left", num_frames=6, height=16, width=16, generator=torch.Generator().manual_seed(0)
+    )
+    np.testing.assert_allclose(after.frames, before.frames, atol=1e-6)
+    with pytest.raises((ValueError, RuntimeError, ImportError), match="fp8|float8|CUDA|cuda"):
+        pipe.enable_fp8()
+    with pytest.raises((ValueError, RuntimeError), match="CUDA|cuda"):
+        pipe.enable_cuda_graphs()

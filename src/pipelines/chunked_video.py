@@ -31,6 +31,7 @@ from ..caching.layout import ChunkLayout
 from ..models.tiny_autoencoder import TinyVideoAutoencoder
 from ..models.weights import check_pipeline_weights
 from ..recipes import get_recipe
+from .acceleration import capture_cuda_graphs, enable_fp8, fastest_attention_backend, set_attention_backend
 from .conditioning import build_conditioning
 from .prompt_schedule import PromptSchedule
 from .request import (
@@ -577,6 +578,24 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             raise ValueError("`output_type`: `generate_to_file` writes frames itself; do not pass it.")
         stream = self.stream(prompt, **kwargs)  # checks every argument before any work
         return write_video(stream, path, fps, resume=resume, state_every_s=state_every_s, quality=quality)
+
+    # ---------------------------------------------------------------------------------------- speed
+    def enable_fp8(self) -> bool:
+        """float8 weights and activations for the transformer's per-step linear layers (torchao; CUDA, sm 8.9+,
+        bf16 weights): `acceleration.enable_fp8`. Apply before compiling. Refused, naming why, elsewhere."""
+        return enable_fp8(self.transformer)
+
+    def set_attention_backend(self, name: str = "fastest") -> str:
+        """Every attention through diffusers' backend `name`, or the fastest the device offers ("fastest": FA3,
+        flash, cuDNN or SDPA); masked calls fall back to SDPA. Returns the backend set."""
+        chosen = fastest_attention_backend(self.execution_device) if name == "fastest" else name
+        set_attention_backend(self.transformer, chosen)
+        return chosen
+
+    def enable_cuda_graphs(self):
+        """Replay the compiled cached step as CUDA graphs (`torch.compile(mode="reduce-overhead", fullgraph=True)`:
+        2 graphs, the ring buffers' static addresses); one stream per transformer. Refused off CUDA."""
+        return capture_cuda_graphs(self.transformer)
 
     # ---------------------------------------------------------------------------------------- the loop's pieces
     def branch_embeds(self, request: VideoRequest, prompt_index: int) -> torch.Tensor:
