@@ -137,7 +137,7 @@ def test_state_file_is_safetensors_with_json_metadata(pipe, tmp_path):
     assert any(key.startswith("cache.0.") and key.endswith("_extra_state") for key in extras)
     assert any(name.startswith("cache.0.layers.0.") for name in names)  # conditional branch
     assert any(name.startswith("cache.1.layers.0.") for name in names)  # guidance branch
-    assert any(name.startswith("decoder.features.") for name in names)
+    assert any(name.startswith("decoder.feat_cache.") for name in names)
     assert "generator.0" in names and "recent" in names and "position" in names
     assert not any("cross" in name for name in names)  # text K/V are recomputed from the embeddings, not saved
 

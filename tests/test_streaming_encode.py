@@ -232,7 +232,7 @@ def test_state_of_another_vae_layout_is_refused():
     state = StreamingWanEncoder(make_vae("temporal_4x")).state_dict()
     other = StreamingWanEncoder(AutoencoderKLWan(base_dim=8, z_dim=Z_DIM, num_res_blocks=2, dim_mult=[1, 2, 2]))
 
-    with pytest.raises(ValueError, match=r"feat_cache_kinds of shape \(\d+,\), one per causal encoder conv"):
+    with pytest.raises(ValueError, match=r"feat_cache_kinds of shape \(\d+,\), one per causal conv"):
         other.load_state_dict(state)
     broken = {**StreamingWanEncoder(make_vae("temporal_4x")).state_dict(), "feat_cache.0": torch.zeros(1)}
     with pytest.raises(ValueError, match=r"unexpected \['feat_cache.0'\]"):

@@ -11,6 +11,8 @@ import torch
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
 
+from .feature_cache import feature_cache_state, load_feature_cache
+
 
 def denormalize_wan_latents(latents: torch.Tensor, vae: AutoencoderKLWan) -> torch.Tensor:
     """Map latents from the diffusion model's normalised space to the space `vae.decode` expects.
@@ -137,34 +139,16 @@ class StreamingWanDecoder:
 
     # ---------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The decoder's memory as tensors only (for resume): each conv's cached frames, and what each slot holds.
-
-        `slots[i]` is 0 for an empty slot, 1 for cached features (`features.<i>`), 2 for the decoder's "Rep"
-        marker (a first chunk's placeholder); `position` is (latent frames decoded, batch, height, width).
-        """
-        state: dict[str, torch.Tensor] = {}
-        kinds = []
-        for index, item in enumerate(self._feat_map):
-            if isinstance(item, torch.Tensor):
-                state[f"features.{index}"] = item
-            kinds.append(1 if isinstance(item, torch.Tensor) else 2 if item == "Rep" else 0)
-        state["slots"] = torch.tensor(kinds, dtype=torch.int64)
-        shape = self._video_shape or (-1, -1, -1)
-        state["position"] = torch.tensor([self._latent_frames_decoded, *shape], dtype=torch.int64)
-        return state
+        """The decoder's memory as tensors only (for resume): see `feature_cache_state`."""
+        return feature_cache_state(
+            self._feat_map, self._video_shape, "latent_frames_decoded", self._latent_frames_decoded
+        )
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Continue from `state_dict()` of a decoder over the same VAE."""
-        kinds = state["slots"].tolist()
-        if len(kinds) != self._num_cached_convs:
-            raise ValueError(
-                f"The decoder state has {len(kinds)} cached convs, this VAE's decoder {self._num_cached_convs}."
-            )
+        """Continue from `state_dict()` of a decoder over the same VAE (checked whole first)."""
+        cache, video_shape, decoded = load_feature_cache(
+            state, self._num_cached_convs, "latent_frames_decoded", type(self).__name__
+        )
         device = self.vae.post_quant_conv.weight.device
-        self._feat_map = [
-            state[f"features.{i}"].to(device) if kind == 1 else "Rep" if kind == 2 else None
-            for i, kind in enumerate(kinds)
-        ]
-        decoded, *shape = state["position"].tolist()
-        self._latent_frames_decoded = decoded
-        self._video_shape = None if shape[0] < 0 else tuple(shape)
+        self._feat_map = [entry.to(device) if isinstance(entry, torch.Tensor) else entry for entry in cache]
+        self._video_shape, self._latent_frames_decoded = video_shape, decoded

@@ -22,10 +22,10 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, patchify
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
+from .feature_cache import feature_cache_state, load_feature_cache
+
 # How a feature-cache slot is written into `state_dict()["feat_cache_kinds"]`: empty, a tensor, or diffusers'
 # "Rep" marker (written by temporal upsampling; the decoder's convs use it, the encoder's keep the slot generic).
-_EMPTY, _TENSOR, _REP = 0, 1, 2
-_REP_MARKER = "Rep"
 
 
 def normalize_wan_latents(latents: torch.Tensor, vae: AutoencoderKLWan) -> torch.Tensor:
@@ -209,51 +209,15 @@ class StreamingWanEncoder:
         return [(0, 1)] * first + [(start, start + t) for start in range(first, pixel_frames, t)]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The position and the feature cache, tensors only (for `safetensors` or `torch.save`).
-
-        Keys: `latent_frames_encoded` (int64 scalar), `video_shape` (int64 `(batch, height, width)`, or empty before
-        the first chunk), `feat_cache_kinds` (int8, one per cached conv: 0 empty, 1 tensor, 2 diffusers' "Rep"
-        marker) and `feat_cache.{i}` for every tensor slot. The tensors are the live ones, not copies: encoding
-        replaces cache entries and never writes into them, so a saved dict stays valid as the video goes on.
-        """
-        kinds = [_EMPTY if e is None else _REP if isinstance(e, str) else _TENSOR for e in self._feat_cache]
-        state = {
-            "latent_frames_encoded": torch.tensor(self._latent_frames_encoded, dtype=torch.int64),
-            "video_shape": torch.tensor(self._video_shape or (), dtype=torch.int64),
-            "feat_cache_kinds": torch.tensor(kinds, dtype=torch.int8),
-        }
-        for i, entry in enumerate(self._feat_cache):
-            if isinstance(entry, torch.Tensor):
-                state[f"feat_cache.{i}"] = entry
-        return state
+        """The position and the feature cache, tensors only (for `safetensors`): see `feature_cache_state`."""
+        return feature_cache_state(
+            self._feat_cache, self._video_shape, "latent_frames_encoded", self._latent_frames_encoded
+        )
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Continue a video from `state_dict()`'s result (same VAE layout); the next `encode` picks up where the
         saved encoder stopped. Checked whole before anything changes. Tensors move to the VAE's device at the next
         `encode`."""
-        kinds = state_dict.get("feat_cache_kinds")
-        if not isinstance(kinds, torch.Tensor) or kinds.shape != (self._num_cached_convs,):
-            found = tuple(kinds.shape) if isinstance(kinds, torch.Tensor) else None
-            raise ValueError(
-                "`state_dict` must come from StreamingWanEncoder.state_dict() for a VAE with the same layout: "
-                f"feat_cache_kinds of shape ({self._num_cached_convs},), one per causal encoder conv, got {found}."
-            )
-        kinds = kinds.tolist()
-        expected = {"latent_frames_encoded", "video_shape", "feat_cache_kinds"}
-        expected |= {f"feat_cache.{i}" for i, kind in enumerate(kinds) if kind == _TENSOR}
-        if set(state_dict) != expected or not set(kinds) <= {_EMPTY, _TENSOR, _REP}:
-            raise ValueError(
-                f"`state_dict` keys or feat_cache_kinds do not match: missing {sorted(expected - set(state_dict))}, "
-                f"unexpected {sorted(set(state_dict) - expected)}, kinds {sorted(set(kinds))} (allowed 0, 1, 2)."
-            )
-        video_shape = tuple(state_dict["video_shape"].tolist())
-        if len(video_shape) not in (0, 3):
-            raise ValueError(
-                f"`state_dict['video_shape']` must be empty or (batch, height, width), got {video_shape}."
-            )
-        self._feat_cache = [
-            state_dict[f"feat_cache.{i}"] if kind == _TENSOR else _REP_MARKER if kind == _REP else None
-            for i, kind in enumerate(kinds)
-        ]
-        self._latent_frames_encoded = int(state_dict["latent_frames_encoded"])
-        self._video_shape = video_shape or None
+        self._feat_cache, self._video_shape, self._latent_frames_encoded = load_feature_cache(
+            state_dict, self._num_cached_convs, "latent_frames_encoded", type(self).__name__
+        )

@@ -1,0 +1,59 @@
+"""A Wan VAE causal feature cache (the streaming encoder's and decoder's memory) as tensors only, and back.
+
+`AutoencoderKLWan`'s causal convs keep, per conv, the last frames they saw (a tensor), nothing yet (None), or
+diffusers' "Rep" marker (a first chunk's placeholder). The streaming encoder and decoder save theirs for resume
+the same way: `feat_cache_kinds` (int8, one per conv: 0 empty, 1 tensor, 2 "Rep"), `feat_cache.{i}` for every
+tensor slot, `video_shape` (int64 `(batch, height, width)`, empty before the first chunk) and the owner's
+position counter under `position_key` (int64 scalar).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_EMPTY, _TENSOR, _REP = 0, 1, 2
+REP_MARKER = "Rep"
+
+
+def feature_cache_state(
+    cache: list, video_shape: tuple[int, int, int] | None, position_key: str, position: int
+) -> dict[str, torch.Tensor]:
+    """The cache and position as tensors (the live tensors, not copies: the convs replace entries, never write
+    into them, so a saved dict stays valid as the video goes on)."""
+    kinds = [_EMPTY if entry is None else _REP if isinstance(entry, str) else _TENSOR for entry in cache]
+    state = {
+        position_key: torch.tensor(position, dtype=torch.int64),
+        "video_shape": torch.tensor(video_shape or (), dtype=torch.int64),
+        "feat_cache_kinds": torch.tensor(kinds, dtype=torch.int8),
+    }
+    state.update({f"feat_cache.{i}": entry for i, entry in enumerate(cache) if isinstance(entry, torch.Tensor)})
+    return state
+
+
+def load_feature_cache(
+    state: dict[str, torch.Tensor], num_convs: int, position_key: str, owner: str
+) -> tuple[list, tuple[int, int, int] | None, int]:
+    """`(cache, video_shape, position)` from `feature_cache_state`'s dict, checked whole before anything is used."""
+    kinds = state.get("feat_cache_kinds")
+    if not isinstance(kinds, torch.Tensor) or kinds.shape != (num_convs,):
+        found = tuple(kinds.shape) if isinstance(kinds, torch.Tensor) else None
+        raise ValueError(
+            f"`state_dict` must come from {owner}.state_dict() for a VAE with the same layout: feat_cache_kinds of "
+            f"shape ({num_convs},), one per causal conv, got {found}."
+        )
+    kinds = kinds.tolist()
+    expected = {position_key, "video_shape", "feat_cache_kinds"}
+    expected |= {f"feat_cache.{i}" for i, kind in enumerate(kinds) if kind == _TENSOR}
+    if set(state) != expected or not set(kinds) <= {_EMPTY, _TENSOR, _REP}:
+        raise ValueError(
+            f"`state_dict` keys or feat_cache_kinds do not match: missing {sorted(expected - set(state))}, "
+            f"unexpected {sorted(set(state) - expected)}, kinds {sorted(set(kinds))} (allowed 0, 1, 2)."
+        )
+    video_shape = tuple(state["video_shape"].tolist())
+    if len(video_shape) not in (0, 3):
+        raise ValueError(f"`state_dict['video_shape']` must be empty or (batch, height, width), got {video_shape}.")
+    cache = [
+        state[f"feat_cache.{i}"] if kind == _TENSOR else REP_MARKER if kind == _REP else None
+        for i, kind in enumerate(kinds)
+    ]
+    return cache, video_shape or None, int(state[position_key])
