@@ -94,10 +94,11 @@ RECIPES: dict[str, Recipe] = {
                 timestep_shift=7.0,
                 integer_timesteps=True,
                 first_chunk="remainder",
+                recache="longsana",
             ),
             "The first chunk takes the leftover frames (53 latent frames = 13 + 4 x 10); every earlier chunk stays in "
-            "the state. Upstream's re-cache for a switch before chunk 1 re-runs chunk 0 over its own old state (a "
-            "quirk rolldiff does not copy: 1.3e-2 there; later switches match).",
+            "the state. recache='longsana': a switch re-runs the last chunk at t=0 under the new prompt; before chunk "
+            "1 upstream re-runs chunk 0 over chunk 0's own old state, and so does this recipe.",
         ),
     )
 }

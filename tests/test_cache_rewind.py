@@ -63,3 +63,27 @@ def test_container_rewinds_every_self_attention_layer():
     cache = RollingKVCache(layers, [CrossAttentionLayer(), None])
     cache.rewind(2)
     assert [layer.pending_positions(2).tolist() for layer in cache] == [[6, 7], [6, 7]]
+
+
+def test_commit_replacing_last_keeps_the_new_contribution_once():
+    """LongSANA's re-cache before chunk 1: the pending chunk was computed over the last chunk's old state; after
+    `commit_replacing_last` the state holds the new contribution alone, as a rewind + commit would."""
+    from rolldiff.caching import RewindableLinearAttentionLayer
+
+    torch.manual_seed(0)
+    layer = RewindableLinearAttentionLayer()
+    old_key, old_value = torch.rand(1, 4, 2, 3), torch.rand(1, 4, 2, 3)
+    new_key, new_value = torch.rand(1, 4, 2, 3), torch.rand(1, 4, 2, 3)
+    layer.update(old_key, old_value)
+    layer.commit()
+    total_vk, _ = layer.update(new_key, new_value)  # the pass reads the old chunk as its past
+    reference = RewindableLinearAttentionLayer()
+    expected_total, _ = reference.update(old_key, old_value)
+    reference.commit()
+    torch.testing.assert_close(total_vk, reference.update(new_key, new_value)[0])
+    layer.commit_replacing_last()
+    fresh = RewindableLinearAttentionLayer()
+    fresh.update(new_key, new_value)
+    fresh.commit()
+    torch.testing.assert_close(layer.get()[0], fresh.get()[0], atol=0, rtol=0)
+    assert layer.committed_chunks == 1

@@ -69,7 +69,7 @@ def _longsana_pipeline(golden: Golden) -> LongSanaVideoPipeline:
     return pipe
 
 
-@pytest.mark.parametrize("scenario", ["plain", "switch_late"])
+@pytest.mark.parametrize("scenario", ["plain", "switch_early", "switch_late"])
 @torch.no_grad()
 def test_longsana_recipe_matches_upstream(scenario, monkeypatch):
     golden = load_golden("longsana", scenario)

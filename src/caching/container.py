@@ -164,6 +164,16 @@ class RollingKVCache(nn.Module):
         for layer in self._stream_layers():
             layer.rewind(num_tokens)
 
+    def commit_replacing_last(self) -> None:
+        """Commit the pending chunk in place of the last committed one, in every state layer that can (the
+        linear-attention sums); the other stream layers (the temporal-conv state) commit as usual."""
+        for layer in self._stream_layers():
+            replace = getattr(layer, "commit_replacing_last", None)
+            if replace is not None:
+                replace()
+            elif layer.pending_tokens:
+                layer.commit()
+
     def advance(self, num_tokens: int) -> None:
         """`advance(num_tokens)` on every sliding self-attention layer: the positions jump, the windows empty."""
         layers = [layer for layer in self.layers if hasattr(layer, "advance")]

@@ -165,6 +165,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
 
     options_class: type[CacheOptions] = CacheOptions
     cache_options: tuple[str, ...] = ()  # the names of `options_class`'s fields (set for each subclass)
+    recache_modes: tuple[str, ...] = ("causal",)  # the re-cache modes the family offers (`recache=`)
     output_class = ChunkedVideoPipelineOutput
     _callback_tensor_inputs = ["latents", "prompt_embeds"]
 
@@ -340,7 +341,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             context_noise=check_context_noise(settings["context_noise"] or 0.0),
             context_policy=check_context_policy(settings["context_policy"] or "rolling"),
             recompute_first_frame=check_first_frame(settings["recompute_first_frame"] or "keep"),
-            recache_mode=check_recache(settings["recache"] or "causal"),
+            recache_mode=check_recache(settings["recache"] or "causal", self.recache_modes),
             overlap_decode=check_flag("overlap_decode", overlap_decode),
             prompt_blend_chunks=check_blend_chunks(settings["prompt_blend_chunks"] or 1),
             recipe=settings["recipe"],

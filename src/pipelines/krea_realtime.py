@@ -95,6 +95,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     options_class = KreaCacheOptions
+    recache_modes = ("causal", "longlive")
     output_class = KreaRealtimeVideoPipelineOutput
 
     def __init__(  # noqa: PLR0913 (the config: components and their registered defaults)

@@ -89,6 +89,7 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     options_class = LongSanaCacheOptions
+    recache_modes = ("causal", "longsana")
     output_class = LongSanaVideoPipelineOutput
 
     def __init__(  # noqa: PLR0913 (the config: components and their registered defaults)
@@ -180,5 +181,15 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
         previous sums), the temporal-conv state to the chunk before it; the chunk is then committed again,
         so the state holds its new contribution once.
         """
-        cache.rewind(recent.shape[2] * request.layout.tokens_per_frame)
+        frames = recent.shape[2]
+        if request.recache_mode == "longsana" and self.transformer.committed_frames(cache) == frames:
+            # NVlabs' interactive pipeline before chunk 1 re-runs chunk 0 over chunk 0's own old state (its
+            # `_accumulate_kv_cache(kv_cache, 0)` is that entry), at chunk 0's positions, then replaces it
+            for conv in cache.slots["conv_state"]:
+                conv.shift_frames(-frames)
+            timestep = torch.zeros(recent.shape[0], device=recent.device)
+            self.transformer_step(recent, timestep, embeds, cache, request)
+            cache.commit_replacing_last()
+            return
+        cache.rewind(frames * request.layout.tokens_per_frame)
         self.context_pass(recent, [embeds], [cache], request)

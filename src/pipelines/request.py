@@ -200,7 +200,7 @@ def check_context_policy(policy: Any) -> str:
     return policy
 
 
-RECACHE_MODES = ("causal", "longlive")
+RECACHE_MODES = ("causal", "longlive", "longsana")
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -212,9 +212,9 @@ def check_flag(name: str, value: Any) -> bool:
 FIRST_FRAME_RULES = ("keep", "reencode")
 
 
-def check_recache(mode: Any) -> str:
-    if mode not in RECACHE_MODES:
-        raise ValueError(f"`recache` must be one of {RECACHE_MODES}, got {mode!r}.")
+def check_recache(mode: Any, allowed: tuple[str, ...] = RECACHE_MODES) -> str:
+    if mode not in allowed:
+        raise ValueError(f"`recache` must be one of {allowed} for this pipeline, got {mode!r}.")
     return mode
 
 
