@@ -88,6 +88,7 @@ RECIPES: dict[str, Recipe] = {
             dict(
                 chunk_frames=10,
                 sink_frames=0,
+                window_frames="all",  # every earlier chunk in the state (num_cached_blocks -1)
                 position_mode="absolute",
                 denoising_steps=(1000, 960, 889, 727),
                 sigma_mapping="table",

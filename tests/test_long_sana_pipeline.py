@@ -216,3 +216,15 @@ def test_bad_input_is_refused_before_any_work(pipe, kwargs, message, monkeypatch
         pipe(**arguments)
     with pytest.raises(ValueError, match=message):
         pipe.stream(**arguments)
+
+
+def test_window_all_is_every_earlier_chunk_and_a_long_window_is_cut_to_whole_chunks():
+    pipe = tiny_sana_pipeline(window_frames=4)  # a config window of 2 chunks
+    every = pipe.stream(PROMPT, num_frames=10, window_frames="all", generator=_seed()).request.layout
+    assert every.window_frames >= 2**31 - 1  # the running sum of every chunk, whatever the config says
+    cut = pipe.stream(PROMPT, num_frames=10, window_frames=40, generator=_seed()).request.layout
+    assert (
+        cut.window_frames % cut.chunk_frames == 0 and cut.window_frames <= 10
+    )  # whole chunks, no more than the video
+    with pytest.raises(ValueError, match="'all'"):
+        pipe.stream(PROMPT, num_frames=10, window_frames="every", generator=_seed())

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -42,24 +43,30 @@ class LongSanaVideoPipelineOutput(ChunkedVideoPipelineOutput):
     torch, or latents `(batch, channels, latent_frames, h, w)` for `output_type="latent"`."""
 
 
+EVERY_CHUNK = "all"  # `window_frames` meaning "every earlier chunk", explicitly (a call's None is the config's)
+
+
 @dataclass(frozen=True)
 class LongSanaCacheOptions(CacheOptions):
     """The SANA-like family's cache options (see `LongSanaVideoPipeline`), checked here."""
 
     chunk_frames: int
     sink_frames: int
-    window_frames: int | None
+    window_frames: int | str | None
     position_mode: str
 
     def __post_init__(self) -> None:
         chunk, window = self.chunk_frames, self.window_frames
+        if window == EVERY_CHUNK:
+            window = None
         if not is_int(chunk, 1):
             raise ValueError(f"`chunk_frames` must be a positive int, got {chunk!r}.")
         if self.sink_frames != 0:
             raise ValueError(f"`sink_frames` must be 0: LongSANA has no attention sink, got {self.sink_frames!r}.")
         if window is not None and not (is_int(window, 2 * chunk) and window % chunk == 0):
             raise ValueError(
-                f"`window_frames` must be None (every earlier chunk) or a multiple of `chunk_frames`={chunk} "
+                f"`window_frames` must be None (the config's), {EVERY_CHUNK!r} (every earlier chunk) or a multiple of "
+                f"`chunk_frames`={chunk} "
                 f"of at least {2 * chunk} (it counts the chunk itself), got {window!r}."
             )
         if self.position_mode not in POSITION_MODES:
@@ -81,8 +88,9 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
     Krea-like pipeline's, so callers drive both families alike):
         chunk_frames: latent frames generated per chunk (LongSANA: 10).
         sink_frames: must be 0 (LongSANA has no attention sink).
-        window_frames: latent frames a chunk sees, counting itself, in whole chunks; `None`: every earlier
-            chunk (LongSANA's default; the state is a running sum, so memory stays constant either way).
+        window_frames: latent frames a chunk sees, counting itself, in whole chunks; `"all"`: every earlier chunk
+            (LongSANA's default; the state is a running sum, so memory stays constant either way); `None` in a
+            call: the config's value (`None` in the config: every earlier chunk).
         position_mode: "absolute" (frame positions as trained, refused past the RoPE table) or "relative"
             (the committed state is re-based in place when the table would run out: unbounded length).
     """
@@ -141,8 +149,9 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
                 f"`position_mode='relative'` re-bases positions to the middle of the RoPE table ({table} frames): "
                 f"`chunk_frames` must be at most {table // 2}, got {chunk}."
             )
-        if window is not None:  # a window past the video keeps no more state than the video makes
-            window = min(window, max(num_latent_frames, 2 * chunk))
+        window = None if window in (None, EVERY_CHUNK) else window
+        if window is not None:  # a window past the video keeps no more state than the video makes (whole chunks)
+            window = min(window, chunk * max(2, math.ceil(num_latent_frames / chunk)))
         return ChunkLayout(
             tokens_per_frame,
             chunk_frames=chunk,
