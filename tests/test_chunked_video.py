@@ -205,3 +205,13 @@ def test_a_cache_that_does_not_fit_is_a_clear_error_naming_the_window(pipe, monk
     stream = pipe.stream(PROMPT, num_frames=8, generator=_seed(), **SIZE)
     with pytest.raises(CacheAllocationError, match="`window_frames`=.*kv_quantization"):
         next(stream)
+
+
+def test_the_recompute_policy_keeps_the_text_keys_and_values_across_rebuilds(pipe):
+    """Each chunk's context rebuild empties the self-attention layers only: the text K/V are computed once."""
+    recompute = dict(context_policy="recompute", sink_frames=0, window_frames=4)
+    stream = pipe.stream(PROMPT, num_frames=8, generator=_seed(), **recompute, **SIZE)
+    list(stream)
+    assert stream.caches[0].cross[0].num_computations == 1
+    with pytest.raises(ValueError, match="`context_policy='recompute'` rebuilds 4 context frames"):
+        pipe.stream(PROMPT, num_frames=8, context_policy="recompute", **SIZE)  # sink 2 + window 4 - chunk 2

@@ -201,6 +201,12 @@ class RollingKVCache(nn.Module):
         for layer in self._all_layers():
             layer.reset()
 
+    def reset_context(self) -> None:
+        """Empty the stream layers (self-attention and slots), keeping the conditioning K/V: a context rebuilt
+        under the same prompt (the recompute policy) needs no second text projection."""
+        for layer in self._stream_layers():
+            layer.reset()
+
     def reset_cross_attention(self) -> None:
         """Forget the conditioning K/V only (a prompt switch); self-attention context stays."""
         for layer in self.cross:

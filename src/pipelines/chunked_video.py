@@ -339,7 +339,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             ),
             conditioning=conditioning,
             context_noise=check_context_noise(settings["context_noise"] or 0.0),
-            context_policy=check_context_policy(settings["context_policy"] or "rolling"),
+            context_policy=check_context_policy(settings["context_policy"] or "rolling", layout),
             recompute_first_frame=check_first_frame(settings["recompute_first_frame"] or "keep"),
             recache_mode=check_recache(settings["recache"] or "causal", self.recache_modes),
             overlap_decode=check_flag("overlap_decode", overlap_decode),

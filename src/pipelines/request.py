@@ -194,9 +194,17 @@ def check_size(name: str, size: Any, multiple: int, why: str) -> int:
 CONTEXT_POLICIES = ("rolling", "recompute")
 
 
-def check_context_policy(policy: Any) -> str:
+def check_context_policy(policy: Any, layout: ChunkLayout) -> str:
+    """The policy; "recompute" writes its whole context (sink + window - chunk frames) in one pass, as one chunk."""
     if policy not in CONTEXT_POLICIES:
         raise ValueError(f"`context_policy` must be one of {CONTEXT_POLICIES}, got {policy!r}.")
+    context = layout.context_frames - layout.chunk_frames
+    if policy == "recompute" and context > layout.chunk_frames:
+        raise ValueError(
+            f"`context_policy='recompute'` rebuilds {context} context frames (sink + window - chunk) in one pass, "
+            f"at most `chunk_frames`={layout.chunk_frames}: lower `window_frames` / `sink_frames` (Krea: sink 0, "
+            "window 6, chunk 3)."
+        )
     return policy
 
 

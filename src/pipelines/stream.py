@@ -312,9 +312,8 @@ class ChunkStream(Iterator[Any]):
             # Krea's default: the oldest decoded pixel frame of the last chunk's span, encoded alone (a fresh encoder)
             first = self._pipe.make_encoder().encode(self._first_pixels[:, :, :1]).to(first.dtype)
         context = torch.cat([first, self._recent], dim=2)[:, :, : self._context_frames()]
-        for cache, embeds in zip(self._caches, self._embeds):
-            cache.reset()
-            self._pipe.set_conditioning(cache, embeds)
+        for cache in self._caches:
+            cache.reset_context()  # the text K/V stay: the rebuild runs under the embedding already cached
         self._pipe.context_pass(context, self._embeds, self._caches, self._request)
 
     def _denoise_chunk(self, start: int, given: torch.Tensor | None) -> torch.Tensor | None:
