@@ -21,16 +21,13 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
 import re
-import zipfile
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .weights import rename_by_tables
+from .weights import preview_keys, read_checkpoint_file, rename_by_tables
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +76,6 @@ _LEADING_PREFIXES = ("model.", "module.")  # SanaModelWrapper, DDP; stripped rep
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 _CHECKPOINT_ENTRIES = ("generator_ema", "generator", "model", "state_dict")  # in order of preference
 _REQUIRED_KEYS = ("x_embedder.proj.weight", "final_layer.scale_shift_table")
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-_SHOWN_KEYS = 5
-
-
-def _preview(keys) -> str:
-    keys = list(keys)
-    shown = ", ".join(repr(key) for key in keys[:_SHOWN_KEYS])
-    return shown + (f", ... ({len(keys)} in all)" if len(keys) > _SHOWN_KEYS else "")
 
 
 def _strip_wrappers(key: str) -> str:
@@ -183,7 +172,7 @@ def convert_original_sana_video_state_dict(
     weights = _select_weights(state_dict, use_ema)
     non_tensors = [key for key, value in weights.items() if not isinstance(value, Tensor)]
     if non_tensors:
-        raise ValueError(f"Not a SANA-Video state dict: these entries are not tensors: {_preview(non_tensors)}.")
+        raise ValueError(f"Not a SANA-Video state dict: these entries are not tensors: {preview_keys(non_tensors)}.")
     stripped: dict[str, Tensor] = {}
     for key, tensor in weights.items():
         name = _strip_wrappers(key)
@@ -194,50 +183,21 @@ def convert_original_sana_video_state_dict(
     if missing:
         raise ValueError(
             f"Not an original-format SANA-Video transformer state dict: missing {missing}; its keys start with "
-            f"{_preview(weights)}."
+            f"{preview_keys(weights)}."
         )
     converted, unexpected = _convert_keys(stripped)
     if unexpected:
         raise ValueError(
             f"Cannot map {len(unexpected)} key(s) of the SANA-Video state dict onto SanaVideoTransformer3DModel: "
-            f"{_preview(unexpected)}. Only text-to-video SanaMSVideo weights are supported."
+            f"{preview_keys(unexpected)}. Only text-to-video SanaMSVideo weights are supported."
         )
     return converted
 
 
 def load_original_sana_video_checkpoint(path: str | os.PathLike, use_ema: bool = True) -> dict[str, Tensor]:
-    """Load an original-format SANA-Video / LongSANA checkpoint and convert it to the diffusers layout.
-
-    `.safetensors` is read with safetensors. `.pt` / `.pth` / `.bin` only with `torch.load(weights_only=True)` (memory-mapped when zip-format),
-    which rebuilds tensors and plain containers and never runs code stored in the pickle.
-    """
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in (".safetensors", *_TORCH_SUFFIXES):
-        raise ValueError(
-            f"Unsupported checkpoint suffix {path.suffix!r} for {str(path)!r}; "
-            f"expected one of {['.safetensors', *_TORCH_SUFFIXES]}."
-        )
-    if not path.is_file():
-        raise ValueError(f"`path` {str(path)!r} is not a file.")
-    if suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        checkpoint = load_file(str(path), device="cpu")
-    else:
-        try:
-            # mmap (no copy of a multi-GB file in memory) needs torch's zip format; older pickles load without it
-            mmap = zipfile.is_zipfile(path)
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-        except pickle.UnpicklingError as error:
-            raise ValueError(
-                f"Refusing to load {str(path)!r}: it pickles Python objects other than tensors and plain containers, "
-                "and unpickling those can run arbitrary code, so only weights_only loading is allowed. If you trust "
-                "the file, re-save just the transformer's state dict (torch.save or safetensors) and convert that."
-            ) from error
-    if not isinstance(checkpoint, Mapping):
-        raise ValueError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a state dict.")
-    return convert_original_sana_video_state_dict(checkpoint, use_ema=use_ema)
+    """Load an original-format SANA-Video / LongSANA checkpoint and convert it to the diffusers layout
+    (`read_checkpoint_file`: safetensors, or a torch pickle with `weights_only=True` only)."""
+    return convert_original_sana_video_state_dict(read_checkpoint_file(path), use_ema=use_ema)
 
 
 def infer_sana_video_config(

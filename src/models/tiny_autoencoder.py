@@ -27,10 +27,8 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,13 +39,11 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 from einops import rearrange
 from torch import Tensor, nn
 
-from .weights import StrictWeightsMixin, WeightsMismatchError
+from .weights import TORCH_SUFFIXES, StrictWeightsMixin, WeightsMismatchError, read_checkpoint_file
 
 # Per-layer carries between chunks, keyed by the layer's index in its `nn.Sequential` (see `CausalSequential`).
 Memory = dict[str, Tensor]
 
-_SAFETENSORS_SUFFIXES = (".safetensors",)
-_TORCH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt")
 # Indices of the layers whose weights reveal the variant (the upstream layout, see `_build_encoder/_decoder`).
 _ENCODER_POOLS = (2, 7, 12)
 _DECODER_GROWS = (7, 13, 19)
@@ -434,29 +430,9 @@ def check_frames(frames: Tensor, spatial_downscale: int) -> None:
 
 # ---------------------------------------------------------------------------------------- checkpoint files
 def read_checkpoint(path: str | os.PathLike) -> dict[str, Tensor]:
-    """Read a state dict from `.safetensors` or, with `torch.load(weights_only=True)`, from a torch pickle."""
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix not in _SAFETENSORS_SUFFIXES + _TORCH_SUFFIXES:
-        raise ValueError(
-            f"Unsupported checkpoint suffix {path.suffix!r} for {str(path)!r}; "
-            f"expected one of {list(_SAFETENSORS_SUFFIXES + _TORCH_SUFFIXES)}."
-        )
-    if not path.is_file():
-        raise ValueError(f"`path` {str(path)!r} is not a file.")
-    if suffix in _SAFETENSORS_SUFFIXES:
-        from safetensors.torch import load_file
-
-        return load_file(str(path), device="cpu")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        raise ValueError(
-            f"Refusing to load {str(path)!r}: it pickles objects other than tensors and plain containers, and "
-            "unpickling those can run arbitrary code, so only weights_only loading is allowed. If you trust the "
-            "file, re-save just its state dict (torch.save or safetensors)."
-        ) from error
-    if not isinstance(checkpoint, Mapping) or not all(isinstance(value, Tensor) for value in checkpoint.values()):
+    """A flat state dict of tensors from `.safetensors` or a torch pickle (`read_checkpoint_file`)."""
+    checkpoint = read_checkpoint_file(path, torch_suffixes=(*TORCH_SUFFIXES, ".ckpt"))
+    if not all(isinstance(value, Tensor) for value in checkpoint.values()):
         raise ValueError(f"{str(path)!r} does not hold a flat state dict of tensors.")
     return dict(checkpoint)
 

@@ -21,15 +21,12 @@ from __future__ import annotations
 import logging
 import math
 import os
-import pickle
 import re
 from collections.abc import Mapping
-from pathlib import Path
 
-import torch
 from torch import Tensor
 
-from .weights import preview_keys, rename_by_tables
+from .weights import preview_keys, read_checkpoint_file, rename_by_tables
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +85,6 @@ _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_o
 _GENERATOR_WRAPPERS = ("generator_ema", "generator", "model", "state_dict")
 # Keys that prove a dict is a Wan transformer (the same pair diffusers uses to detect the format).
 _REQUIRED_ORIGINAL_KEYS = ("patch_embedding.weight", "head.modulation")
-
-_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
-_SAFETENSORS_SUFFIXES = (".safetensors",)
 
 
 def _rename_key(key: str) -> str | None:
@@ -207,38 +201,10 @@ def convert_original_wan_state_dict(state_dict: Mapping[str, Tensor], use_ema: b
 
 
 def load_original_wan_checkpoint(path: str | os.PathLike, use_ema: bool = True) -> dict[str, Tensor]:
-    """Load an original-format Wan 2.1 checkpoint from disk and convert it to the diffusers layout.
-
-    `.safetensors` files are read with safetensors; `.pt` / `.pth` / `.bin` files with
-    `torch.load(weights_only=True, mmap=True)`, which only rebuilds tensors and plain containers and never runs
-    code stored in the pickle. See `convert_original_wan_state_dict` for `use_ema` and the accepted layouts.
-    """
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix in _SAFETENSORS_SUFFIXES + _TORCH_SUFFIXES and not path.is_file():
-        raise ValueError(f"`path` {str(path)!r} is not a file.")
-    if suffix in _SAFETENSORS_SUFFIXES:
-        from safetensors.torch import load_file
-
-        checkpoint = load_file(str(path), device="cpu")
-    elif suffix in _TORCH_SUFFIXES:
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError as error:
-            raise ValueError(
-                f"Refusing to load {str(path)!r}: it pickles Python objects other than tensors and plain containers "
-                "(for example an optimizer, an OmegaConf config or a custom class), and unpickling those can run "
-                "arbitrary code, so only weights_only loading is allowed. If you trust the file, re-save just the "
-                "generator's state dict (torch.save or safetensors) and convert that."
-            ) from error
-    else:
-        raise ValueError(
-            f"Unsupported checkpoint suffix {path.suffix!r} for {str(path)!r}; "
-            f"expected one of {list(_SAFETENSORS_SUFFIXES + _TORCH_SUFFIXES)}."
-        )
-    if not isinstance(checkpoint, Mapping):
-        raise ValueError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a state dict.")
-    return convert_original_wan_state_dict(checkpoint, use_ema=use_ema)
+    """Load an original-format Wan 2.1 checkpoint from disk and convert it to the diffusers layout
+    (`read_checkpoint_file`: safetensors, or a torch pickle with `weights_only=True` only). See
+    `convert_original_wan_state_dict` for `use_ema` and the accepted layouts."""
+    return convert_original_wan_state_dict(read_checkpoint_file(path), use_ema=use_ema)
 
 
 def infer_wan_config(state_dict: Mapping[str, Tensor], attention_head_dim: int = 128) -> dict:

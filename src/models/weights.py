@@ -12,7 +12,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import pickle
 import re
+import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -173,3 +175,39 @@ def rename_by_tables(
     if suffix in suffixes and module in modules:
         return f"{prefix}{modules[module]}.{suffix}"
     return None
+
+
+SAFETENSORS_SUFFIXES = (".safetensors",)
+TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+def read_checkpoint_file(path: str | os.PathLike, torch_suffixes: tuple[str, ...] = TORCH_SUFFIXES) -> Mapping:
+    """What a checkpoint file holds: `.safetensors` read with safetensors, a torch pickle only with
+    `torch.load(weights_only=True)` (memory-mapped when zip-format), which rebuilds tensors and plain containers and
+    never runs code stored in the pickle. Every original-format loader (Wan, SANA-Video, TAEHV) reads through here;
+    `torch_suffixes` are the pickle endings it accepts (TAEHV's also `.ckpt`)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in SAFETENSORS_SUFFIXES + torch_suffixes:
+        raise ValueError(
+            f"Unsupported checkpoint suffix {path.suffix!r} for {str(path)!r}; "
+            f"expected one of {list(SAFETENSORS_SUFFIXES + torch_suffixes)}."
+        )
+    if not path.is_file():
+        raise ValueError(f"`path` {str(path)!r} is not a file.")
+    if suffix in SAFETENSORS_SUFFIXES:
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device="cpu")
+    try:  # mmap (no copy of a multi-GB file in memory) needs torch's zip format; older pickles load without it
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as error:
+        raise ValueError(
+            f"Refusing to load {str(path)!r}: it pickles Python objects other than tensors and plain containers (for "
+            "example an optimizer, an OmegaConf config or a custom class), and unpickling those can run arbitrary "
+            "code, so only weights_only loading is allowed. If you trust the file, re-save just the weights "
+            "(torch.save or safetensors) and load that."
+        ) from error
+    if not isinstance(checkpoint, Mapping):
+        raise ValueError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a state dict.")
+    return checkpoint
