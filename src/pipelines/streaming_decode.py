@@ -14,7 +14,17 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, un
 from .feature_cache import feature_cache_state, load_feature_cache
 
 
-def denormalize_wan_latents(latents: torch.Tensor, vae: AutoencoderKLWan) -> torch.Tensor:
+def wan_latent_stats(vae: AutoencoderKLWan, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(mean, std)` of `vae.config`, each `(1, z_dim, 1, 1, 1)` in `dtype` on `device` (a host-to-device copy:
+    a streaming decoder makes them once, not every chunk)."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, dtype=dtype, device=device).view(shape)
+    return mean, torch.tensor(vae.config.latents_std, dtype=dtype, device=device).view(shape)
+
+
+def denormalize_wan_latents(
+    latents: torch.Tensor, vae: AutoencoderKLWan, stats: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """Map latents from the diffusion model's normalised space to the space `vae.decode` expects.
 
     Applies `latents * latents_std + latents_mean` with the per-channel statistics in `vae.config`, exactly as
@@ -23,6 +33,7 @@ def denormalize_wan_latents(latents: torch.Tensor, vae: AutoencoderKLWan) -> tor
     Args:
         latents: `(batch, z_dim, latent_frames, height, width)`, as the transformer produces them.
         vae: the `AutoencoderKLWan` whose `config.latents_mean` / `config.latents_std` apply.
+        stats: `wan_latent_stats(vae, ...)` made ahead, in `latents`' dtype and device (else made here).
 
     Returns:
         `(batch, z_dim, latent_frames, height, width)` in `latents`' dtype and device.
@@ -32,8 +43,7 @@ def denormalize_wan_latents(latents: torch.Tensor, vae: AutoencoderKLWan) -> tor
         raise ValueError(
             f"`latents` must have shape (batch, {z_dim}, latent_frames, height, width), got {tuple(latents.shape)}."
         )
-    mean = torch.tensor(vae.config.latents_mean, dtype=latents.dtype, device=latents.device).view(1, z_dim, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std, dtype=latents.dtype, device=latents.device).view(1, z_dim, 1, 1, 1)
+    mean, std = stats if stats is not None else wan_latent_stats(vae, latents.dtype, latents.device)
     return latents * std + mean
 
 
@@ -55,6 +65,7 @@ class StreamingWanDecoder:
     def __init__(self, vae: AutoencoderKLWan, denormalize: bool = False) -> None:
         self.vae = vae
         self.denormalize = denormalize
+        self._stats: tuple[torch.Tensor, torch.Tensor] | None = None  # the latents' mean and std, made once
         # Every causal conv of the decoder owns one cache slot, in call order.
         self._num_cached_convs = sum(isinstance(module, WanCausalConv3d) for module in vae.decoder.modules())
         # The first latent frame decodes to 1 pixel frame; every later one to `temporal_upsample` frames.
@@ -107,7 +118,10 @@ class StreamingWanDecoder:
             )
 
         if self.denormalize:
-            latents = denormalize_wan_latents(latents.to(self.vae.dtype), self.vae)
+            latents = latents.to(self.vae.dtype)
+            if self._stats is None or self._stats[0].device != latents.device:
+                self._stats = wan_latent_stats(self.vae, latents.dtype, latents.device)
+            latents = denormalize_wan_latents(latents, self.vae, self._stats)
         # Same as `apply_forward_hook` on `vae.decode`: lets model offloading move the VAE onto its device.
         hook = getattr(self.vae, "_hf_hook", None)
         if hook is not None and hasattr(hook, "pre_forward"):
