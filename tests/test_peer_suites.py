@@ -12,24 +12,11 @@ import pytest
 import torch
 from diffusers import GlmImageTransformer2DModel, SanaVideoTransformer3DModel, WanTransformer3DModel
 from glm_tiny_components import DECODER_CONFIG
+from test_long_sana_model import TINY_SANA as SANA_CONFIG
 from tiny_components import TRANSFORMER_CONFIG
 
 from rolldiff import GlmImageCachedTransformer2DModel, KreaRealtimeTransformer3DModel, LongSanaTransformer3DModel
 
-SANA_CONFIG = dict(
-    in_channels=4,
-    out_channels=4,
-    num_attention_heads=2,
-    attention_head_dim=12,
-    num_layers=2,
-    num_cross_attention_heads=2,
-    cross_attention_head_dim=12,
-    cross_attention_dim=24,
-    caption_channels=16,
-    sample_size=8,
-    patch_size=(1, 2, 2),
-    qk_norm="rms_norm_across_heads",
-)
 FAMILIES = {
     "krea": (KreaRealtimeTransformer3DModel, WanTransformer3DModel, TRANSFORMER_CONFIG),
     "long_sana": (LongSanaTransformer3DModel, SanaVideoTransformer3DModel, SANA_CONFIG),
