@@ -215,3 +215,9 @@ def test_the_recompute_policy_keeps_the_text_keys_and_values_across_rebuilds(pip
     assert stream.caches[0].cross[0].num_computations == 1
     with pytest.raises(ValueError, match="`context_policy='recompute'` rebuilds 4 context frames"):
         pipe.stream(PROMPT, num_frames=8, context_policy="recompute", **SIZE)  # sink 2 + window 4 - chunk 2
+
+
+@pytest.mark.parametrize(("name", "value"), [("prompt_blend_chunks", 0), ("integer_timesteps", 1)])
+def test_a_falsy_loop_option_is_checked_not_replaced_by_its_default(pipe, name, value):
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        pipe.stream(PROMPT, num_frames=8, **{name: value}, **SIZE)

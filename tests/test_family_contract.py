@@ -227,3 +227,10 @@ def test_an_overlapped_decode_gives_the_serial_frames_and_resumes(pipe, tmp_path
     resumed.load_state_dict(load_state(tmp_path / "s.safetensors").stream)
     for made, expected in zip(resumed, serial[2:], strict=True):
         np.testing.assert_array_equal(made, expected)
+
+
+def test_a_switch_after_the_last_chunk_is_refused(pipe):
+    stream = pipe.stream(PROMPT, _frames(pipe), generator=_seed(), output_type="latent")
+    list(stream)
+    with pytest.raises(RuntimeError, match="last chunk"):
+        stream.switch_prompt(OTHER)

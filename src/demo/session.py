@@ -182,7 +182,9 @@ class LiveStream:
     def __next__(self) -> np.ndarray:
         """The next chunk's frames `(1, frames, height, width, 3)` in [0, 1]; StopIteration after the last."""
         stream = self._stream
-        first_frame = self._pipe.latent_to_pixel_start(stream.next_chunk * stream.request.chunk_shape[2])
+        if stream.next_chunk >= stream.num_chunks:  # no chunk left for a switch to land on
+            return next(stream)
+        first_frame = self._pipe.latent_to_pixel_start(stream.request.geometry.chunk_start(stream.next_chunk))
         number, prompt = self._live.at_chunk(first_frame)
         if number != self._switch:
             self._switch = number

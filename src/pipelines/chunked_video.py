@@ -63,6 +63,16 @@ from .streaming_tiny_decode import StreamingTinyDecoder
 from .text_encoding import check_max_sequence_length, check_prompts, encode_prompts
 
 FIRST_CHUNK_RULES = ("whole", "remainder", "frame")
+# What the loop does when neither the call nor its recipe says (the cache options' defaults are the config's).
+LOOP_DEFAULTS: dict[str, Any] = {
+    "sigma_mapping": "shift",
+    "integer_timesteps": False,
+    "context_noise": 0.0,
+    "context_policy": "rolling",
+    "recompute_first_frame": "keep",
+    "recache": "causal",
+    "prompt_blend_chunks": 1,
+}
 
 
 class CacheAllocationError(MemoryError):
@@ -338,23 +348,26 @@ class ChunkedVideoPipeline(DiffusionPipeline):
                 callback_on_step_end, callback_on_step_end_tensor_inputs, tuple(self._callback_tensor_inputs)
             ),
             conditioning=conditioning,
-            context_noise=check_context_noise(settings["context_noise"] or 0.0),
-            context_policy=check_context_policy(settings["context_policy"] or "rolling", layout),
-            recompute_first_frame=check_first_frame(settings["recompute_first_frame"] or "keep"),
-            recache_mode=check_recache(settings["recache"] or "causal", self.recache_modes),
+            context_noise=check_context_noise(settings["context_noise"]),
+            context_policy=check_context_policy(settings["context_policy"], layout),
+            recompute_first_frame=check_first_frame(settings["recompute_first_frame"]),
+            recache_mode=check_recache(settings["recache"], self.recache_modes),
             overlap_decode=check_flag("overlap_decode", overlap_decode),
-            prompt_blend_chunks=check_blend_chunks(settings["prompt_blend_chunks"] or 1),
+            prompt_blend_chunks=check_blend_chunks(settings["prompt_blend_chunks"]),
             recipe=settings["recipe"],
         )
         return ChunkStream(self, request)
 
     def recipe_settings(self, recipe: str | None, **given: Any) -> dict[str, Any]:
         """The call's recipe-settable arguments: the given ones, else the recipe's (the call's, or the one the
-        pipeline folder names in `model_index.json`), else None (the config's default)."""
+        pipeline folder names in `model_index.json`), else the loop's default (`LOOP_DEFAULTS`) or None (the
+        config's value)."""
         name = recipe if recipe is not None else self.config.get("recipe")
-        settings = {} if name is None else dict(get_recipe(name, type(self).__name__).settings)
+        settings = {key: LOOP_DEFAULTS.get(key) for key in given}  # None: the config's value (or the first chunk's)
+        if name is not None:
+            settings.update(get_recipe(name, type(self).__name__).settings)
         settings.update({key: value for key, value in given.items() if value is not None})
-        return {**dict.fromkeys(given), **settings, "recipe": name}
+        return {**settings, "recipe": name}
 
     def _step_plan(self, settings: dict[str, Any]) -> StepPlan:
         steps = settings["denoising_steps"]
@@ -363,9 +376,9 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             raise ValueError(f"`timestep_shift` must be a positive number, got {shift!r}.")
         return plan_steps(
             self.config.denoising_steps if steps is None else steps,
-            settings["sigma_mapping"] or "shift",
+            settings["sigma_mapping"],
             float(self.scheduler.config.shift if shift is None else shift),
-            bool(settings["integer_timesteps"]),
+            settings["integer_timesteps"],
             settings["sigmas"],
             scheduler_shift=float(self.scheduler.config.shift),
         )

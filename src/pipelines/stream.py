@@ -145,6 +145,10 @@ class ChunkStream(Iterator[Any]):
         """
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("`switch_prompt` takes either `prompt` or `prompt_embeds`.")
+        if self._closed or self._next_chunk >= self.num_chunks:
+            raise RuntimeError(
+                "`switch_prompt`: this stream has made its last chunk, so the switch would never apply."
+            )
         batch_size = self._request.batch_size
         if prompt_embeds is not None:
             embeds = check_embeds("prompt_embeds", prompt_embeds, batch_size)
