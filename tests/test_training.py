@@ -20,6 +20,7 @@ from rolldiff.training.tiny_components import (
 )
 from rolldiff.training.train_transformer import (
     LatentVideos,
+    held_start,
     sample_chunk_sigmas,
     sample_clips,
     teacher_forcing_inputs,
@@ -123,6 +124,46 @@ def test_first_chunk_batches_train_on_the_videos_first_chunks_alone(share, expec
     assert set(frames_seen) == expected, frames_seen
 
 
+def test_held_start_holds_frame_0_over_the_first_chunk_then_plays_the_video_from_frame_1():
+    video = np.arange(10)[:, None, None, None] * np.ones((1, 2, 2, 3), dtype=np.uint8)
+    held = held_start(video, 3)
+    assert held.shape == video.shape
+    assert held[:, 0, 0, 0].tolist() == [0, 0, 0, 1, 2, 3, 4, 5, 6, 7]
+    assert held_start(video, 1) is video
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_start_image_batches_draw_their_clips_from_the_start_image_videos_without_loss_on_the_start(share):
+    """A share of the steps sees the held-start videos; their first chunk (the given image) has no loss."""
+    embeds = torch.zeros(4, CONFIG.max_sequence_length, CONFIG.text_dim)
+    data, held = random_videos(embeds), random_videos(embeds)
+    held.latents = held.latents + 100.0  # tells the two sets apart inside the model call
+    steps = []
+
+    class Spy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, hidden_states, timestep, text, layout, frame_indices=None, frame_mask=None):
+            steps.append(bool(hidden_states[:, :, :3].mean() > 50))
+            return SimpleNamespace(sample=self.scale * hidden_states)
+
+    train_transformer(
+        Spy(), data, CONFIG, seconds=60, max_steps=40, batch_size=2, clip_frames=12,
+        start_image_data=held, start_image_batches=share,
+    )  # fmt: skip
+    assert 0.0 < sum(steps) / len(steps) < 1.0 if share == 0.5 else sum(steps) / len(steps) == share, steps
+    _, _, weights = sample_clips(held, 6, 12, CONFIG.layout(), np.random.default_rng(0), 0.5, first_chunk_weight=0.0)
+    assert weights[:, 0].tolist() == [0.0] * 6
+
+
+def test_start_image_batches_without_start_image_videos_are_refused():
+    data = random_videos(torch.zeros(4, CONFIG.max_sequence_length, CONFIG.text_dim))
+    with pytest.raises(ValueError, match="start_image_data"):
+        train_transformer(torch.nn.Linear(1, 1), data, CONFIG, seconds=60, max_steps=1, start_image_batches=0.5)
+
+
 def test_teacher_forcing_inputs_shapes_and_timesteps():
     layout = CONFIG.layout()
     clean = torch.randn(2, CONFIG.z_dim, 12, *CONFIG.latent_size)
@@ -179,10 +220,19 @@ def test_decoder_only_vae_steps_keep_the_latent_space():
     assert any(not torch.equal(decoder[k], v) for k, v in vae.decoder.state_dict().items())
 
 
-@pytest.mark.parametrize("flag, value", [("--first-chunk-batches", "1.5"), ("--gap-prob", "-0.1")])
-def test_sana_training_refuses_a_share_outside_0_1_before_any_work(flag, value, tmp_path, capsys):
-    from rolldiff.training.train_sana import main
+@pytest.mark.parametrize(
+    "module, flag, value",
+    [
+        ("train_sana", "--first-chunk-batches", "1.5"),
+        ("train_sana", "--gap-prob", "-0.1"),
+        ("train_sana", "--start-image-batches", "2"),
+        ("__main__", "--start-image-batches", "-0.5"),
+    ],
+)
+def test_training_refuses_a_share_outside_0_1_before_any_work(module, flag, value, tmp_path, capsys):
+    import importlib
 
+    main = importlib.import_module(f"rolldiff.training.{module}").main
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path / "out"), flag, value])
     assert f"{flag} must be in [0, 1]" in capsys.readouterr().err

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLWan
+from transformers import UMT5EncoderModel
 
+from ..models.krea_realtime import KreaRealtimeTransformer3DModel
 from .tiny_components import (
     TinyConfig,
     build_scheduler,
@@ -26,7 +28,7 @@ from .tiny_components import (
     build_transformer,
     build_vae,
 )
-from .train_transformer import build_latent_videos, context_check, train_transformer
+from .train_transformer import LatentVideos, build_latent_videos, context_check, train_transformer
 from .train_vae import evaluate_reconstructions, set_latent_statistics, train_vae
 
 HELD_OUT_SEEDS = range(100, 101)
@@ -94,6 +96,17 @@ def save_pipeline(out: Path, tokenizer, text_encoder, transformer, vae, schedule
     scheduler.save_pretrained(out / "scheduler")
 
 
+def start_image_videos(vae, tokenizer, text_encoder, config, args, log) -> LatentVideos | None:
+    """The training videos as image-to-video starts them (`held_start`), when `--start-image-batches` asks."""
+    if not args.start_image_batches:
+        return None
+    data = build_latent_videos(
+        vae, tokenizer, text_encoder, config, range(args.videos_per_prompt), held_start_frames=config.chunk_frames
+    )
+    log(f"start-image videos (frame 0 held {config.chunk_frames} frames): {tuple(data.latents.shape)}")
+    return data
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
@@ -107,7 +120,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids thrashing on shared CPUs)")
     parser.add_argument("--videos-per-prompt", type=int, default=12, help="training videos of 97 frames per prompt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="fine-tune this pipeline folder: its transformer, text encoder and VAE (unless --vae-from) are loaded",
+    )
+    parser.add_argument(
+        "--start-image-batches",
+        type=float,
+        default=0.0,
+        help="share of steps on clips that start as image-to-video does (frame 0 held over the first chunk, then "
+        "the motion): without them a start image's video stays still for its first chunks",
+    )
     args = parser.parse_args(argv)
+    if not 0.0 <= args.start_image_batches <= 1.0:
+        parser.error(f"--start-image-batches must be in [0, 1], got {args.start_image_batches}")
     torch.set_num_threads(args.threads)
     config = TinyConfig()
     began = time.perf_counter()
@@ -119,6 +147,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # 1. Text
     tokenizer = build_tokenizer()
     text_encoder = build_text_encoder(config, len(tokenizer), seed=args.seed)
+    if args.init_from is not None:
+        text_encoder.load_state_dict(UMT5EncoderModel.from_pretrained(args.init_from / "text_encoder").state_dict())
+        args.vae_from = args.vae_from or args.init_from / "vae"
     # 2. VAE
     if args.vae_from is not None:
         vae = AutoencoderKLWan.from_pretrained(args.vae_from).eval()
@@ -136,8 +167,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     train_data = build_latent_videos(vae, tokenizer, text_encoder, config, range(args.videos_per_prompt))
     held_out = build_latent_videos(vae, tokenizer, text_encoder, config, HELD_OUT_SEEDS)
     log(f"latent videos: train {tuple(train_data.latents.shape)}, held out {tuple(held_out.latents.shape)}")
+    start_image_data = start_image_videos(vae, tokenizer, text_encoder, config, args, log)
     # 4. Transformer
     transformer = build_transformer(config, seed=args.seed)
+    if args.init_from is not None:
+        trained = KreaRealtimeTransformer3DModel.from_pretrained(args.init_from / "transformer")
+        transformer.load_state_dict(trained.state_dict())
+        log(f"transformer initialised from {args.init_from}")
     log(f"transformer parameters {sum(p.numel() for p in transformer.parameters()) / 1e6:.2f} M")
     ema = EMA(transformer, decay=0.999)
     scheduler = build_scheduler(config)
@@ -165,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         on_step=ema.update,
         on_interval=checkpoint,
         interval_seconds=args.checkpoint_minutes * 60,
+        start_image_data=start_image_data,
+        start_image_batches=args.start_image_batches,
     )
     log(f"trained {len(losses)} steps, final loss (mean of last 100) {sum(losses[-100:]) / len(losses[-100:]):.5f}")
     checkpoint(len(losses))

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLWan
+from transformers import Gemma2Model
 
 from ..models.long_sana import LongSanaTransformer3DModel
-from .__main__ import EMA, HELD_OUT_SEEDS
+from .__main__ import EMA, HELD_OUT_SEEDS, start_image_videos
 from .sana_components import (
     SanaTinyConfig,
     build_gemma_text_encoder,
@@ -81,7 +82,7 @@ def package_sana_pipeline(components: Path, out: Path, config: SanaTinyConfig | 
     Settings: chunk 3, a window of 4 chunks (the chunk and the 3 before it, what training clips show),
     positions re-based past the RoPE table (`relative`: unbounded length), the trained denoising steps.
     """
-    from transformers import Gemma2Model, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     from ..pipelines.long_sana import LongSanaVideoPipeline
 
@@ -137,9 +138,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="share of steps that train on the videos' first chunks alone: without them the model learned colour "
         "and shape from the prompt but took its motion only from context, ignoring the direction word",
     )
+    parser.add_argument(
+        "--start-image-batches",
+        type=float,
+        default=0.0,
+        help="share of steps on clips that start as image-to-video does (frame 0 held over the first chunk)",
+    )
     parser.add_argument("--package", type=Path, default=None, help="only assemble this components folder into --out")
     args = parser.parse_args(argv)
-    for name in ("gap_prob", "first_chunk_batches"):
+    for name in ("gap_prob", "first_chunk_batches", "start_image_batches"):
         if not 0.0 <= getattr(args, name) <= 1.0:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
@@ -155,12 +162,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     log(f"config {config}")
     tokenizer = build_gemma_tokenizer()
     text_encoder = build_gemma_text_encoder(config, len(tokenizer), seed=args.seed)
+    if args.init_from is not None and (args.init_from / "text_encoder").is_dir():
+        text_encoder.load_state_dict(Gemma2Model.from_pretrained(args.init_from / "text_encoder").state_dict())
     vae = AutoencoderKLWan.from_pretrained(args.vae_from).eval()
     vae.requires_grad_(False)
     log(f"loaded VAE from {args.vae_from}")
     train_data = build_latent_videos(vae, tokenizer, text_encoder, config, range(args.videos_per_prompt))
     held_out = build_latent_videos(vae, tokenizer, text_encoder, config, HELD_OUT_SEEDS)
     log(f"latent videos: train {tuple(train_data.latents.shape)}, held out {tuple(held_out.latents.shape)}")
+    start_image_data = start_image_videos(vae, tokenizer, text_encoder, config, args, log)
     transformer = build_sana_transformer(config, seed=args.seed)
     if args.init_from is not None:
         trained = LongSanaTransformer3DModel.from_pretrained(args.init_from / "transformer")
@@ -196,6 +206,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         gap_prob=args.gap_prob,
         first_chunk_weight=args.first_chunk_weight,
         first_chunk_batches=args.first_chunk_batches,
+        start_image_data=start_image_data,
+        start_image_batches=args.start_image_batches,
     )
     log(f"trained {len(losses)} steps, final loss (mean of last 100) {sum(losses[-100:]) / len(losses[-100:]):.5f}")
     checkpoint(len(losses))

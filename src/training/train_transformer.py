@@ -45,11 +45,34 @@ def render_seed(prompt_index: int, video_seed: int) -> int:
     return 1000 * video_seed + prompt_index
 
 
+def held_start(video: np.ndarray, held_frames: int) -> np.ndarray:
+    """`video` as image-to-video begins it: frame 0 held for `held_frames` frames, then frames 1, 2, ... (same length).
+
+    The pipeline's default `image_mode="chunk"` repeats the start image over the first chunk and generates the
+    motion after it; these clips teach the model that a still first chunk is a start, not a scene at rest.
+    """
+    if held_frames <= 1:
+        return video
+    held = np.repeat(video[:1], held_frames, axis=0)
+    return np.concatenate([held, video[1 : len(video) - held_frames + 1]])
+
+
 @torch.no_grad()
-def build_latent_videos(
-    vae, tokenizer, text_encoder, config: TinyConfig, seeds: range, num_frames: int = 97, batch_size: int = 16
+def build_latent_videos(  # noqa: PLR0913 (data-set options as keywords)
+    vae,
+    tokenizer,
+    text_encoder,
+    config: TinyConfig,
+    seeds: range,
+    num_frames: int = 97,
+    batch_size: int = 16,
+    held_start_frames: int = 0,
 ) -> LatentVideos:
-    """Encode one video of `num_frames` (1 + 4k) frames per (prompt, seed); seeds of held-out sets must differ."""
+    """Encode one video of `num_frames` (1 + 4k) frames per (prompt, seed); seeds of held-out sets must differ.
+
+    `held_start_frames` > 1 renders each video as image-to-video starts it (`held_start`), encoded as one clip
+    through the VAE, as the pipeline's stream encodes the start chunk and decodes the rest after it.
+    """
     prompts = all_prompts()
     specs = [(p, s) for s in seeds for p in range(len(prompts))]
     mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
@@ -58,7 +81,13 @@ def build_latent_videos(
     for start in range(0, len(specs), batch_size):
         batch = specs[start : start + batch_size]
         videos = np.stack(
-            [render_video(prompts[p], num_frames, config.height, config.width, render_seed(p, s)) for p, s in batch]
+            [
+                held_start(
+                    render_video(prompts[p], num_frames, config.height, config.width, render_seed(p, s)),
+                    held_start_frames,
+                )
+                for p, s in batch
+            ]
         )
         latents.append((encode_videos(vae, videos) - mean) / std)
     embeds = encode_prompts(tokenizer, text_encoder, prompts, config.max_sequence_length)
@@ -221,6 +250,8 @@ def train_transformer(  # noqa: PLR0913 (hyperparameters as keywords, one per CL
     gap_prob: float = 0.6,
     first_chunk_weight: float = 1.0,
     first_chunk_batches: float = 0.0,
+    start_image_data: LatentVideos | None = None,
+    start_image_batches: float = 0.0,
 ) -> list[float]:
     """AdamW, warmup then cosine decay to 10% over the run, for `seconds` of wall time or `max_steps`.
 
@@ -229,8 +260,12 @@ def train_transformer(  # noqa: PLR0913 (hyperparameters as keywords, one per CL
     `on_step(model)` runs after every optimizer step (EMA); `on_interval(step)` every `interval_seconds`
     (checkpointing, context checks). `gap_prob` and `first_chunk_weight`: see `sample_clips`. A share
     `first_chunk_batches` of the steps trains on the videos' first chunks alone (no context: the prompt is all
-    that says where the shape goes); these batches are a fraction of a clip's cost. Returns the loss of every step.
+    that says where the shape goes); these batches are a fraction of a clip's cost. A share `start_image_batches`
+    samples its clips from `start_image_data` (videos built with `held_start_frames`: image-to-video's start) with
+    no loss on the first chunk, which the pipeline never denoises. Returns the loss of every step.
     """
+    if start_image_batches and start_image_data is None:
+        raise ValueError("start_image_batches needs start_image_data (videos built with held_start_frames)")
     layout = config.layout()
     rng = np.random.default_rng(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -245,7 +280,11 @@ def train_transformer(  # noqa: PLR0913 (hyperparameters as keywords, one per CL
         return min(1.0, max(by_time, step / max_steps if max_steps else 0.0))
 
     while time.perf_counter() - began < seconds and (max_steps is None or step < max_steps):
-        if first_chunk_batches and rng.random() < first_chunk_batches:
+        if start_image_batches and rng.random() < start_image_batches:
+            clean, text, loss_mask = sample_clips(
+                start_image_data, batch_size, clip_frames, layout, rng, gap_prob, first_chunk_weight=0.0
+            )
+        elif first_chunk_batches and rng.random() < first_chunk_batches:
             first_frames = max(layout.chunk_frames, layout.sink_frames)  # the first chunk (with a sink: the sink)
             clean, text, loss_mask = sample_clips(data, batch_size, first_frames, layout, rng, gap_prob=0.0)
         else:
