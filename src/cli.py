@@ -216,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument("--image", type=Path, help="start frame (image-to-video): a PNG/JPEG the video starts on")
     generate.add_argument(
+        "--image-mode",
+        choices=["chunk", "frame"],
+        help="with --image: 'chunk' repeats it over the first chunk (Krea; the default), 'frame' commits its one "
+        "latent frame first (Self-Forcing/CausVid; the self-forcing recipe's)",
+    )
+    generate.add_argument(
         "--video", type=Path, help="input video (video-to-video), read chunk by chunk; the output ends with it"
     )
     generate.add_argument(
@@ -320,6 +326,8 @@ def run_generate(args: argparse.Namespace) -> int:
     if args.prompt is None and not any(frame == 0 for frame, _ in args.prompt_at):
         raise UsageError("give --prompt, or a --prompt-at 0:TEXT for the first frames")
 
+    if args.image_mode is not None and args.image is None:
+        raise UsageError("--image-mode applies to --image (image-to-video) only; add --image or drop it")
     image = _start_image(args.image)  # read (and refused) before the model loads
     if args.video is not None and not args.video.is_file():
         raise UsageError(f"--video: no such file {str(args.video)!r}")
@@ -336,7 +344,10 @@ def run_generate(args: argparse.Namespace) -> int:
     height, width = args.height or native_height, args.width or native_width
     recipe = get_recipe(args.recipe).settings if args.recipe else {}
     chunk_frames = args.chunk_frames or recipe.get("chunk_frames") or pipe.config.chunk_frames
-    num_frames = frames_for_seconds(pipe, args.seconds, args.fps, chunk_frames)
+    image_mode = (args.image_mode or recipe.get("image_mode")) if image is not None else None
+    num_frames = frames_for_seconds(
+        pipe, args.seconds, args.fps, chunk_frames, first_frame_alone=image_mode == "frame"
+    )
     options = dict(
         prompt_schedule=sorted(args.prompt_at) or None,
         denoising_steps=args.steps,
@@ -347,6 +358,7 @@ def run_generate(args: argparse.Namespace) -> int:
         kv_quantization=args.kv_quantization,
         kv_offload=args.kv_offload,
         image=image,
+        image_mode=args.image_mode,
         video=None if args.video is None else str(args.video),
         strength=args.strength,
         recipe=args.recipe,

@@ -146,9 +146,14 @@ def native_size(pipe: KreaRealtimeVideoPipeline) -> tuple[int, int]:
 
 
 def frames_for_seconds(
-    pipe: KreaRealtimeVideoPipeline, seconds: float, fps: float, chunk_frames: int | None = None
+    pipe: KreaRealtimeVideoPipeline,
+    seconds: float,
+    fps: float,
+    chunk_frames: int | None = None,
+    first_frame_alone: bool = False,
 ) -> int:
-    """The smallest frame count the pipeline can make (whole chunks) that lasts at least `seconds` at `fps`."""
+    """The smallest frame count the pipeline can make (whole chunks, after one latent frame if `first_frame_alone`)
+    that lasts at least `seconds` at `fps`."""
     requested = max(1, math.ceil(round(seconds * fps, 6)))  # round first: 0.1 s * 30 fps is 3 frames, not 4
-    below, above = pipe.valid_num_frames(requested, chunk_frames)
+    below, above = pipe.valid_num_frames(requested, chunk_frames, first_frame_alone)
     return below if below >= requested else above

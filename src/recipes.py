@@ -38,10 +38,12 @@ RECIPES: dict[str, Recipe] = {
                 sigma_mapping="shift",  # warp_denoising_step: true, through the shift-5 scheduler
                 timestep_shift=5.0,
                 context_noise=0.0,
+                image_mode="frame",  # inference.py:136-147: the image's one latent frame, cached at t=0 first
             ),
             "warp_denoising_step: false is sigma_mapping='table' (the raw steps fed, each sigma the table's nearest "
             "entry); context_noise > 0 runs the context pass at that timestep on the clean latents "
-            "(causal_inference.py:227-236).",
+            "(causal_inference.py:227-236). image= (--i2v upstream) commits the image's single latent frame before the first "
+            "chunk (causal_inference.py:136-150).",
         ),
         Recipe(
             "longlive",
@@ -58,7 +60,8 @@ RECIPES: dict[str, Recipe] = {
                 recache="longlive",
             ),
             "A prompt switch re-runs the last min(12, frame) frames in one unmasked t=0 pass under the new prompt "
-            "(interactive_causal_inference.py:54-90); inside the first 12 frames it rewrites the sink too.",
+            "(interactive_causal_inference.py:54-90); inside the first 12 frames it rewrites the sink too. LongLive's code "
+            "takes no start image: image= follows the default (image_mode='chunk').",
         ),
         Recipe(
             "krea-realtime",
@@ -75,11 +78,12 @@ RECIPES: dict[str, Recipe] = {
                 context_policy="recompute",
                 recompute_first_frame="reencode",
                 prompt_blend_chunks=4,
+                image_mode="chunk",  # setup_start_frame: the image repeated 9 times, encoded to block 0
             ),
             "Each chunk rebuilds its context in one t=0 pass from [the first frame, the last 2 latent frames]; from "
             "chunk 2 the first frame is the VAE re-encode of the oldest decoded pixel frame of the last chunk's span "
             "(recompute_first_frame='keep' is upstream's keep_first_frame=True). A prompt change is blended over 4 "
-            "chunks (interpolate_prompt_embeds).",
+            "chunks (interpolate_prompt_embeds). A start image fills the first chunk (setup_start_frame, release_server.py:578-594).",
         ),
         Recipe(
             "longsana",
@@ -99,7 +103,8 @@ RECIPES: dict[str, Recipe] = {
             ),
             "The first chunk takes the leftover frames (53 latent frames = 13 + 4 x 10); every earlier chunk stays in "
             "the state. recache='longsana': a switch re-runs the last chunk at t=0 under the new prompt; before chunk "
-            "1 upstream re-runs chunk 0 over chunk 0's own old state, and so does this recipe.",
+            "1 upstream re-runs chunk 0 over chunk 0's own old state, and so does this recipe. The long sampler takes no "
+            "start image: image= follows the default (image_mode='chunk').",
         ),
     )
 }

@@ -27,6 +27,18 @@ def test_image_to_video_starts_on_the_image(tmp_path):
     assert np.abs(first - image).mean() < 0.05 * 255  # the VAE round trip of the start image
 
 
+@pytest.mark.parametrize(("flags", "frames"), [(["--image-mode", "frame"], 13), (["--recipe", "self-forcing"], 13)])
+def test_image_mode_frame_starts_on_the_image_with_one_frame_then_whole_chunks(tmp_path, flags, frames):
+    """12 frames at 12 fps: one latent frame and whole chunks of 3 make it 13 (the recipe's convention is "frame")."""
+    image = render_video("a red circle moving left", num_frames=1, seed=2)[0]
+    PIL.Image.fromarray(image).save(tmp_path / "start.png")
+    out = tmp_path / "video.mp4"
+    assert main([*BASE, "--image", str(tmp_path / "start.png"), *flags, "--out", str(out), "--quality", "10"]) == 0
+    video = _read(out)
+    assert video.shape[0] == frames
+    assert np.abs(video[0].astype(float) - image).mean() < 0.05 * 255
+
+
 def test_video_to_video_follows_the_input_and_resumes(tmp_path, monkeypatch):
     source = tmp_path / "input.mp4"
     iio.imwrite(source, render_video("a red circle moving left", num_frames=12, seed=1), fps=12, codec="libx264")
@@ -56,6 +68,8 @@ def test_video_to_video_follows_the_input_and_resumes(tmp_path, monkeypatch):
         (["--image", "missing.png"], "--image"),
         (["--video", "missing.mp4"], "--video"),
         (["--strength", "0.5"], "strength"),
+        (["--image-mode", "frame"], "--image-mode applies to --image"),
+        (["--image-mode", "tile"], "--image-mode"),
     ],
 )
 def test_bad_conditioning_flags_exit_2_with_the_flag_named(tmp_path, capsys, extra, message):

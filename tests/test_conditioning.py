@@ -11,6 +11,7 @@ from family_cases import FAMILIES
 
 from rolldiff.defaults import load_pipeline
 from rolldiff.pipelines.resume import RunState, load_state, save_state
+from rolldiff.recipes import get_recipe
 from rolldiff.toyworld import render_video
 
 PROMPT, OTHER = "a red circle moving left", "a blue square moving up"
@@ -194,6 +195,24 @@ def test_image_mode_frame_commits_the_images_single_latent_frame_first(pipe, mon
         list(pipe.stream(PROMPT, num_frames, image=image, image_mode="frame", generator=_seed())), 1
     )
     assert frames.shape[1] == num_frames
+
+
+@torch.no_grad()
+def test_a_recipes_image_mode_applies_to_image_to_video_only(monkeypatch):
+    """`self-forcing` sets image_mode="frame": one latent frame first with an image; text-to-video is unchanged."""
+    pipe = FAMILIES[0].make_pipeline()
+    image, chunk = _input_video(pipe, 1)[0], get_recipe("self-forcing").settings["chunk_frames"]
+    num_frames = pipe.latent_to_frames(1 + 2 * chunk)
+    chunks = list(pipe.stream(PROMPT, num_frames, image=image, recipe="self-forcing", output_type="latent"))
+    assert [latents.shape[2] for latents in chunks] == [1, chunk, chunk]
+    given = pipe.stream(
+        PROMPT, pipe.latent_to_frames(2 * chunk), image=image, recipe="self-forcing", image_mode="chunk"
+    )
+    assert given.request.geometry.first_chunk_frames == chunk  # the call's choice wins
+    text_only = pipe.stream(PROMPT, pipe.latent_to_frames(2 * chunk), recipe="self-forcing")
+    assert text_only.request.geometry.first_chunk_frames == chunk
+    below, above = pipe.valid_num_frames(num_frames - 1, chunk, first_frame_alone=True)
+    assert (below, above) == (pipe.latent_to_frames(1 + chunk), num_frames)
 
 
 def test_image_mode_is_checked(pipe):

@@ -127,9 +127,10 @@ _ARGUMENTS = """
             image: a start frame (image-to-video): a PIL image, an `(H, W, 3)` array, a `(3, H, W)` tensor, or one
                 per batch element; resized like diffusers' `VideoProcessor`. It is encoded and becomes the clean
                 first chunk: frame 0 of the video is the image.
-            image_mode: "chunk" (default; Krea: the image repeated over the first chunk) or "frame" (Self-Forcing /
-                CausVid: the image's single latent frame is the first committed context; `num_frames` then takes
-                one latent frame and whole chunks).
+            image_mode: "chunk" (Krea: the image repeated over the first chunk; the default) or "frame" (Self-Forcing
+                / CausVid: the image's single latent frame is the first committed context; `num_frames` then takes
+                one latent frame and whole chunks). `None` takes the recipe's (`self-forcing`: "frame",
+                `krea-realtime`: "chunk"), else "chunk".
             overlap_decode: on CUDA, decode chunk k on a side stream while chunk k + 1 denoises (frames still come
                 in order, equal to the serial decode; each arrives once the next chunk's latents exist, the first at
                 once). Decodes in place on other devices.
@@ -143,14 +144,24 @@ _ARGUMENTS = """
 IMAGE_MODES = ("chunk", "frame")
 
 
-def _first_chunk_rule(first_chunk: str | None, image: Any, image_mode: str | None) -> str:
-    """The first chunk's rule: as asked, or one latent frame for a start image in the "frame" convention."""
+def check_image_mode(image_mode: str | None, image: Any) -> None:
+    """A given `image_mode` must be one of `IMAGE_MODES` and come with an `image`."""
     if image_mode is None:
-        return first_chunk or "whole"
+        return
     if image_mode not in IMAGE_MODES:
         raise ValueError(f"`image_mode` must be one of {IMAGE_MODES}, got {image_mode!r}.")
     if image is None:
         raise ValueError("`image_mode` applies to `image=` (image-to-video) only; pass an `image` or drop it.")
+
+
+def _first_chunk_rule(first_chunk: str | None, image: Any, image_mode: str | None) -> str:
+    """The first chunk's rule: as asked, or one latent frame for a start image in the "frame" convention.
+
+    `image_mode` is the call's or its recipe's; a recipe's applies only when the call has an `image`.
+    """
+    if image_mode is None or image is None:
+        return first_chunk or "whole"
+    check_image_mode(image_mode, image)
     if image_mode == "chunk":
         return first_chunk or "whole"
     if first_chunk not in (None, "frame"):
@@ -217,11 +228,17 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         """First pixel frame decoded from latent frame `latent_frame` (the first latent frame is 1 pixel frame)."""
         return 0 if latent_frame == 0 else (latent_frame - 1) * self.vae_scale_factor_temporal + 1
 
-    def valid_num_frames(self, num_frames: int, chunk_frames: int | None = None) -> tuple[int, int]:
-        """The reachable frame counts just below and above `num_frames` for this VAE and chunking."""
+    def valid_num_frames(
+        self, num_frames: int, chunk_frames: int | None = None, first_frame_alone: bool = False
+    ) -> tuple[int, int]:
+        """The reachable frame counts just below and above `num_frames` for this VAE and chunking.
+
+        `first_frame_alone`: the video starts with one latent frame before its whole chunks (`image_mode="frame"`).
+        """
         chunk = chunk_frames or self.config.chunk_frames
-        chunks = max(1, self.frames_to_latent(max(num_frames, 1)) // chunk)
-        return self.latent_to_frames(chunks * chunk), self.latent_to_frames((chunks + 1) * chunk)
+        offset = int(first_frame_alone)
+        chunks = max(1, (self.frames_to_latent(max(num_frames, 1)) - offset) // chunk)
+        return tuple(self.latent_to_frames(offset + n * chunk) for n in (chunks, chunks + 1))
 
     def check_size(self, name: str, size: Any) -> int:
         """A pixel side (`name` is "height" or "width"): a positive multiple of the VAE factor times the patch."""
@@ -283,8 +300,10 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         also takes `switch_prompt(...)` at chunk boundaries and round-trips through `state_dict()`.
         """
         check_output_type(output_type)
+        check_image_mode(image_mode, image)
         settings = self.recipe_settings(
             recipe,
+            image_mode=image_mode,
             chunk_frames=chunk_frames,
             sink_frames=sink_frames,
             window_frames=window_frames,
@@ -307,7 +326,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         )
         given = {name: settings.pop(name) for name in CacheOptions.known_names}
         options = self.options_class.resolve(self.config, given, type(self).__name__)
-        first_chunk = _first_chunk_rule(settings["first_chunk"], image, image_mode)
+        first_chunk = _first_chunk_rule(settings["first_chunk"], image, settings["image_mode"])
         geometry, layout = self._geometry(num_frames, height, width, options, first_chunk)
         schedule = self._schedule(prompt, prompt_schedule, prompt_embeds, geometry)
         guidance_scale = check_guidance_scale(guidance_scale)
