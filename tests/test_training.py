@@ -237,3 +237,25 @@ def test_training_refuses_a_share_outside_0_1_before_any_work(module, flag, valu
         main(["--out", str(tmp_path / "out"), flag, value])
     assert f"{flag} must be in [0, 1]" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_direction_swap_gives_each_prompt_its_opposite_direction_and_keeps_the_rest():
+    from rolldiff.training.prompt_check import opposite_direction_ids
+
+    prompts = all_prompts()
+    ids = torch.arange(len(prompts))
+    swapped = opposite_direction_ids(ids)
+    assert prompts[int(swapped[0])] == prompts[0].replace("left", "right")
+    assert torch.equal(opposite_direction_ids(swapped), ids)  # an involution
+    assert all(prompts[a].rsplit(" ", 1)[0] == prompts[b].rsplit(" ", 1)[0] for a, b in zip(ids, swapped))
+
+
+def test_the_direction_swap_check_scores_the_first_chunk_under_both_prompts(text):
+    from rolldiff.training.prompt_check import direction_swap_check
+
+    tokenizer, encoder = text
+    embeds = encode_prompts(tokenizer, encoder, all_prompts(), CONFIG.max_sequence_length)
+    model = build_transformer(CONFIG).eval()
+    errors = direction_swap_check(model, random_videos(embeds, num_videos=48), CONFIG, num_clips=8)
+    assert set(errors) == {"first chunk, own prompt", "first chunk, opposite direction"}
+    assert errors["first chunk, own prompt"] != errors["first chunk, opposite direction"]  # the text reaches x0
