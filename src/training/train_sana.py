@@ -1,11 +1,16 @@
 """Train the tiny SANA-like toy-world pipeline (`tiny-bouncing-shapes-sana`) and save it as a pipeline folder.
 
-The shipped model, in two runs (the first stopped by hand at its 44-minute checkpoint, step 2482):
+The shipped model, in three runs (the first stopped by hand at its 44-minute checkpoint, step 2482):
 
     python examples/train_tiny_sana.py --out stage1 --minutes 95 --threads 2 --first-chunk-weight 2
     python examples/train_tiny_sana.py --out stage2 --init-from stage1 --minutes 70 --threads 2 --lr 3e-4 \\
         --first-chunk-weight 2 --first-chunk-batches 0.5
     python examples/train_tiny_sana.py --package stage2 --out src/assets/tiny-bouncing-shapes-sana
+    python examples/train_tiny_sana.py --out ft --init-from src/assets/tiny-bouncing-shapes-sana --minutes 40 \\
+        --lr 2e-4 --first-chunk-weight 2 --first-chunk-batches 0.4 --start-image-batches 0.4
+
+    (the last run, the image-to-video fine-tune, 5234 steps on one thread; its `ft/transformer` weights replaced the
+    shipped ones)
 
 Only the transformer is trained: the VAE is the Krea-like default's (`--vae-from`), the Gemma-style text
 encoder is random and frozen. The data pipeline, teacher-forcing loss, noise-level sampling, context check,
