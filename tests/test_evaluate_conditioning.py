@@ -152,3 +152,15 @@ def test_video_to_video_needs_whole_chunks(pipe):
     generate = pipeline_video_to_video(pipe)
     with pytest.raises(ValueError, match="num_frames must be whole chunks.*got 7"):
         generate(PROMPTS, np.zeros((7, 32, 32, 3), np.uint8), 0.5, 7)
+
+
+def test_evaluate_tiny_conditioning_scores_the_same_pipeline_and_prompts(monkeypatch, capsys):
+    from rolldiff.defaults import default_model_path
+    from rolldiff.training import evaluate_conditioning, evaluate_tiny
+
+    model, forwarded = str(default_model_path()), []
+    monkeypatch.setattr(evaluate_conditioning, "main", forwarded.append)
+    argv = ["--num-frames", "6", "--windows", "0:6", "--prompts", "1", "--conditioning"]
+    evaluate_tiny.main([*argv, "--pipeline", model])
+    assert "1 prompts x 1 seeds x 6 frames" in capsys.readouterr().out
+    assert forwarded == [["--models", model, "--prompts", "1", "--threads", "1"]]

@@ -4,7 +4,8 @@
 
 Prompts are generated as one batch per seed (the chunk loop costs about the same for 1 or 12 videos on a
 CPU), then `evaluate_generator` scores the windows; the ground truth of the same prompts and seeds is
-printed beside it.
+printed beside it. `--conditioning` also scores image-to-video and video-to-video on the same pipeline and
+prompts (`rolldiff.training.evaluate_conditioning`, its default sizes).
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=12, help="how many of the 12 evaluation prompts to use")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--save-video", type=Path, default=None, help="save the first video here as .npy")
+    parser.add_argument(
+        "--conditioning",
+        action="store_true",
+        help="also score image-to-video and video-to-video (evaluate_conditioning) on this pipeline",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     prompts = evaluation_prompts()[: args.prompts]
@@ -85,6 +91,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(format_table(table))
     if args.save_video is not None:
         np.save(args.save_video, generate_videos(pipeline, prompts[:1], min(args.num_frames, 150), args.seeds[0])[0])
+    if args.conditioning:
+        from . import evaluate_conditioning
+
+        evaluate_conditioning.main(
+            ["--models", str(args.pipeline), "--prompts", str(args.prompts), "--threads", str(args.threads)]
+        )
 
 
 if __name__ == "__main__":
