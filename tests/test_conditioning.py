@@ -215,6 +215,16 @@ def test_a_recipes_image_mode_applies_to_image_to_video_only(monkeypatch):
     assert (below, above) == (pipe.latent_to_frames(1 + chunk), num_frames)
 
 
+def test_image_mode_frame_against_a_recipes_first_chunk_rule_names_both_ways_out():
+    pipe = next(case for case in FAMILIES if case.name.startswith("sana")).make_pipeline()
+    image = _input_video(pipe, 1)[0]
+    with pytest.raises(ValueError, match="'remainder' \\(given or set by the recipe\\).*first_chunk='frame'"):
+        pipe.stream(PROMPT, pipe.latent_to_frames(21), image=image, recipe="longsana", image_mode="frame")
+    stream = pipe.stream(PROMPT, pipe.latent_to_frames(21), image=image, recipe="longsana", image_mode="frame",
+                         first_chunk="frame")  # fmt: skip
+    assert stream.request.geometry.first_chunk_frames == 1
+
+
 def test_image_mode_is_checked(pipe):
     image = _input_video(pipe, 1)[0]
     with pytest.raises(ValueError, match="`image_mode` must be one of"):

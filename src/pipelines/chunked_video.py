@@ -166,7 +166,8 @@ def _first_chunk_rule(first_chunk: str | None, image: Any, image_mode: str | Non
         return first_chunk or "whole"
     if first_chunk not in (None, "frame"):
         raise ValueError(
-            f"`image_mode='frame'` makes the first chunk one latent frame; drop `first_chunk`={first_chunk!r}."
+            f"`image_mode='frame'` makes the first chunk one latent frame, but `first_chunk`={first_chunk!r} (given or "
+            "set by the recipe) asks otherwise; pass first_chunk='frame' or image_mode='chunk'."
         )
     return "frame"
 
