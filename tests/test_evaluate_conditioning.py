@@ -141,6 +141,17 @@ def test_the_embedded_model_starts_each_video_on_its_own_image(pipe):
 
 
 @torch.no_grad()
+def test_image_mode_frame_starts_on_the_image_alone_and_scores_against_the_unheld_truth(pipe):
+    """In the "frame" convention frame 0 is the image and frame 1 is generated; the best reference holds nothing."""
+    windows = ((0, 1), (1, 4))
+    model = evaluate_image_to_video(pipeline_image_to_video(pipe, image_mode="frame"), PROMPTS, 1, windows)
+    truth = evaluate_image_to_video(rendered_image_to_video(1, vae=pipe.vae), PROMPTS, 1, windows)
+    assert model["frames 0-0"]["keeps_colour"] == 1.0
+    assert model["frames 0-0"]["distance_px"] == pytest.approx(truth["frames 0-0"]["distance_px"], abs=0.3)
+    assert truth["frames 1-3"]["mean_speed"] == pytest.approx(1.0, abs=0.1)  # nothing held: it moves at once
+
+
+@torch.no_grad()
 def test_the_embedded_model_follows_the_input_at_low_strength(pipe):
     table = video_to_video_table(pipe, PROMPTS[:1], 6, strengths=(0.3,))
     assert table["0.3 colour"]["on_track"] == table["0.3 shape"]["on_track"] == 1.0

@@ -243,16 +243,17 @@ def input_through_vae(vae) -> VideoToVideoFn:
 
 
 # ------------------------------------------------------------------------------------------------ pipelines
-def pipeline_image_to_video(pipeline, seed: int = 0) -> ImageToVideoFn:
+def pipeline_image_to_video(pipeline, seed: int = 0, image_mode: str = "chunk") -> ImageToVideoFn:
     """A pipeline's `image=` mode, whole chunks cut to `num_frames`, one noise seed for every batch."""
 
     def generate(prompts: list[str], images: list[np.ndarray], num_frames: int) -> np.ndarray:
         output = pipeline(
             prompts,
-            num_frames=whole_chunk_frames(pipeline, num_frames),
+            num_frames=whole_chunk_frames(pipeline, num_frames, first_frame_alone=image_mode == "frame"),
             height=HEIGHT,
             width=WIDTH,
             image=list(images),
+            image_mode=image_mode,
             generator=torch.Generator().manual_seed(seed),
             output_type="np",
         )
@@ -318,12 +319,17 @@ def format_rows(table: dict[str, dict[str, float]], first_column: str) -> str:
     return "\n".join(lines)
 
 
-def image_to_video_tables(models: dict[str, object], prompts: Sequence[str], seeds_per_prompt: int, log=print):
-    """`{window: {source: scores}}` for each model and the two renderer references."""
-    sources: dict[str, ImageToVideoFn] = {name: pipeline_image_to_video(pipe) for name, pipe in models.items()}
+def image_to_video_tables(
+    models: dict[str, object], prompts: Sequence[str], seeds_per_prompt: int, log=print, image_mode: str = "chunk"
+):
+    """`{window: {source: scores}}` for each model and the two renderer references (`image_mode="frame"`: the image
+    is one latent frame, so the best reference holds only frame 0)."""
+    sources: dict[str, ImageToVideoFn] = {
+        name: pipeline_image_to_video(pipe, image_mode=image_mode) for name, pipe in models.items()
+    }
     for pipe in models.values():  # the embedded models share one VAE: one reference row for it
-        chunk = pipe.latent_to_frames(pipe.config.chunk_frames)
-        reference = f"truth, first {chunk} frames held, through the VAE"
+        chunk = pipe.latent_to_frames(pipe.config.chunk_frames if image_mode == "chunk" else 1)
+        reference = f"truth, first {chunk} frames held, through the VAE" if chunk > 1 else "truth, through the VAE"
         sources.setdefault(reference, rendered_image_to_video(held_frames=chunk, vae=pipe.vae))
     sources["truth from another start"] = rendered_image_to_video(other_start=True)
     tables: dict[str, dict[str, dict[str, float]]] = {}
@@ -358,6 +364,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--v2v-frames", type=int, default=72, help="frames of each video-to-video input")
     parser.add_argument("--strengths", type=float, nargs="+", default=list(STRENGTHS))
     parser.add_argument("--modes", nargs="+", choices=["i2v", "v2v"], default=["i2v", "v2v"])
+    parser.add_argument(
+        "--image-mode", choices=["chunk", "frame"], default="chunk", help="the image-to-video convention scored"
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also save every table here")
     args = parser.parse_args(argv)
@@ -370,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     prompts = evaluation_prompts()[: args.prompts]
     results: dict = {}
     if "i2v" in args.modes:
-        results["image_to_video"] = image_to_video_tables(models, prompts, args.i2v_seeds)
+        results["image_to_video"] = image_to_video_tables(models, prompts, args.i2v_seeds, image_mode=args.image_mode)
         print(f"\nimage-to-video: {len(prompts)} prompts x {args.i2v_seeds} held-out starts")
         for window_name, table in results["image_to_video"].items():
             print(f"\n{window_name}\n{format_rows(table, 'source')}")

@@ -35,9 +35,10 @@ def evaluation_prompts() -> list[str]:
     return [p for i, p in enumerate(all_prompts()) if i % 4 == (i // 12) % 4]
 
 
-def whole_chunk_frames(pipeline, num_frames: int) -> int:
-    """The fewest frames of whole chunks that hold `num_frames` (`num_frames` itself when it is whole chunks)."""
-    below, above = pipeline.valid_num_frames(num_frames)
+def whole_chunk_frames(pipeline, num_frames: int, first_frame_alone: bool = False) -> int:
+    """The fewest frames of whole chunks that hold `num_frames` (`num_frames` itself when it is whole chunks);
+    `first_frame_alone`: one latent frame, then whole chunks (`image_mode="frame"`)."""
+    below, above = pipeline.valid_num_frames(num_frames, first_frame_alone=first_frame_alone)
     return below if below >= num_frames else above
 
 
