@@ -62,6 +62,30 @@ def test_video_to_video_follows_the_input_and_resumes(tmp_path, monkeypatch):
     assert _read(out).shape == _read(whole).shape
 
 
+@pytest.mark.parametrize("mode", ["chunk", "frame"])
+def test_image_to_video_resumes_to_the_uninterrupted_video(tmp_path, monkeypatch, mode):
+    PIL.Image.fromarray(render_video("a red circle moving left", num_frames=1, seed=2)[0]).save(tmp_path / "start.png")
+    arguments = [*BASE, "--image", str(tmp_path / "start.png"), "--image-mode", mode, "--state-every", "0"]
+    arguments += ["--quality", "10"]
+    whole, out = tmp_path / "whole.mp4", tmp_path / "video.mp4"
+    assert main([*arguments, "--out", str(whole)]) == 0
+    real_write, writes = StreamingVideoWriter.write, []
+
+    def write_then_fail(self, frames):
+        real_write(self, frames)
+        writes.append(len(frames))
+        if len(writes) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(StreamingVideoWriter, "write", write_then_fail)
+    assert main([*arguments, "--out", str(out)]) == 130
+    monkeypatch.setattr(StreamingVideoWriter, "write", real_write)
+    assert main([*arguments, "--out", str(out), "--resume"]) == 0
+    resumed, uninterrupted = _read(out).astype(float), _read(whole).astype(float)
+    assert resumed.shape == uninterrupted.shape
+    assert np.abs(resumed - uninterrupted).max() <= 2  # the same frames, through the mp4 codec
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
