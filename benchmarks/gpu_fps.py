@@ -186,35 +186,18 @@ def build_wan_decoder(dry_run: bool, device: str, dtype: torch.dtype):
 
 
 def build_tiny_decoder(device: str, dtype: torch.dtype):
-    """TAEHV (`TinyVideoAutoencoder`, taew2_1's defaults, random weights) and its streaming decoder, or the
-    reason it is not available in this checkout."""
-    try:
-        from rolldiff.models import TinyVideoAutoencoder
-    except ImportError:
-        return None, "not available: rolldiff.models has no TinyVideoAutoencoder"
-    streaming = find_streaming_tiny_decoder()
-    if streaming is None:
-        return None, "not available: no StreamingTinyDecoder next to TinyVideoAutoencoder"
+    """TAEHV (`TinyVideoAutoencoder`, taew2_1's defaults, random weights) and its streaming decoder, or why it could
+    not be built on this device (its rows then say so and the others go on)."""
+    from rolldiff.models import TinyVideoAutoencoder
+    from rolldiff.pipelines.streaming_tiny_decode import StreamingTinyDecoder
+
     torch.manual_seed(0)
     try:
         with torch.device(device):
             autoencoder = TinyVideoAutoencoder().eval().requires_grad_(False)
-        return streaming(autoencoder.to(dtype)), ""
+        return StreamingTinyDecoder(autoencoder.to(dtype)), ""
     except Exception as exc:  # noqa: BLE001 - the row says why; the others go on
         return None, f"not available: {type(exc).__name__}: {str(exc)[:160]}"
-
-
-def find_streaming_tiny_decoder():
-    import importlib
-
-    for module in ("rolldiff.pipelines.streaming_tiny_decode", "rolldiff.models.tiny_autoencoder"):
-        try:
-            found = getattr(importlib.import_module(module), "StreamingTinyDecoder", None)
-        except ImportError:
-            continue
-        if found is not None:
-            return found
-    return None
 
 
 @dataclasses.dataclass
