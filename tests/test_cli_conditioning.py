@@ -18,6 +18,22 @@ def _read(path) -> np.ndarray:
     return iio.imread(path, plugin="FFMPEG", index=None)
 
 
+def _interrupt_after_two_writes_then_resume(arguments: list[str], out, monkeypatch) -> None:
+    """Run `arguments` into `out`, stopped by Ctrl-C after its second write, then `--resume` it to the end."""
+    real_write, writes = StreamingVideoWriter.write, []
+
+    def write_then_fail(self, frames):
+        real_write(self, frames)
+        writes.append(len(frames))
+        if len(writes) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(StreamingVideoWriter, "write", write_then_fail)
+    assert main([*arguments, "--out", str(out)]) == 130
+    monkeypatch.setattr(StreamingVideoWriter, "write", real_write)
+    assert main([*arguments, "--out", str(out), "--resume"]) == 0
+
+
 def test_image_to_video_starts_on_the_image(tmp_path):
     image = render_video("a red circle moving left", num_frames=1, seed=2)[0]
     PIL.Image.fromarray(image).save(tmp_path / "start.png")
@@ -46,19 +62,8 @@ def test_video_to_video_follows_the_input_and_resumes(tmp_path, monkeypatch):
     whole = tmp_path / "whole.mp4"
     assert main([*arguments, "--out", str(whole)]) == 0
     assert _read(whole).shape[0] == 12  # one second of input: the output ends with it
-
-    out, real_write, writes = tmp_path / "video.mp4", StreamingVideoWriter.write, []
-
-    def write_then_fail(self, frames):
-        real_write(self, frames)
-        writes.append(len(frames))
-        if len(writes) == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(StreamingVideoWriter, "write", write_then_fail)
-    assert main([*arguments, "--out", str(out)]) == 130
-    monkeypatch.setattr(StreamingVideoWriter, "write", real_write)
-    assert main([*arguments, "--out", str(out), "--resume"]) == 0
+    out = tmp_path / "video.mp4"
+    _interrupt_after_two_writes_then_resume(arguments, out, monkeypatch)
     assert _read(out).shape == _read(whole).shape
 
 
@@ -69,18 +74,7 @@ def test_image_to_video_resumes_to_the_uninterrupted_video(tmp_path, monkeypatch
     arguments += ["--quality", "10"]
     whole, out = tmp_path / "whole.mp4", tmp_path / "video.mp4"
     assert main([*arguments, "--out", str(whole)]) == 0
-    real_write, writes = StreamingVideoWriter.write, []
-
-    def write_then_fail(self, frames):
-        real_write(self, frames)
-        writes.append(len(frames))
-        if len(writes) == 2:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(StreamingVideoWriter, "write", write_then_fail)
-    assert main([*arguments, "--out", str(out)]) == 130
-    monkeypatch.setattr(StreamingVideoWriter, "write", real_write)
-    assert main([*arguments, "--out", str(out), "--resume"]) == 0
+    _interrupt_after_two_writes_then_resume(arguments, out, monkeypatch)
     resumed, uninterrupted = _read(out).astype(float), _read(whole).astype(float)
     assert resumed.shape == uninterrupted.shape
     assert np.abs(resumed - uninterrupted).max() <= 2  # the same frames, through the mp4 codec
