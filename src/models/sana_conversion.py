@@ -18,7 +18,6 @@ fixed sin-cos table, unused with RoPE), `y_embedder.y_embedding` (the CFG-dropou
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
@@ -27,9 +26,13 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from .weights import preview_keys, read_checkpoint_file, rename_by_tables
-
-logger = logging.getLogger(__name__)
+from .weights import (
+    preview_keys,
+    read_checkpoint_file,
+    rename_by_tables,
+    select_generator_weights,
+    unwrapped_tensors,
+)
 
 __all__ = ["convert_original_sana_video_state_dict", "infer_sana_video_config", "load_original_sana_video_checkpoint"]
 
@@ -73,31 +76,7 @@ _SUFFIXES = ("weight", "bias")
 _SANA_ROOTS = ("blocks.", "x_embedder.", "t_embedder.", "t_block.", "y_embedder.", "attention_y_norm.", "final_layer.")
 _SANA_ROOTS += ("pos_embed", "logvar_linear.")
 _LEADING_PREFIXES = ("model.", "module.")  # SanaModelWrapper, DDP; stripped repeatedly
-_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-_CHECKPOINT_ENTRIES = ("generator_ema", "generator", "model", "state_dict")  # in order of preference
 _REQUIRED_KEYS = ("x_embedder.proj.weight", "final_layer.scale_shift_table")
-
-
-def _strip_wrappers(key: str) -> str:
-    for segment in _WRAPPER_SEGMENTS:
-        key = key.replace(segment, "")
-    while not key.startswith(_SANA_ROOTS) and key.startswith(_LEADING_PREFIXES):
-        key = key.split(".", 1)[1]
-    return key
-
-
-def _select_weights(checkpoint: Mapping, use_ema: bool) -> Mapping:
-    """The transformer's weights inside a training checkpoint; a flat state dict is returned as is."""
-    entries = [name for name in _CHECKPOINT_ENTRIES if isinstance(checkpoint.get(name), Mapping)]
-    if not use_ema:
-        if entries == ["generator_ema"]:
-            raise ValueError("use_ema=False, but this checkpoint holds only 'generator_ema'; pass use_ema=True.")
-        entries = [name for name in entries if name != "generator_ema"]
-    if not entries:
-        return checkpoint
-    if use_ema and entries[0] != "generator_ema" and "generator" in entries:
-        logger.info("Checkpoint has no 'generator_ema' weights; converting 'generator' instead.")
-    return checkpoint[entries[0]]
 
 
 def _rename(name: str) -> str | None:
@@ -169,22 +148,8 @@ def convert_original_sana_video_state_dict(
         raise ValueError(f"`state_dict` must be a mapping of names to tensors, got {type(state_dict).__name__}.")
     if not isinstance(use_ema, bool):
         raise ValueError(f"`use_ema` must be True or False, got {use_ema!r}.")
-    weights = _select_weights(state_dict, use_ema)
-    non_tensors = [key for key, value in weights.items() if not isinstance(value, Tensor)]
-    if non_tensors:
-        raise ValueError(f"Not a SANA-Video state dict: these entries are not tensors: {preview_keys(non_tensors)}.")
-    stripped: dict[str, Tensor] = {}
-    for key, tensor in weights.items():
-        name = _strip_wrappers(key)
-        if name in stripped:
-            raise ValueError(f"Two keys map to {name!r} after removing wrapper prefixes (one of them is {key!r}).")
-        stripped[name] = tensor
-    missing = [key for key in _REQUIRED_KEYS if key not in stripped]
-    if missing:
-        raise ValueError(
-            f"Not an original-format SANA-Video transformer state dict: missing {missing}; its keys start with "
-            f"{preview_keys(weights)}."
-        )
+    weights = select_generator_weights(state_dict, use_ema)
+    stripped = unwrapped_tensors(weights, _SANA_ROOTS, _LEADING_PREFIXES, _REQUIRED_KEYS, "SANA-Video")
     converted, unexpected = _convert_keys(stripped)
     if unexpected:
         raise ValueError(

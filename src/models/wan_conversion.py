@@ -18,7 +18,6 @@ folder's weights fit its config, for every family, live in `weights.py`.)
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
@@ -26,9 +25,14 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
-from .weights import preview_keys, read_checkpoint_file, rename_by_tables
-
-logger = logging.getLogger(__name__)
+from .weights import (
+    GENERATOR_ENTRIES,
+    preview_keys,
+    read_checkpoint_file,
+    rename_by_tables,
+    select_generator_weights,
+    unwrapped_tensors,
+)
 
 __all__ = [
     "convert_original_wan_state_dict",
@@ -78,11 +82,6 @@ _BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.(.+)$")
 _WAN_ROOTS = ("blocks", "patch_embedding", "text_embedding", "time_embedding", "time_projection", "head")
 # Leading prefixes added by training wrappers, stripped repeatedly (`module.model.blocks...` under DDP).
 _LEADING_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "model.", "module.")
-# Path segments inserted anywhere in a key by FSDP, activation checkpointing and torch.compile.
-_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-# Top-level dictionaries a training checkpoint may hold the generator's weights under. `model` and `state_dict`
-# are what some forks and generic trainers use when there is no EMA copy.
-_GENERATOR_WRAPPERS = ("generator_ema", "generator", "model", "state_dict")
 # Keys that prove a dict is a Wan transformer (the same pair diffusers uses to detect the format).
 _REQUIRED_ORIGINAL_KEYS = ("patch_embedding.weight", "head.modulation")
 
@@ -99,40 +98,16 @@ def _rename_key(key: str) -> str | None:
     )
 
 
-def _strip_wrappers(key: str) -> str:
-    """Remove FSDP / compile / checkpointing segments and leading wrapper prefixes from one key."""
-    for segment in _WRAPPER_SEGMENTS:
-        key = key.replace(segment, "")
-    while not key.startswith(_WAN_ROOTS):
-        for prefix in _LEADING_PREFIXES:
-            if key.startswith(prefix):
-                key = key[len(prefix) :]
-                break
-        else:
-            break
-    return key
-
-
 def _select_generator(checkpoint: Mapping, use_ema: bool) -> Mapping:
-    """Pick the generator's weights out of a training checkpoint; a flat state dict is returned as is."""
-    wrappers = [name for name in _GENERATOR_WRAPPERS if isinstance(checkpoint.get(name), Mapping)]
-    if not wrappers:
-        if isinstance(checkpoint.get("generator_lora"), Mapping):
-            raise ValueError(
-                "This checkpoint holds only LoRA adapter weights ('generator_lora', e.g. LongLive's lora.pt), not a "
-                "Wan transformer. Convert the base checkpoint (e.g. longlive_base.pt) and merge the adapter into it."
-            )
-        return checkpoint
-    if not use_ema:
-        if "generator_ema" in wrappers and "generator" not in wrappers:
-            raise ValueError(
-                "use_ema=False asks for the 'generator' weights, but this checkpoint only holds 'generator_ema'; "
-                "pass use_ema=True to convert the EMA weights."
-            )
-        wrappers = [name for name in wrappers if name != "generator_ema"]
-    elif wrappers[0] == "generator":
-        logger.info("Checkpoint has no 'generator_ema' weights; converting 'generator' instead.")
-    return checkpoint[wrappers[0]]
+    """The generator's weights (`select_generator_weights`); a LoRA-only checkpoint is refused by name."""
+    if isinstance(checkpoint.get("generator_lora"), Mapping) and not any(
+        isinstance(checkpoint.get(name), Mapping) for name in GENERATOR_ENTRIES
+    ):
+        raise ValueError(
+            "This checkpoint holds only LoRA adapter weights ('generator_lora', e.g. LongLive's lora.pt), not a "
+            "Wan transformer. Convert the base checkpoint (e.g. longlive_base.pt) and merge the adapter into it."
+        )
+    return select_generator_weights(checkpoint, use_ema)
 
 
 def convert_original_wan_state_dict(state_dict: Mapping[str, Tensor], use_ema: bool = True) -> dict[str, Tensor]:
@@ -160,29 +135,13 @@ def convert_original_wan_state_dict(state_dict: Mapping[str, Tensor], use_ema: b
         raise ValueError(f"`use_ema` must be True or False, got {use_ema!r}.")
     weights = _select_generator(state_dict, use_ema)
 
-    non_tensors = [key for key, value in weights.items() if not isinstance(value, Tensor)]
-    if non_tensors:
-        raise ValueError(f"Not a Wan state dict: these entries are not tensors: {preview_keys(non_tensors)}.")
     lora_keys = [key for key in weights if "lora_A" in key or "lora_B" in key or ".base_layer." in key]
     if lora_keys:
         raise ValueError(
             f"The state dict holds LoRA adapter weights ({preview_keys(lora_keys)}); merge the adapter into the base "
             "weights before converting."
         )
-
-    stripped: dict[str, Tensor] = {}
-    for key, tensor in weights.items():
-        name = _strip_wrappers(key)
-        if name in stripped:
-            raise ValueError(f"Two keys map to {name!r} after removing wrapper prefixes (one of them is {key!r}).")
-        stripped[name] = tensor
-
-    missing = [key for key in _REQUIRED_ORIGINAL_KEYS if key not in stripped]
-    if missing:
-        raise ValueError(
-            f"Not an original-format Wan 2.1 transformer state dict: missing {missing}; its keys start with "
-            f"{preview_keys(weights)}."
-        )
+    stripped = unwrapped_tensors(weights, _WAN_ROOTS, _LEADING_PREFIXES, _REQUIRED_ORIGINAL_KEYS, "Wan 2.1")
 
     converted: dict[str, Tensor] = {}
     unexpected: list[str] = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import pickle
 import re
@@ -29,6 +30,8 @@ __all__ = [
     "check_weights_match_config",
     "preview_keys",
 ]
+
+logger = logging.getLogger(__name__)
 
 KEYS_IN_ERRORS = 5  # keys an error message names before it says how many there are in all
 
@@ -175,6 +178,70 @@ def rename_by_tables(
     if suffix in suffixes and module in modules:
         return f"{prefix}{modules[module]}.{suffix}"
     return None
+
+
+# Path segments FSDP, activation checkpointing and torch.compile insert anywhere in a key.
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+# Top-level entries a training checkpoint may hold the generator's weights under, in order of preference
+# (Self-Forcing / LongLive / LongSANA training: `generator_ema`, `generator`; releases and forks: `model`,
+# `state_dict`). Other entries (critic, optimizer, step) are ignored.
+GENERATOR_ENTRIES = ("generator_ema", "generator", "model", "state_dict")
+
+
+def select_generator_weights(checkpoint: Mapping, use_ema: bool) -> Mapping:
+    """The generator's weights inside a training checkpoint (`GENERATOR_ENTRIES`); a flat state dict as is.
+
+    `use_ema` takes `generator_ema` when present, falling back to `generator`; False requires `generator`.
+    """
+    entries = [name for name in GENERATOR_ENTRIES if isinstance(checkpoint.get(name), Mapping)]
+    if not entries:
+        return checkpoint
+    if not use_ema:
+        if "generator_ema" in entries and "generator" not in entries:
+            raise ValueError(
+                "use_ema=False asks for the 'generator' weights, but this checkpoint holds only 'generator_ema'; "
+                "pass use_ema=True to convert the EMA weights."
+            )
+        entries = [name for name in entries if name != "generator_ema"]
+    elif entries[0] == "generator":
+        logger.info("Checkpoint has no 'generator_ema' weights; converting 'generator' instead.")
+    return checkpoint[entries[0]]
+
+
+def strip_wrappers(key: str, roots: tuple[str, ...], leading_prefixes: tuple[str, ...]) -> str:
+    """One key without `WRAPPER_SEGMENTS` and without leading wrapper prefixes (stripped repeatedly, as under
+    `module.model.` with DDP) in front of its first original path component (`roots`)."""
+    for segment in WRAPPER_SEGMENTS:
+        key = key.replace(segment, "")
+    while not key.startswith(roots):
+        prefix = next((prefix for prefix in leading_prefixes if key.startswith(prefix)), None)
+        if prefix is None:
+            break
+        key = key[len(prefix) :]
+    return key
+
+
+def unwrapped_tensors(
+    weights: Mapping, roots: tuple[str, ...], leading_prefixes: tuple[str, ...], required: tuple[str, ...], kind: str
+) -> dict[str, torch.Tensor]:
+    """`weights` keyed by their original names (`strip_wrappers`), refused when an entry is not a tensor, two keys
+    collide, or a `required` key of the `kind` format ("Wan 2.1", "SANA-Video") is missing."""
+    non_tensors = [key for key, value in weights.items() if not isinstance(value, torch.Tensor)]
+    if non_tensors:
+        raise ValueError(f"Not a {kind} state dict: these entries are not tensors: {preview_keys(non_tensors)}.")
+    stripped: dict[str, torch.Tensor] = {}
+    for key, tensor in weights.items():
+        name = strip_wrappers(key, roots, leading_prefixes)
+        if name in stripped:
+            raise ValueError(f"Two keys map to {name!r} after removing wrapper prefixes (one of them is {key!r}).")
+        stripped[name] = tensor
+    missing = [key for key in required if key not in stripped]
+    if missing:
+        raise ValueError(
+            f"Not an original-format {kind} transformer state dict: missing {missing}; its keys start with "
+            f"{preview_keys(weights)}."
+        )
+    return stripped
 
 
 SAFETENSORS_SUFFIXES = (".safetensors",)
