@@ -57,3 +57,49 @@ def load_feature_cache(
         for i, kind in enumerate(kinds)
     ]
     return cache, video_shape or None, int(state[position_key])
+
+
+class WanFeatureCacheStream:
+    """What the streaming Wan encoder and decoder share: one causal cache slot per `WanCausalConv3d` of `module`
+    (the VAE's encoder or decoder), the video's (batch, height, width) fixed at its first chunk, a position counter
+    saved under `position_key`, and the `state_dict` / `load_state_dict` round trip of all three."""
+
+    position_key: str  # "latent_frames_encoded" or "latent_frames_decoded"
+
+    def __init__(self, vae, module: torch.nn.Module) -> None:
+        from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+
+        self.vae = vae
+        self._num_cached_convs = sum(isinstance(conv, WanCausalConv3d) for conv in module.modules())
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new video: drop the cached features and forget the previous video's shape."""
+        self._feat_cache: list[torch.Tensor | str | None] = [None] * self._num_cached_convs
+        self._position = 0
+        self._video_shape: tuple[int, int, int] | None = None  # (batch, height, width) of the current video
+
+    def _check_video_shape(self, name: str, video_shape: tuple[int, int, int]) -> None:
+        if self._video_shape is not None and video_shape != self._video_shape:
+            raise ValueError(
+                f"`{name}` (batch, height, width) must stay {self._video_shape} within one video, got {video_shape}; "
+                "call reset() to start a new video."
+            )
+
+    def _onload(self) -> None:
+        """Same as `apply_forward_hook` on `vae.encode` / `vae.decode`: lets model offloading move the VAE onto its
+        device before a chunk."""
+        hook = getattr(self.vae, "_hf_hook", None)
+        if hook is not None and hasattr(hook, "pre_forward"):
+            hook.pre_forward(self.vae)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The position and the feature cache, tensors only (for `safetensors`): see `feature_cache_state`."""
+        return feature_cache_state(self._feat_cache, self._video_shape, self.position_key, self._position)
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Continue a video from `state_dict()`'s result (same VAE layout), checked whole before anything changes;
+        cached tensors move to the VAE's device at the next chunk."""
+        self._feat_cache, self._video_shape, self._position = load_feature_cache(
+            state_dict, self._num_cached_convs, self.position_key, type(self).__name__
+        )

@@ -9,9 +9,9 @@ equal one `vae.decode` of the whole latent sequence, while memory stays that of 
 
 import torch
 from diffusers import AutoencoderKLWan
-from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, unpatchify
+from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
-from .feature_cache import feature_cache_state, load_feature_cache
+from .feature_cache import WanFeatureCacheStream
 
 
 def wan_latent_stats(vae: AutoencoderKLWan, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +47,7 @@ def denormalize_wan_latents(
     return latents * std + mean
 
 
-class StreamingWanDecoder:
+class StreamingWanDecoder(WanFeatureCacheStream):
     """Decode a Wan video's latents a chunk at a time, with the VAE's causal feature cache kept between chunks.
 
     The decoder holds its own feature cache, so the VAE's cache (`vae._feat_map`) and other users of `vae.decode`
@@ -62,30 +62,23 @@ class StreamingWanDecoder:
             (what a pipeline's stream passes); by default it takes the VAE's own latent space.
     """
 
+    position_key = "latent_frames_decoded"
+
     def __init__(self, vae: AutoencoderKLWan, denormalize: bool = False) -> None:
-        self.vae = vae
         self.denormalize = denormalize
         self._stats: tuple[torch.Tensor, torch.Tensor] | None = None  # the latents' mean and std, made once
-        # Every causal conv of the decoder owns one cache slot, in call order.
-        self._num_cached_convs = sum(isinstance(module, WanCausalConv3d) for module in vae.decoder.modules())
         # The first latent frame decodes to 1 pixel frame; every later one to `temporal_upsample` frames.
         self.temporal_upsample = 2 ** sum(vae.config.temperal_downsample)
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new video: drop the cached features and forget the previous video's shape."""
-        self._feat_map: list[torch.Tensor | str | None] = [None] * self._num_cached_convs
-        self._latent_frames_decoded = 0
-        self._video_shape: tuple[int, int, int] | None = None  # (batch, height, width) of the current video
+        super().__init__(vae, vae.decoder)
 
     @property
     def latent_frames_decoded(self) -> int:
         """Latent frames of the current video decoded so far."""
-        return self._latent_frames_decoded
+        return self._position
 
     def num_pixel_frames(self, latent_frames: int) -> int:
         """Pixel frames the next `decode` of `latent_frames` latent frames will return."""
-        first = 1 if self._latent_frames_decoded == 0 and latent_frames > 0 else 0
+        first = 1 if self._position == 0 and latent_frames > 0 else 0
         return first + (latent_frames - first) * self.temporal_upsample
 
     @torch.no_grad()
@@ -111,23 +104,18 @@ class StreamingWanDecoder:
         if latents.shape[2] == 0:
             raise ValueError("`latents` must hold at least one latent frame, got 0.")
         video_shape = (latents.shape[0], latents.shape[3], latents.shape[4])
-        if self._video_shape is not None and video_shape != self._video_shape:
-            raise ValueError(
-                f"`latents` (batch, height, width) must stay {self._video_shape} within one video, got {video_shape}; "
-                "call reset() to start a new video."
-            )
+        self._check_video_shape("latents", video_shape)
 
         if self.denormalize:
             latents = latents.to(self.vae.dtype)
             if self._stats is None or self._stats[0].device != latents.device:
                 self._stats = wan_latent_stats(self.vae, latents.dtype, latents.device)
             latents = denormalize_wan_latents(latents, self.vae, self._stats)
-        # Same as `apply_forward_hook` on `vae.decode`: lets model offloading move the VAE onto its device.
-        hook = getattr(self.vae, "_hf_hook", None)
-        if hook is not None and hasattr(hook, "pre_forward"):
-            hook.pre_forward(self.vae)
+        self._onload()
         weight = self.vae.post_quant_conv.weight
         latents = latents.to(device=weight.device, dtype=weight.dtype)
+        # Entries restored by `load_state_dict` (or left behind by an offload move) follow the VAE's device.
+        self._feat_cache = [e.to(weight.device) if isinstance(e, torch.Tensor) else e for e in self._feat_cache]
 
         # Mirrors AutoencoderKLWan._decode, one latent frame per decoder call. post_quant_conv is 1x1x1 (no
         # temporal context), so applying it per chunk is exact.
@@ -138,31 +126,15 @@ class StreamingWanDecoder:
             frames.append(
                 self.vae.decoder(
                     x[:, :, i : i + 1],
-                    feat_cache=self._feat_map,
+                    feat_cache=self._feat_cache,
                     feat_idx=conv_idx,
-                    first_chunk=self._latent_frames_decoded == 0,
+                    first_chunk=self._position == 0,
                 )
             )
-            self._latent_frames_decoded += 1
+            self._position += 1
         self._video_shape = video_shape
         out = torch.cat(frames, dim=2)  # (batch, 3 * patch**2, pixel_frames, H / patch, W / patch)
 
         if self.vae.config.patch_size is not None:
             out = unpatchify(out, patch_size=self.vae.config.patch_size)  # (batch, 3, pixel_frames, H, W)
         return torch.clamp(out, min=-1.0, max=1.0)
-
-    # ---------------------------------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The decoder's memory as tensors only (for resume): see `feature_cache_state`."""
-        return feature_cache_state(
-            self._feat_map, self._video_shape, "latent_frames_decoded", self._latent_frames_decoded
-        )
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Continue from `state_dict()` of a decoder over the same VAE (checked whole first)."""
-        cache, video_shape, decoded = load_feature_cache(
-            state, self._num_cached_convs, "latent_frames_decoded", type(self).__name__
-        )
-        device = self.vae.post_quant_conv.weight.device
-        self._feat_map = [entry.to(device) if isinstance(entry, torch.Tensor) else entry for entry in cache]
-        self._video_shape, self._latent_frames_decoded = video_shape, decoded

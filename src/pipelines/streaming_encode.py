@@ -19,10 +19,10 @@ The cache is the encoder's own, never the VAE's `_enc_feat_map`: several streams
 
 import torch
 from diffusers import AutoencoderKLWan
-from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, patchify
+from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-from .feature_cache import feature_cache_state, load_feature_cache
+from .feature_cache import WanFeatureCacheStream
 
 # How a feature-cache slot is written into `state_dict()["feat_cache_kinds"]`: empty, a tensor, or diffusers'
 # "Rep" marker (written by temporal upsampling; the decoder's convs use it, the encoder's keep the slot generic).
@@ -51,7 +51,7 @@ def normalize_wan_latents(latents: torch.Tensor, vae: AutoencoderKLWan) -> torch
     return (latents - mean) / std
 
 
-class StreamingWanEncoder:
+class StreamingWanEncoder(WanFeatureCacheStream):
     """Encode a Wan video's pixel frames a chunk at a time, with the VAE's causal feature cache kept between chunks.
 
     Frame rule, with `t = temporal_downsample` (4 for Wan 2.1 and 2.2): the first chunk of a video holds `1 + t*k`
@@ -71,48 +71,41 @@ class StreamingWanEncoder:
         vae: the `AutoencoderKLWan` to encode with (any dtype, any device, offload hooks honoured).
     """
 
+    position_key = "latent_frames_encoded"
+
     def __init__(self, vae: AutoencoderKLWan) -> None:
-        self.vae = vae
-        # Every causal conv of the encoder owns one cache slot, in call order.
-        self._num_cached_convs = sum(isinstance(module, WanCausalConv3d) for module in vae.encoder.modules())
         # The first pixel frame encodes to 1 latent frame; every later group of `temporal_downsample` to one.
         self.temporal_downsample = 2 ** sum(vae.config.temperal_downsample)
         patch_size = vae.config.patch_size or 1
         # Computed from the layers, not `config.scale_factor_spatial`, which tiny configs leave at its default 8.
         self.spatial_downsample = 2 ** len(vae.config.temperal_downsample) * patch_size
         self.in_channels = vae.config.in_channels // patch_size**2  # RGB: 3
-        self.reset()
-
-    def reset(self) -> None:
-        """Start a new video: drop the cached features and forget the previous video's shape."""
-        self._feat_cache: list[torch.Tensor | str | None] = [None] * self._num_cached_convs
-        self._latent_frames_encoded = 0
-        self._video_shape: tuple[int, int, int] | None = None  # (batch, height, width) of the current video
+        super().__init__(vae, vae.encoder)
 
     @property
     def latent_frames_encoded(self) -> int:
         """Latent frames of the current video encoded so far."""
-        return self._latent_frames_encoded
+        return self._position
 
     def num_latent_frames(self, pixel_frames: int) -> int:
         """Latent frames the next `encode` of `pixel_frames` pixel frames will return; raises if the count breaks
         the frame rule."""
         self._check_pixel_frames(pixel_frames)
-        first = 1 if self._latent_frames_encoded == 0 else 0
+        first = 1 if self._position == 0 else 0
         return first + (pixel_frames - first) // self.temporal_downsample
 
     def num_pixel_frames(self, latent_frames: int) -> int:
         """Pixel frames the next `encode` needs to return `latent_frames` latent frames (9, then 12, for 3)."""
         if isinstance(latent_frames, bool) or not isinstance(latent_frames, int) or latent_frames < 1:
             raise ValueError(f"`latent_frames` must be an int >= 1, got {latent_frames!r}.")
-        first = 1 if self._latent_frames_encoded == 0 else 0
+        first = 1 if self._position == 0 else 0
         return first + (latent_frames - first) * self.temporal_downsample
 
     def _check_pixel_frames(self, pixel_frames: int) -> None:
         if isinstance(pixel_frames, bool) or not isinstance(pixel_frames, int):
             raise ValueError(f"`pixel_frames` must be an int, got {pixel_frames!r}.")
         t = self.temporal_downsample
-        if self._latent_frames_encoded == 0:
+        if self._position == 0:
             offset, smallest = 1, 1
             rule = f"the first chunk of a video takes 1 + {t}*k pixel frames (k >= 0)"
         else:
@@ -144,11 +137,7 @@ class StreamingWanEncoder:
                 f"got shape {tuple(frames.shape)}."
             )
         video_shape = (batch, height, width)
-        if self._video_shape is not None and video_shape != self._video_shape:
-            raise ValueError(
-                f"`frames` (batch, height, width) must stay {self._video_shape} within one video, got {video_shape}; "
-                "call reset() to start a new video."
-            )
+        self._check_video_shape("frames", video_shape)
         self._check_pixel_frames(pixel_frames)
         return video_shape
 
@@ -175,10 +164,7 @@ class StreamingWanEncoder:
             raise ValueError("`generator` is only used with `sample=True` (the default takes the posterior's mean).")
         video_shape = self._check_frames(frames)
 
-        # Same as `apply_forward_hook` on `vae.encode`: lets model offloading move the VAE onto its device.
-        hook = getattr(self.vae, "_hf_hook", None)
-        if hook is not None and hasattr(hook, "pre_forward"):
-            hook.pre_forward(self.vae)
+        self._onload()
         weight = self.vae.quant_conv.weight
         x = frames.to(device=weight.device, dtype=weight.dtype)
         if self.vae.config.patch_size is not None:
@@ -198,26 +184,12 @@ class StreamingWanEncoder:
         posterior = DiagonalGaussianDistribution(moments)
         latents = normalize_wan_latents(posterior.sample(generator) if sample else posterior.mode(), self.vae)
         self._feat_cache = cache
-        self._latent_frames_encoded += len(groups)
+        self._position += len(groups)
         self._video_shape = video_shape
         return latents
 
     def _groups(self, pixel_frames: int) -> list[tuple[int, int]]:
         """(start, stop) of each encoder call in a chunk: the video's first frame alone, then `t` frames at a time."""
-        first = 1 if self._latent_frames_encoded == 0 else 0
+        first = 1 if self._position == 0 else 0
         t = self.temporal_downsample
         return [(0, 1)] * first + [(start, start + t) for start in range(first, pixel_frames, t)]
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The position and the feature cache, tensors only (for `safetensors`): see `feature_cache_state`."""
-        return feature_cache_state(
-            self._feat_cache, self._video_shape, "latent_frames_encoded", self._latent_frames_encoded
-        )
-
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Continue a video from `state_dict()`'s result (same VAE layout); the next `encode` picks up where the
-        saved encoder stopped. Checked whole before anything changes. Tensors move to the VAE's device at the next
-        `encode`."""
-        self._feat_cache, self._video_shape, self._latent_frames_encoded = load_feature_cache(
-            state_dict, self._num_cached_convs, "latent_frames_encoded", type(self).__name__
-        )
