@@ -303,3 +303,33 @@ def table_sigmas(scheduler, timesteps: Sequence[float]) -> list[float]:
 
 def max_abs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def record_scenario(run, out: Path, name: str, num_chunks: int, chunk_frames: int, texts: Mapping) -> dict:
+    """Run one scenario (`run(tape, dtype)` -> clean latents, timesteps, sigmas) in fp32 and, replaying the same
+    draws, in fp64; save its golden tensors (text, noise per chunk and step, clean latents) to
+    `golden.{name}.safetensors`; return what the scenario's meta entry records (timesteps, sigmas, noise order and
+    the fp32-vs-fp64 floor)."""
+    from safetensors.torch import save_file
+
+    tape = NoiseTape(NOISE_SEED)
+    fp32 = run(tape, torch.float32)
+    fp64 = run(NoiseTape(NOISE_SEED, replay=tape.draws), torch.float64)
+    floor = max_abs(fp32["clean"], fp64["clean"])
+    noise, order = chunk_noise(tape, num_chunks, chunk_frames, len(fp32["timesteps"]))
+    tensors = {f"text.{key}": value for key, value in texts.items()} | noise
+    tensors |= {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"golden.{name}.safetensors")
+    print(f"{name}: {num_chunks} chunks, floor (fp32 vs fp64) {floor:.3e}")
+    return {"timesteps": fp32["timesteps"], "sigmas": fp32["sigmas"], "noise_order": order, "floor": floor}
+
+
+def recorder_main(doc: str, record, tree: str, golden_folder: str) -> None:
+    """The recording scripts' command line: `--upstream` (the extracted `tree`) and `--out` (the golden folder)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--upstream", type=Path, required=True, help=f"extracted {tree} tree")
+    parser.add_argument("--out", type=Path, required=True, help=f"golden folder, e.g. {golden_folder}")
+    args = parser.parse_args()
+    record(args.upstream, args.out)

@@ -48,7 +48,6 @@ Stubs needed to run it on a CPU-only torch (nothing else is changed):
 
 from __future__ import annotations
 
-import argparse
 import json
 import types
 from pathlib import Path
@@ -61,17 +60,16 @@ from _wan_upstream import (
     HEIGHT,
     LATENT_SIZE,
     MEMORY_HELPERS,
-    NOISE_SEED,
     TINY_MODEL,
     TOKENS_PER_FRAME,
     WIDTH,
     NoiseTape,
     UpstreamTree,
-    chunk_noise,
     cpu_cuda_stubs,
-    max_abs,
     proxied_torch,
     randomize_,
+    record_scenario,
+    recorder_main,
     route_attention,
     table_sigmas,
     text_embeddings,
@@ -236,25 +234,18 @@ def record(upstream: Path, out: Path) -> None:
     statistics = FullPrecisionVae(up, vae_weights, torch.float32).encoder  # the wrappers' hard-coded mean / std
     scenarios = {}
     for name, scenario in SCENARIOS.items():
-        tape = NoiseTape(NOISE_SEED)
-        fp32 = run_scenario(up, weights, embeds, scenario, tape, torch.float32)
-        fp64 = run_scenario(up, weights, embeds, scenario, NoiseTape(NOISE_SEED, replay=tape.draws), torch.float64)
-        floor = max_abs(fp32["clean"], fp64["clean"])
-        noise, order = chunk_noise(tape, scenario["num_blocks"], 3, len(fp32["timesteps"]))
-        tensors = {f"text.{k}": v for k, v in embeds.items()} | noise
-        tensors |= {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"golden.{name}.safetensors")
+
+        def run(tape, dtype, scenario=scenario):
+            return run_scenario(up, weights, embeds, scenario, tape, dtype)
+
+        recorded = record_scenario(run, out, name, scenario["num_blocks"], 3, embeds)
         scenarios[name] = {
             "num_blocks": scenario["num_blocks"],
             "keep_first_frame": scenario["keep_first_frame"],
             "prompt": "a",
             "prompt_switch": scenario["switch"],
-            "timesteps": fp32["timesteps"],
-            "sigmas": fp32["sigmas"],
-            "noise_order": order,
-            "floor": floor,
+            **recorded,
         }
-        print(f"{name}: {scenario['num_blocks']} blocks, floor (fp32 vs fp64) {floor:.3e}")
     meta = {
         "upstream": UPSTREAM,
         "recipe": "krea-realtime",
@@ -296,13 +287,5 @@ def record(upstream: Path, out: Path) -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--upstream", type=Path, required=True, help="extracted krea-ai/realtime-video tree")
-    parser.add_argument("--out", type=Path, required=True, help="golden folder, e.g. tests/goldens/krea-realtime/")
-    args = parser.parse_args()
-    record(args.upstream, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    recorder_main(__doc__, record, "krea-ai/realtime-video", "tests/goldens/krea-realtime/")

@@ -38,7 +38,6 @@ Stubs needed to run it on a CPU-only torch (nothing else is changed):
 
 from __future__ import annotations
 
-import argparse
 import json
 import types
 from pathlib import Path
@@ -49,16 +48,15 @@ from _wan_upstream import (
     DIFFUSERS_CONFIG,
     LATENT_SIZE,
     MEMORY_HELPERS,
-    NOISE_SEED,
     TINY_MODEL,
     TOKENS_PER_FRAME,
     NoiseTape,
     UpstreamTree,
-    chunk_noise,
     cpu_cuda_stubs,
     kv_buffer_patches,
-    max_abs,
     proxied_torch,
+    record_scenario,
+    recorder_main,
     route_attention,
     table_sigmas,
     text_embeddings,
@@ -152,24 +150,13 @@ def record(upstream: Path, out: Path) -> None:
     save_file(weights, out / "transformer.safetensors")
     scenarios = {}
     for name, scenario in SCENARIOS.items():
-        tape = NoiseTape(NOISE_SEED)
-        fp32 = run_scenario(up, weights, embeds, scenario, tape, torch.float32)
-        fp64 = run_scenario(up, weights, embeds, scenario, NoiseTape(NOISE_SEED, replay=tape.draws), torch.float64)
-        floor = max_abs(fp32["clean"], fp64["clean"])
-        noise, order = chunk_noise(tape, NUM_CHUNKS, CHUNK_FRAMES, len(fp32["timesteps"]))
-        tensors = {f"text.{p}": embeds[p] for p in scenario["prompts"]} | noise
-        tensors |= {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"golden.{name}.safetensors")
-        scenarios[name] = {
-            "num_chunks": NUM_CHUNKS,
-            "prompts": scenario["prompts"],
-            "switch_frames": scenario["switch_frames"],
-            "timesteps": fp32["timesteps"],
-            "sigmas": fp32["sigmas"],
-            "noise_order": order,
-            "floor": floor,
-        }
-        print(f"{name}: {NUM_CHUNKS} chunks, floor (fp32 vs fp64) {floor:.3e}")
+
+        def run(tape, dtype, scenario=scenario):
+            return run_scenario(up, weights, embeds, scenario, tape, dtype)
+
+        texts = {p: embeds[p] for p in scenario["prompts"]}
+        recorded = record_scenario(run, out, name, NUM_CHUNKS, CHUNK_FRAMES, texts)
+        scenarios[name] = {"num_chunks": NUM_CHUNKS, **scenario, **recorded}
     meta = {
         "upstream": UPSTREAM,
         "recipe": "longlive",
@@ -203,13 +190,5 @@ def record(upstream: Path, out: Path) -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--upstream", type=Path, required=True, help="extracted NVlabs/LongLive tree at 2462895")
-    parser.add_argument("--out", type=Path, required=True, help="golden folder, e.g. tests/goldens/longlive/")
-    args = parser.parse_args()
-    record(args.upstream, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    recorder_main(__doc__, record, "NVlabs/LongLive (at 2462895)", "tests/goldens/longlive/")

@@ -30,7 +30,6 @@ Stubs needed to run it on a CPU-only torch (nothing else is changed):
 
 from __future__ import annotations
 
-import argparse
 import json
 import types
 from pathlib import Path
@@ -41,16 +40,15 @@ from _wan_upstream import (
     DIFFUSERS_CONFIG,
     LATENT_SIZE,
     MEMORY_HELPERS,
-    NOISE_SEED,
     TINY_MODEL,
     TOKENS_PER_FRAME,
     NoiseTape,
     UpstreamTree,
-    chunk_noise,
     cpu_cuda_stubs,
     kv_buffer_patches,
-    max_abs,
     proxied_torch,
+    record_scenario,
+    recorder_main,
     route_attention,
     table_sigmas,
     text_embeddings,
@@ -130,23 +128,12 @@ def record(upstream: Path, out: Path) -> None:
     save_file(weights, out / "transformer.safetensors")
     scenarios = {}
     for name, scenario in SCENARIOS.items():
-        tape = NoiseTape(NOISE_SEED)
-        fp32 = run_scenario(up, weights, embeds, scenario, tape, torch.float32)
-        fp64 = run_scenario(up, weights, embeds, scenario, NoiseTape(NOISE_SEED, replay=tape.draws), torch.float64)
-        floor = max_abs(fp32["clean"], fp64["clean"])
-        noise, order = chunk_noise(tape, NUM_CHUNKS, CHUNK_FRAMES, len(fp32["timesteps"]))
-        tensors = {"text.a": embeds["a"]} | noise | {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
-        save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"golden.{name}.safetensors")
-        scenarios[name] = {
-            "num_chunks": NUM_CHUNKS,
-            "prompt": "a",
-            **scenario,
-            "timesteps": fp32["timesteps"],
-            "sigmas": fp32["sigmas"],
-            "noise_order": order,
-            "floor": floor,
-        }
-        print(f"{name}: {NUM_CHUNKS} chunks, floor (fp32 vs fp64) {floor:.3e}")
+
+        def run(tape, dtype, scenario=scenario):
+            return run_scenario(up, weights, embeds, scenario, tape, dtype)
+
+        recorded = record_scenario(run, out, name, NUM_CHUNKS, CHUNK_FRAMES, {"a": embeds["a"]})
+        scenarios[name] = {"num_chunks": NUM_CHUNKS, "prompt": "a", **scenario, **recorded}
     meta = {
         "upstream": UPSTREAM,
         "recipe": "self-forcing",
@@ -175,13 +162,5 @@ def record(upstream: Path, out: Path) -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--upstream", type=Path, required=True, help="extracted guandeh17/Self-Forcing tree")
-    parser.add_argument("--out", type=Path, required=True, help="golden folder, e.g. tests/goldens/self-forcing/")
-    args = parser.parse_args()
-    record(args.upstream, args.out)
-
-
 if __name__ == "__main__":
-    main()
+    recorder_main(__doc__, record, "guandeh17/Self-Forcing", "tests/goldens/self-forcing/")
