@@ -16,3 +16,12 @@ def _one_torch_thread():
     so results that must match bit for bit (threads vs alone) never depend on test order."""
     yield
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def model_calls(pipe) -> list:
+    """One entry per call of the module's `pipe` transformer: proof that no work was done."""
+    calls = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
+    yield calls
+    handle.remove()

@@ -83,15 +83,6 @@ def slow_chunks(pipe):
     handle.remove()
 
 
-@pytest.fixture
-def model_calls(pipe) -> list:
-    """One entry per transformer call: proof that no work was done."""
-    calls = []
-    handle = pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
-    yield calls
-    handle.remove()
-
-
 def _wait_for_first_chunk(job, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not job.outputs():

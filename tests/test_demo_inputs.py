@@ -185,14 +185,6 @@ def server(pipe):
     demo.close()
 
 
-@pytest.fixture
-def model_calls(pipe) -> list:
-    calls = []
-    handle = pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
-    yield calls
-    handle.remove()
-
-
 def _read(path) -> np.ndarray:
     return iio.imread(path, plugin="FFMPEG", index=None)  # (frames, height, width, 3) uint8
 

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from diffusers import AutoencoderKLWan
+from tiny_components import seeded_wan_vae
 
 from rolldiff.pipelines.streaming_decode import StreamingWanDecoder, denormalize_wan_latents
 
@@ -28,15 +29,7 @@ VAE_CONFIGS = {
 
 
 def make_vae(name: str) -> AutoencoderKLWan:
-    torch.manual_seed(0)
-    config = dict(
-        base_dim=8,
-        z_dim=Z_DIM,
-        num_res_blocks=1,
-        latents_mean=[0.1, -0.2, 0.3, -0.4],
-        latents_std=[1.5, 0.5, 2.0, 1.0],
-    )
-    return AutoencoderKLWan(**config, **VAE_CONFIGS[name]).eval()
+    return seeded_wan_vae(Z_DIM, **VAE_CONFIGS[name])
 
 
 def random_latents(seed: int, frames: int = LATENT_FRAMES) -> torch.Tensor:

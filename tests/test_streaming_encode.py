@@ -6,6 +6,7 @@ from accelerate.hooks import ModelHook, add_hook_to_module
 from diffusers import AutoencoderKLWan
 from einops import rearrange
 from safetensors.torch import load_file, save_file
+from tiny_components import seeded_wan_vae
 
 from rolldiff.defaults import default_model_path
 from rolldiff.pipelines.streaming_decode import StreamingWanDecoder, denormalize_wan_latents
@@ -37,15 +38,7 @@ TOLERANCE = dict(atol=2e-6, rtol=0)
 
 
 def make_vae(name: str = "temporal_4x") -> AutoencoderKLWan:
-    torch.manual_seed(0)
-    config = dict(
-        base_dim=8,
-        z_dim=Z_DIM,
-        num_res_blocks=1,
-        latents_mean=[0.1, -0.2, 0.3, -0.4],
-        latents_std=[1.5, 0.5, 2.0, 1.0],
-    )
-    return AutoencoderKLWan(**config, **VAE_CONFIGS[name]).eval()
+    return seeded_wan_vae(Z_DIM, **VAE_CONFIGS[name])
 
 
 def random_video(seed: int, frames: int = PIXEL_FRAMES, batch: int = 1) -> torch.Tensor:

@@ -49,6 +49,14 @@ def tiny_vae(temporal: bool = True) -> AutoencoderKLWan:
     ).eval()
 
 
+def seeded_wan_vae(z_dim: int = 4, **layout) -> AutoencoderKLWan:
+    """A tiny random `AutoencoderKLWan` of `layout` (dim_mult, temperal_downsample, patch_size, ...) with made-up
+    latent statistics, the same weights on every call: what the streaming encoder and decoder tests run."""
+    torch.manual_seed(0)
+    stats = dict(latents_mean=[0.1, -0.2, 0.3, -0.4], latents_std=[1.5, 0.5, 2.0, 1.0])
+    return AutoencoderKLWan(base_dim=8, z_dim=z_dim, num_res_blocks=1, **stats, **layout).eval()
+
+
 def tiny_transformer(seed: int = 0, **overrides) -> KreaRealtimeTransformer3DModel:
     torch.manual_seed(seed)
     return KreaRealtimeTransformer3DModel(**{**TRANSFORMER_CONFIG, **overrides}).eval()
