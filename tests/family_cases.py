@@ -12,11 +12,10 @@ from dataclasses import dataclass
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SanaVideoTransformer3DModel, WanTransformer3DModel
-from test_long_sana_model import TINY_SANA
+from test_long_sana_pipeline import tiny_sana_pipeline
 from tiny_components import tiny_text_encoder, tiny_transformer, tiny_vae, word_tokenizer
 
-from rolldiff import KreaRealtimeVideoPipeline, LongSanaTransformer3DModel, LongSanaVideoPipeline
-from rolldiff.training.sana_components import SanaTinyConfig, build_gemma_text_encoder, build_gemma_tokenizer
+from rolldiff import KreaRealtimeVideoPipeline
 
 BLOCKS = 3
 
@@ -69,25 +68,7 @@ def _wan_velocity(reference, chunk, timestep, text) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------- SANA-like
 def _sana_pipeline():
-    torch.manual_seed(0)
-    tokenizer = build_gemma_tokenizer()
-    text_encoder = build_gemma_text_encoder(SanaTinyConfig(text_dim=16), len(tokenizer))
-    torch.manual_seed(0)
-    transformer = LongSanaTransformer3DModel(**{**TINY_SANA, "num_layers": BLOCKS}).eval()
-    pipe = LongSanaVideoPipeline(
-        tokenizer=tokenizer,
-        text_encoder=text_encoder,
-        transformer=transformer,
-        vae=tiny_vae(temporal=False),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-        chunk_frames=2,
-        window_frames=None,
-        max_sequence_length=8,
-        height=16,
-        width=16,
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return tiny_sana_pipeline(num_layers=BLOCKS)
 
 
 def _sana_dense(model, before, chunk, timestep, text, layout) -> torch.Tensor:

@@ -16,12 +16,15 @@ PROMPT, OTHER = "a red circle moving left", "a blue square moving up"
 SIZE = dict(height=16, width=16)  # 4x4 latents (VAE factor 4), 4 tokens per frame
 
 
-def tiny_sana_pipeline(rope_max_seq_len: int = 64, **config) -> LongSanaVideoPipeline:
+def tiny_sana_pipeline(rope_max_seq_len: int = 64, num_layers: int | None = None, **config) -> LongSanaVideoPipeline:
+    """Tiny random LongSANA pipeline: `TINY_SANA` (with `num_layers` blocks), 16x16 frames, chunks of 2, every
+    earlier chunk in the state; `config` overrides the pipeline's settings."""
     torch.manual_seed(0)
     tokenizer = build_gemma_tokenizer()
     text_encoder = build_gemma_text_encoder(SanaTinyConfig(text_dim=16), len(tokenizer))
     torch.manual_seed(0)
-    transformer = LongSanaTransformer3DModel(**{**TINY_SANA, "rope_max_seq_len": rope_max_seq_len}).eval()
+    layers = {} if num_layers is None else {"num_layers": num_layers}
+    transformer = LongSanaTransformer3DModel(**{**TINY_SANA, "rope_max_seq_len": rope_max_seq_len, **layers}).eval()
     defaults = dict(chunk_frames=2, window_frames=None, max_sequence_length=8, height=16, width=16)
     pipe = LongSanaVideoPipeline(
         tokenizer=tokenizer,
