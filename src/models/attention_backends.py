@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from diffusers.models.attention_dispatch import AttentionBackendName
+
 MASK_FREE_BACKENDS = frozenset({"_flash_3", "flash", "_native_flash"})  # raise on an attention mask
 
 
@@ -18,7 +20,5 @@ def attention_backend_for(backend: Any, masked: bool) -> Any:
     `AttentionBackendName` or None (the active one)."""
     value = getattr(backend, "value", backend)
     if masked and value in MASK_FREE_BACKENDS:
-        from diffusers.models.attention_dispatch import AttentionBackendName
-
         return AttentionBackendName.NATIVE
     return backend
