@@ -31,6 +31,7 @@ from .weights import (
     read_checkpoint_file,
     rename_by_tables,
     select_generator_weights,
+    strip_wrappers,
     unwrapped_tensors,
 )
 
@@ -96,6 +97,11 @@ def _rename_key(key: str) -> str | None:
         (_TOP_LEVEL_MODULES, _TOP_LEVEL_PARAMETERS),
         _TENSOR_SUFFIXES,
     )
+
+
+def _strip_wrappers(key: str) -> str:
+    """One Wan key without training-wrapper prefixes and segments (`strip_wrappers` with Wan's roots)."""
+    return strip_wrappers(key, _WAN_ROOTS, _LEADING_PREFIXES)
 
 
 def _select_generator(checkpoint: Mapping, use_ema: bool) -> Mapping:
