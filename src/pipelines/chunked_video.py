@@ -133,7 +133,8 @@ _ARGUMENTS = """
                 `krea-realtime`: "chunk"), else "chunk".
             overlap_decode: on CUDA, decode chunk k on a side stream while chunk k + 1 denoises (frames still come
                 in order, equal to the serial decode; each arrives once the next chunk's latents exist, the first at
-                once). Decodes in place on other devices.
+                once). Decodes in place on other devices, and serially under `context_policy="recompute"` with
+                `recompute_first_frame="reencode"` (each chunk's context is re-encoded from the last chunk's pixels).
             video: an input video (video-to-video), streamed chunk by chunk: a file path, an `(F, H, W, 3)` array,
                 or any iterator of frames (endless included, e.g. a webcam). The output ends with the input.
             strength: how much of each input chunk is replaced, in (0, 1] (default 0.8, diffusers'); of the N

@@ -170,6 +170,13 @@ class VideoRequest:
     def uses_guidance(self) -> bool:
         return self.guidance_scale > 1.0
 
+    @property
+    def reencodes(self) -> bool:
+        """Whether each rebuilt context's first frame is re-encoded from the last chunk's decoded pixels (the
+        recompute policy with `recompute_first_frame="reencode"`): chunk k + 1 then needs chunk k's pixels, so the
+        stream decodes serially (no `overlap_decode`) and keeps those pixels."""
+        return self.context_policy == "recompute" and self.recompute_first_frame == "reencode"
+
 
 # ---------------------------------------------------------------------------------------- argument groups
 def check_output_type(output_type: Any) -> str:

@@ -212,9 +212,9 @@ class ChunkStream(Iterator[Any]):
             pipe.set_conditioning(cache, branch_embeds)
         chunk_shape = request.chunk_shape
         self._recent = torch.zeros((*chunk_shape[:2], 0, *chunk_shape[3:]), device=device, dtype=dtype)
-        reencodes = request.context_policy == "recompute" and request.recompute_first_frame == "reencode"
-        self._decoder = pipe.make_decoder() if request.output_type != "latent" or reencodes else None
-        if request.overlap_decode and self._decoder is not None and request.output_type != "latent":
+        self._decoder = pipe.make_decoder() if request.output_type != "latent" or request.reencodes else None
+        overlaps = request.overlap_decode and not request.reencodes  # a re-encode needs chunk k's pixels first
+        if overlaps and self._decoder is not None and request.output_type != "latent":
             # chunk k decodes on a side stream while chunk k + 1 denoises (CUDA; decodes in place elsewhere)
             self._decoder = OverlappedDecoder(self._decoder, device)
             self._overlapped = decode_ahead(self._latent_chunks(), self._decoder)
@@ -312,7 +312,7 @@ class ChunkStream(Iterator[Any]):
         if self._next_chunk == 0:
             return
         first = self._first_frame
-        if self._request.recompute_first_frame == "reencode" and self._next_chunk > 1:
+        if self._request.reencodes and self._next_chunk > 1:
             # Krea's default: the oldest decoded pixel frame of the last chunk's span, encoded alone (a fresh encoder)
             first = self._pipe.make_encoder().encode(self._first_pixels[:, :, :1]).to(first.dtype)
         context = torch.cat([first, self._recent], dim=2)[:, :, : self._context_frames()]
@@ -390,7 +390,7 @@ class ChunkStream(Iterator[Any]):
             self._frames_emitted += clean.shape[2]
             return clean
         video = self._decoder.decode(clean)  # (batch, 3, frames, H, W) in [-1, 1]
-        if self._request.recompute_first_frame == "reencode":  # the pixel span of the latest chunk's first frames
+        if self._request.reencodes:  # the pixel span of the latest chunk's first frames
             span = self._pipe.latent_to_frames(self._request.geometry.chunk_frames)
             held = video if self._first_pixels is None else torch.cat([self._first_pixels, video], dim=2)
             self._first_pixels = held[:, :, -span:]
