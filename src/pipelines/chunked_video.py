@@ -465,7 +465,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         if prompt_embeds is not None:
             check_embeds("prompt_embeds", prompt_embeds)
             schedule_prompt = ["<prompt_embeds>"] * prompt_embeds.shape[0]
-        last_chunk_start = self.latent_to_pixel_start(geometry.num_latent_frames - geometry.chunk_frames)
+        last_chunk_start = self.latent_to_pixel_start(geometry.last_chunk_start)
         return PromptSchedule.build(schedule_prompt, prompt_schedule, geometry.num_frames, last_chunk_start)
 
     def _check_schedule_text(self, schedule, negatives, max_sequence_length, first_is_embeds, from_schedule) -> None:

@@ -109,6 +109,11 @@ class VideoGeometry:
         """First latent frame of chunk `index`."""
         return 0 if index == 0 else self.first_chunk + (index - 1) * self.chunk_frames
 
+    @property
+    def last_chunk_start(self) -> int:
+        """First latent frame of the video's last chunk (a prompt switch after it would never apply)."""
+        return self.chunk_start(self.num_chunks - 1)
+
     def chunk_size(self, index: int) -> int:
         return self.first_chunk if index == 0 else self.chunk_frames
 

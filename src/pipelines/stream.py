@@ -123,8 +123,7 @@ class ChunkStream(Iterator[Any]):
     @property
     def last_chunk_start(self) -> int:
         """The first pixel frame of the video's last chunk (a later switch could never apply)."""
-        geometry = self._request.geometry
-        return self._pipe.latent_to_pixel_start(geometry.chunk_start(geometry.num_chunks - 1))
+        return self._pipe.latent_to_pixel_start(self._request.geometry.last_chunk_start)
 
     @property
     def embeds(self) -> tuple[torch.Tensor, ...]:
