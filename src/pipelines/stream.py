@@ -84,6 +84,7 @@ class ChunkStream(Iterator[Any]):
         self._plain_scheduler = FlowMatchEulerDiscreteScheduler.from_config(
             pipe.scheduler.config, stochastic_sampling=True, use_dynamic_shifting=False, shift=1.0
         )  # for a step plan's own sigmas, which are final (no second shift)
+        self._fed: dict[StepPlan, torch.Tensor] = {}  # per step plan: the fed timesteps, (steps, batch), made once
 
     # ---------------------------------------------------------------------------------------- properties
     @property
@@ -335,7 +336,7 @@ class ChunkStream(Iterator[Any]):
         if given is not None:  # flow matching: x_sigma = sigma * noise + (1 - sigma) * x0 (sigma 1: the noise)
             sigma = scheduler.sigmas[0].to(device)
             noisy = sigma * noisy + (1.0 - sigma) * given.to(device=device, dtype=torch.float32)
-        for timestep, fed_timestep in zip(scheduler.timesteps, fed):
+        for timestep, fed_timestep in zip(scheduler.timesteps, fed.unbind(0)):
             if pipe.interrupt:
                 return None
             velocity = self._velocity(noisy.to(dtype), fed_timestep)
@@ -343,24 +344,31 @@ class ChunkStream(Iterator[Any]):
             noisy = self._after_step(noisy.float(), timestep)
         return noisy.to(dtype)  # the last step re-noises to sigma 0: the clean chunk
 
-    def _schedule(self, plan: StepPlan, device: torch.device) -> tuple[FlowMatchEulerDiscreteScheduler, list[float]]:
-        """This chunk's scheduler and the timesteps the model is fed: diffusers' shift mapping done by the
-        scheduler itself, or the plan's own sigmas taken as given (a copy with shift 1) and its timesteps."""
+    def _schedule(self, plan: StepPlan, device: torch.device) -> tuple[FlowMatchEulerDiscreteScheduler, torch.Tensor]:
+        """This chunk's scheduler and the timesteps the model is fed, `(steps, batch)` float32 on `device`:
+        diffusers' shift mapping done by the scheduler itself, or the plan's own sigmas taken as given (a copy
+        with shift 1) and its timesteps. The fed timesteps are made once per plan and stream (one host read, not
+        one a step), then reused by every chunk."""
         if plan.sigmas is None:
             scheduler = self._scheduler
             scheduler.set_timesteps(sigmas=[s / 1000.0 for s in plan.steps], device=device)
-            return scheduler, [float(t) for t in scheduler.timesteps]
-        scheduler = self._plain_scheduler
-        scheduler.set_timesteps(sigmas=list(plan.sigmas), timesteps=list(plan.timesteps), device=device)
-        return scheduler, list(plan.timesteps)
+        else:
+            scheduler = self._plain_scheduler
+            scheduler.set_timesteps(sigmas=list(plan.sigmas), timesteps=list(plan.timesteps), device=device)
+        fed = self._fed.get(plan)
+        if fed is None:
+            values = scheduler.timesteps.tolist() if plan.timesteps is None else list(plan.timesteps)
+            column = torch.tensor(values, dtype=torch.float32).unsqueeze(1)  # each value as float32, as before
+            fed = column.expand(-1, self._request.batch_size).contiguous().to(device)
+            self._fed[plan] = fed
+        return scheduler, fed
 
-    def _velocity(self, chunk: torch.Tensor, timestep: float) -> torch.Tensor:
-        """The velocity for one chunk at `timestep` (guided when a negative branch exists)."""
+    def _velocity(self, chunk: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """The velocity for one chunk at `timestep` `(batch,)` (guided when a negative branch exists)."""
         request = self._request
-        t = torch.full((chunk.shape[0],), timestep, device=chunk.device, dtype=torch.float32)
-        velocity = self._pipe.transformer_step(chunk, t, self._embeds[0], self._caches[0], request)
+        velocity = self._pipe.transformer_step(chunk, timestep, self._embeds[0], self._caches[0], request)
         if len(self._caches) > 1:
-            unconditional = self._pipe.transformer_step(chunk, t, self._embeds[1], self._caches[1], request)
+            unconditional = self._pipe.transformer_step(chunk, timestep, self._embeds[1], self._caches[1], request)
             velocity = unconditional + request.guidance_scale * (velocity - unconditional)
         return velocity
 
