@@ -341,7 +341,20 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         self._check_schedule_text(schedule, negatives, max_sequence_length, prompt_embeds is not None, prompt is None)
         latent_shape = (*geometry.chunk_shape[:2], geometry.num_latent_frames, *geometry.chunk_shape[3:])
         check_generator(generator, batch_size)
-        conditioning = build_conditioning(
+        checked = dict(
+            step_plan=self._step_plan(settings),
+            latents=check_latents(latents, latent_shape),
+            callback_tensor_inputs=check_callback(
+                callback_on_step_end, callback_on_step_end_tensor_inputs, tuple(self._callback_tensor_inputs)
+            ),
+            context_noise=check_context_noise(settings["context_noise"]),
+            context_policy=check_context_policy(settings["context_policy"], layout),
+            recompute_first_frame=check_first_frame(settings["recompute_first_frame"]),
+            recache_mode=check_recache(settings["recache"], self.recache_modes),
+            overlap_decode=check_flag("overlap_decode", overlap_decode),
+            prompt_blend_chunks=check_blend_chunks(settings["prompt_blend_chunks"]),
+        )
+        conditioning = build_conditioning(  # last: an input file's reader opens here, after every other check
             image,
             video,
             strength,
@@ -355,27 +368,17 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             layout=layout,
             options=options,
             schedule=schedule,
-            step_plan=self._step_plan(settings),
             guidance_scale=guidance_scale,
             negative_prompt=negatives,
             max_sequence_length=max_sequence_length,
             output_type=output_type,
             prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds,
-            latents=check_latents(latents, latent_shape),
             generator=generator,
             callback_on_step_end=callback_on_step_end,
-            callback_tensor_inputs=check_callback(
-                callback_on_step_end, callback_on_step_end_tensor_inputs, tuple(self._callback_tensor_inputs)
-            ),
             conditioning=conditioning,
-            context_noise=check_context_noise(settings["context_noise"]),
-            context_policy=check_context_policy(settings["context_policy"], layout),
-            recompute_first_frame=check_first_frame(settings["recompute_first_frame"]),
-            recache_mode=check_recache(settings["recache"], self.recache_modes),
-            overlap_decode=check_flag("overlap_decode", overlap_decode),
-            prompt_blend_chunks=check_blend_chunks(settings["prompt_blend_chunks"]),
             recipe=settings["recipe"],
+            **checked,
         )
         return ChunkStream(self, request)
 

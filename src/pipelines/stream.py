@@ -408,12 +408,14 @@ class ChunkStream(Iterator[Any]):
         return self._pipe.postprocess(video, self._request.output_type)
 
     def close(self) -> None:
-        """End the stream: close its progress bar and release offload hooks; iteration then stops."""
+        """End the stream: close its input video (stopping ffmpeg for a file, even if the stream never started), its
+        progress bar, and release offload hooks; iteration then stops."""
         if self._closed:
             return
         self._closed = True
-        if self._inputs is not None:
-            self._inputs.close()
+        conditioning = self._request.conditioning
+        if conditioning is not None and conditioning.video is not None:
+            conditioning.video.close()
         if isinstance(self._decoder, OverlappedDecoder):
             self._decoder.drain()
         if self._progress is not None:
