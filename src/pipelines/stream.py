@@ -196,20 +196,26 @@ class ChunkStream(Iterator[Any]):
 
     # ---------------------------------------------------------------------------------------- start
     def _start(self) -> None:
-        """Encode the prompts, make the caches and the decoder (once, before the first chunk or a load)."""
+        """Encode the prompts, make the caches and the decoder, and condition the caches (once, before the first
+        chunk)."""
         if self._started:
             return
         pipe, request = self._pipe, self._request
-        device, dtype = pipe.execution_device, pipe.transformer.dtype
         embeds = [pipe.branch_embeds(request, 0)]
         if request.uses_guidance:
             negative = request.negative_prompt_embeds
             if negative is None:
                 negative = pipe.encode_prompt(list(request.negative_prompt), request.max_sequence_length)
-            embeds.append(negative.to(device=device, dtype=dtype))
-        caches = [pipe.make_stream_cache(request, dtype, device) for _ in embeds]
-        for cache, branch_embeds in zip(caches, embeds):
-            pipe.set_conditioning(cache, branch_embeds)
+            embeds.append(negative.to(device=pipe.execution_device, dtype=pipe.transformer.dtype))
+        self._allocate()
+        self._condition(embeds)
+
+    def _allocate(self) -> None:
+        """Make the caches (one per guidance branch), the decoder and the input's encoder: no text encoded, no
+        conditioning (a loaded state brings its own embeddings)."""
+        pipe, request = self._pipe, self._request
+        device, dtype = pipe.execution_device, pipe.transformer.dtype
+        self._caches = [pipe.make_stream_cache(request, dtype, device) for _ in range(1 + request.uses_guidance)]
         chunk_shape = request.chunk_shape
         self._recent = torch.zeros((*chunk_shape[:2], 0, *chunk_shape[3:]), device=device, dtype=dtype)
         self._decoder = pipe.make_decoder() if request.output_type != "latent" or request.reencodes else None
@@ -220,9 +226,14 @@ class ChunkStream(Iterator[Any]):
             self._overlapped = decode_ahead(self._latent_chunks(), self._decoder)
         if request.conditioning is not None:
             self._inputs = ConditioningInput(request.conditioning, pipe.make_encoder())
-        self._caches, self._embeds = caches, embeds
         pipe.interrupt = False
         self._started = True
+
+    def _condition(self, embeds: list[torch.Tensor]) -> None:
+        """Use `embeds` (one per branch, conditional first) and fill each cache's text K/V from them."""
+        self._embeds = embeds
+        for cache, branch_embeds in zip(self._caches, embeds):
+            self._pipe.set_conditioning(cache, branch_embeds)
 
     # ---------------------------------------------------------------------------------------- iteration
     def __iter__(self) -> ChunkStream:
@@ -470,18 +481,17 @@ class ChunkStream(Iterator[Any]):
                 f"This state is not a ChunkStream state of version {STREAM_STATE_VERSION} (saved by another "
                 "rolldiff version); start the video over."
             )
-        self._start()
+        if not self._started:
+            self._allocate()  # the saved embeddings condition the caches below: no prompt is encoded
         device, dtype = self._pipe.execution_device, self._pipe.transformer.dtype
         for branch, cache in enumerate(self._caches):
             prefix = f"cache.{branch}."
             cache.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
         if self._decoder is not None:
             self._decoder.load_state_dict({k[8:]: v for k, v in state.items() if k.startswith("decoder.")})
-        self._embeds = [
-            state[f"embeds.{branch}"].to(device=device, dtype=dtype) for branch in range(len(self._caches))
-        ]
-        for cache, embeds in zip(self._caches, self._embeds):
-            self._pipe.set_conditioning(cache, embeds)
+        self._condition(
+            [state[f"embeds.{branch}"].to(device=device, dtype=dtype) for branch in range(len(self._caches))]
+        )
         pending = state.get("pending_embeds")
         self._pending = None if pending is None else pending.to(device=device, dtype=dtype)
         self._recent = state["recent"].to(device=device, dtype=dtype)
