@@ -452,8 +452,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         if rule == "whole" and latent_frames % chunk == 0 and not (num_frames - 1) % temporal:
             return chunk
         offset = 1 if rule == "frame" else 0
-        chunks = max(1, (latent_frames - offset) // chunk)
-        below, above = (self.latent_to_frames(offset + n * chunk) for n in (chunks, chunks + 1))
+        below, above = self.valid_num_frames(num_frames, chunk, first_frame_alone=rule == "frame")
         raise ValueError(
             f"`num_frames`={num_frames} cannot be made of {'one frame and then ' if offset else ''}whole chunks of "
             f"{chunk} latent frames (VAE temporal factor {temporal}); nearest valid values: {below} or {above}"

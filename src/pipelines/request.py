@@ -210,7 +210,7 @@ def check_context_policy(policy: Any, layout: ChunkLayout) -> str:
     """The policy; "recompute" writes its whole context (sink + window - chunk frames) in one pass, as one chunk."""
     if policy not in CONTEXT_POLICIES:
         raise ValueError(f"`context_policy` must be one of {CONTEXT_POLICIES}, got {policy!r}.")
-    context = layout.context_frames - layout.chunk_frames
+    context = layout.full_window_frames
     if policy == "recompute" and context > layout.chunk_frames:
         raise ValueError(
             f"`context_policy='recompute'` rebuilds {context} context frames (sink + window - chunk) in one pass, "

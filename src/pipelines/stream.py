@@ -313,8 +313,7 @@ class ChunkStream(Iterator[Any]):
 
     def _context_frames(self) -> int:
         """Latent frames a rebuilt context holds (the recompute policy): the window less the chunk."""
-        layout = self._request.layout
-        return layout.sink_frames + layout.window_frames - layout.chunk_frames
+        return self._request.layout.full_window_frames
 
     def _rebuild_context(self) -> None:
         """The recompute policy (Krea Realtime's `GenerationSession`): every branch's cache emptied, then refilled
