@@ -31,6 +31,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from .conditioning import ConditioningInput, strength_steps
 from .overlap import OverlappedDecoder, decode_ahead
+from .prompt_schedule import as_prompt_list
 from .request import VideoRequest, check_embeds
 from .steps import StepPlan
 
@@ -153,12 +154,10 @@ class ChunkStream(Iterator[Any]):
         if prompt_embeds is not None:
             embeds = check_embeds("prompt_embeds", prompt_embeds, batch_size)
         else:
-            prompts = [prompt] * batch_size if isinstance(prompt, str) else prompt
-            if (
-                not isinstance(prompts, list)
-                or len(prompts) != batch_size
-                or not all(isinstance(p, str) and p.strip() for p in prompts)
-            ):
+            prompts = as_prompt_list("prompt", prompt)
+            if isinstance(prompt, str):
+                prompts = prompts * batch_size
+            elif len(prompts) != batch_size:
                 raise ValueError(
                     f"`prompt` must be a non-empty str or a list of {batch_size} non-empty str, got {prompt!r}."
                 )
