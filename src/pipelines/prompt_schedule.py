@@ -105,11 +105,6 @@ class PromptSchedule:
             raise ValueError(f"Every prompt in `prompt`/`prompt_schedule` must have the same batch size, got {sizes}.")
         return cls(tuple((frame, tuple(p)) for frame, p in entries))
 
-    @property
-    def may_switch(self) -> bool:
-        """Whether a switch can come: the chunk loop then keeps the recent frames a re-cache re-runs."""
-        return len(self.entries) > 1
-
     def active_index(self, frame: int) -> int:
         """Index of the entry active at pixel frame `frame`."""
         return max(i for i, (start, _) in enumerate(self.entries) if start <= frame)

@@ -87,7 +87,7 @@ class VideoGeometry:
     width: int
     num_latent_frames: int
     chunk_shape: tuple[int, int, int, int, int]  # (batch, channels, chunk_frames, latent height, latent width)
-    first_chunk_frames: int = 0  # 0: the same as every chunk
+    first_chunk_frames: int  # `chunk_frames` unless the first chunk's rule says otherwise
 
     @property
     def batch_size(self) -> int:
@@ -99,7 +99,7 @@ class VideoGeometry:
 
     @property
     def first_chunk(self) -> int:
-        return self.first_chunk_frames or self.chunk_frames
+        return self.first_chunk_frames
 
     @property
     def num_chunks(self) -> int:
@@ -220,9 +220,6 @@ def check_context_policy(policy: Any, layout: ChunkLayout) -> str:
     return policy
 
 
-RECACHE_MODES = ("causal", "longlive", "longsana")
-
-
 def check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"`{name}` must be True or False, got {value!r}.")
@@ -232,7 +229,8 @@ def check_flag(name: str, value: Any) -> bool:
 FIRST_FRAME_RULES = ("keep", "reencode")
 
 
-def check_recache(mode: Any, allowed: tuple[str, ...] = RECACHE_MODES) -> str:
+def check_recache(mode: Any, allowed: tuple[str, ...]) -> str:
+    """`mode` must be one of the re-cache modes the pipeline's family offers (`allowed`)."""
     if mode not in allowed:
         raise ValueError(f"`recache` must be one of {allowed} for this pipeline, got {mode!r}.")
     return mode
