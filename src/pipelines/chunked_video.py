@@ -53,7 +53,6 @@ from .request import (
     check_output_type,
     check_recache,
     check_size,
-    is_number,
 )
 from .steps import StepPlan, plan_steps
 from .stream import ChunkStream
@@ -396,12 +395,10 @@ class ChunkedVideoPipeline(DiffusionPipeline):
     def _step_plan(self, settings: dict[str, Any]) -> StepPlan:
         steps = settings["denoising_steps"]
         shift = settings["timestep_shift"]
-        if shift is not None and not (is_number(shift) and shift > 0):
-            raise ValueError(f"`timestep_shift` must be a positive number, got {shift!r}.")
         return plan_steps(
             self.config.denoising_steps if steps is None else steps,
             settings["sigma_mapping"],
-            float(self.scheduler.config.shift if shift is None else shift),
+            self.scheduler.config.shift if shift is None else shift,
             settings["integer_timesteps"],
             settings["sigmas"],
             scheduler_shift=float(self.scheduler.config.shift),
