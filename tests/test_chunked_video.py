@@ -217,6 +217,18 @@ def test_the_recompute_policy_keeps_the_text_keys_and_values_across_rebuilds(pip
         pipe.stream(PROMPT, num_frames=8, context_policy="recompute", **SIZE)  # sink 2 + window 4 - chunk 2
 
 
+def test_overlap_decode_with_a_reencoded_first_frame_decodes_serially_with_the_same_frames(pipe):
+    """Chunk k + 1's rebuilt context is re-encoded from chunk k's pixels: `overlap_decode` cannot run ahead there,
+    so the stream decodes serially and its frames are those without overlap."""
+    reencode = dict(context_policy="recompute", recompute_first_frame="reencode", sink_frames=0, window_frames=4)
+    serial = pipe(PROMPT, num_frames=pipe.latent_to_frames(8), generator=_seed(), **reencode, **SIZE).frames
+    overlapped = pipe(
+        PROMPT, num_frames=pipe.latent_to_frames(8), generator=_seed(), overlap_decode=True, **reencode, **SIZE
+    ).frames
+    assert overlapped.shape == serial.shape
+    assert (overlapped == serial).all()
+
+
 @pytest.mark.parametrize(("name", "value"), [("prompt_blend_chunks", 0), ("integer_timesteps", 1)])
 def test_a_falsy_loop_option_is_checked_not_replaced_by_its_default(pipe, name, value):
     with pytest.raises(ValueError, match=f"`{name}`"):

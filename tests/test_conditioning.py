@@ -10,7 +10,8 @@ import torch
 from family_cases import FAMILIES
 
 from rolldiff.defaults import load_pipeline
-from rolldiff.pipelines.resume import RunState, load_state, save_state
+from rolldiff.pipelines import conditioning as conditioning_module
+from rolldiff.pipelines.resume import RunState, load_state, save_state, write_video
 from rolldiff.recipes import get_recipe
 from rolldiff.toyworld import render_video
 
@@ -169,6 +170,34 @@ def test_bad_conditioning_is_refused_before_any_work(pipe, kwargs, message, monk
     monkeypatch.setattr(pipe, "transformer_step", lambda *a, **k: pytest.fail("work was done"))
     with pytest.raises((ValueError, TypeError, FileNotFoundError), match=message):
         pipe.stream(PROMPT, _frames(pipe), generator=_seed(), **kwargs)
+
+
+def test_an_input_video_is_opened_only_after_every_other_check(pipe, monkeypatch):
+    """A call refused for another argument opens no input reader (for a file: no ffmpeg left running)."""
+    opened = []
+    original = conditioning_module.VideoInput
+    monkeypatch.setattr(conditioning_module, "VideoInput", lambda *a, **k: opened.append(original(*a, **k)))
+    with pytest.raises(ValueError, match="`context_noise`"):
+        pipe.stream(PROMPT, _frames(pipe), video=_input_video(pipe, _frames(pipe)), context_noise=-1)
+    assert opened == []
+
+
+def test_write_video_closes_a_stream_it_refuses(pipe, tmp_path):
+    """A refused `write_video` argument still closes the stream's input (an iterator's `finally` runs)."""
+    released = []
+
+    def frames():
+        try:
+            yield from _input_video(pipe, _frames(pipe))
+        finally:
+            released.append(True)
+
+    source = frames()
+    next(source)  # started: closing it runs its `finally`
+    stream = pipe.stream(PROMPT, _frames(pipe), video=source, generator=_seed())
+    with pytest.raises(ValueError, match="quality"):
+        write_video(stream, tmp_path / "video.mp4", quality=99)
+    assert released == [True]
 
 
 def test_a_frame_that_changes_size_mid_stream_stops_with_a_clear_error(pipe):

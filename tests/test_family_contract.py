@@ -151,6 +151,22 @@ def test_a_stream_round_trips_through_its_state_dict_and_a_resume_file(pipe, tmp
 
 
 @torch.no_grad()
+def test_loading_a_state_runs_no_text_encoder(pipe, monkeypatch):
+    """The saved embeddings condition a resumed stream's caches: loading encodes no prompt."""
+    arguments = dict(num_frames=_frames(pipe), guidance_scale=2.0, negative_prompt="moving up")
+    stream = pipe.stream(PROMPT, generator=_seed(), **arguments)
+    next(stream)
+    state = stream.state_dict()
+    resumed = pipe.stream(PROMPT, generator=_seed(), **arguments)
+    monkeypatch.setattr(pipe, "encode_prompt", lambda *a, **k: pytest.fail("a prompt was encoded on load"))
+    resumed.load_state_dict(state)
+    for made, loaded in zip(stream.embeds, resumed.embeds):
+        torch.testing.assert_close(loaded, made, atol=0, rtol=0)
+    monkeypatch.undo()
+    np.testing.assert_array_equal(next(resumed), next(stream))
+
+
+@torch.no_grad()
 def test_switch_prompt_lands_at_the_next_chunk_boundary_like_the_schedule(pipe):
     switch_frame = pipe.latent_to_pixel_start(2 * pipe.config.chunk_frames)  # chunk 2 starts here
     scheduled = _run(pipe, prompt=None, prompt_schedule=[(0, PROMPT), (switch_frame, OTHER)])

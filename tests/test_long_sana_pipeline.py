@@ -75,6 +75,15 @@ def test_prompt_switch_keeps_earlier_frames_and_changes_later_ones(pipe):
     assert (switched[:, :, 4:] - plain[:, :, 4:]).abs().max() > 1e-3
 
 
+def test_a_switch_after_the_only_chunk_of_a_remainder_first_chunk_is_refused(pipe):
+    """3 latent frames in chunks of 2 under `first_chunk="remainder"`: one chunk of 3 frames, starting at frame 0, so
+    a switch at frame 1 would never apply (the schedule and the stream agree where the last chunk starts)."""
+    stream = pipe.stream(PROMPT, num_frames=3, first_chunk="remainder", output_type="latent")
+    assert stream.num_chunks == 1 and stream.last_chunk_start == 0
+    with pytest.raises(ValueError, match="comes after the last chunk starts \\(frame 0\\)"):
+        pipe.stream(prompt_schedule=[(0, PROMPT), (1, OTHER)], num_frames=3, first_chunk="remainder")
+
+
 @pytest.mark.parametrize("window_frames", [None, 4])
 def test_recache_replaces_the_last_chunks_contribution(window_frames, monkeypatch):
     """After a switch at chunk 2 the state is chunk 0 under the old prompt + chunk 1 under the new one, once."""

@@ -53,7 +53,6 @@ from .request import (
     check_output_type,
     check_recache,
     check_size,
-    is_number,
 )
 from .steps import StepPlan, plan_steps
 from .stream import ChunkStream
@@ -133,7 +132,8 @@ _ARGUMENTS = """
                 `krea-realtime`: "chunk"), else "chunk".
             overlap_decode: on CUDA, decode chunk k on a side stream while chunk k + 1 denoises (frames still come
                 in order, equal to the serial decode; each arrives once the next chunk's latents exist, the first at
-                once). Decodes in place on other devices.
+                once). Decodes in place on other devices, and serially under `context_policy="recompute"` with
+                `recompute_first_frame="reencode"` (each chunk's context is re-encoded from the last chunk's pixels).
             video: an input video (video-to-video), streamed chunk by chunk: a file path, an `(F, H, W, 3)` array,
                 or any iterator of frames (endless included, e.g. a webcam). The output ends with the input.
             strength: how much of each input chunk is replaced, in (0, 1] (default 0.8, diffusers'); of the N
@@ -340,7 +340,20 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         self._check_schedule_text(schedule, negatives, max_sequence_length, prompt_embeds is not None, prompt is None)
         latent_shape = (*geometry.chunk_shape[:2], geometry.num_latent_frames, *geometry.chunk_shape[3:])
         check_generator(generator, batch_size)
-        conditioning = build_conditioning(
+        checked = dict(
+            step_plan=self._step_plan(settings),
+            latents=check_latents(latents, latent_shape),
+            callback_tensor_inputs=check_callback(
+                callback_on_step_end, callback_on_step_end_tensor_inputs, tuple(self._callback_tensor_inputs)
+            ),
+            context_noise=check_context_noise(settings["context_noise"]),
+            context_policy=check_context_policy(settings["context_policy"], layout),
+            recompute_first_frame=check_first_frame(settings["recompute_first_frame"]),
+            recache_mode=check_recache(settings["recache"], self.recache_modes),
+            overlap_decode=check_flag("overlap_decode", overlap_decode),
+            prompt_blend_chunks=check_blend_chunks(settings["prompt_blend_chunks"]),
+        )
+        conditioning = build_conditioning(  # last: an input file's reader opens here, after every other check
             image,
             video,
             strength,
@@ -354,27 +367,17 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             layout=layout,
             options=options,
             schedule=schedule,
-            step_plan=self._step_plan(settings),
             guidance_scale=guidance_scale,
             negative_prompt=negatives,
             max_sequence_length=max_sequence_length,
             output_type=output_type,
             prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds,
-            latents=check_latents(latents, latent_shape),
             generator=generator,
             callback_on_step_end=callback_on_step_end,
-            callback_tensor_inputs=check_callback(
-                callback_on_step_end, callback_on_step_end_tensor_inputs, tuple(self._callback_tensor_inputs)
-            ),
             conditioning=conditioning,
-            context_noise=check_context_noise(settings["context_noise"]),
-            context_policy=check_context_policy(settings["context_policy"], layout),
-            recompute_first_frame=check_first_frame(settings["recompute_first_frame"]),
-            recache_mode=check_recache(settings["recache"], self.recache_modes),
-            overlap_decode=check_flag("overlap_decode", overlap_decode),
-            prompt_blend_chunks=check_blend_chunks(settings["prompt_blend_chunks"]),
             recipe=settings["recipe"],
+            **checked,
         )
         return ChunkStream(self, request)
 
@@ -392,12 +395,10 @@ class ChunkedVideoPipeline(DiffusionPipeline):
     def _step_plan(self, settings: dict[str, Any]) -> StepPlan:
         steps = settings["denoising_steps"]
         shift = settings["timestep_shift"]
-        if shift is not None and not (is_number(shift) and shift > 0):
-            raise ValueError(f"`timestep_shift` must be a positive number, got {shift!r}.")
         return plan_steps(
             self.config.denoising_steps if steps is None else steps,
             settings["sigma_mapping"],
-            float(self.scheduler.config.shift if shift is None else shift),
+            self.scheduler.config.shift if shift is None else shift,
             settings["integer_timesteps"],
             settings["sigmas"],
             scheduler_shift=float(self.scheduler.config.shift),
@@ -448,8 +449,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         if rule == "whole" and latent_frames % chunk == 0 and not (num_frames - 1) % temporal:
             return chunk
         offset = 1 if rule == "frame" else 0
-        chunks = max(1, (latent_frames - offset) // chunk)
-        below, above = (self.latent_to_frames(offset + n * chunk) for n in (chunks, chunks + 1))
+        below, above = self.valid_num_frames(num_frames, chunk, first_frame_alone=rule == "frame")
         raise ValueError(
             f"`num_frames`={num_frames} cannot be made of {'one frame and then ' if offset else ''}whole chunks of "
             f"{chunk} latent frames (VAE temporal factor {temporal}); nearest valid values: {below} or {above}"
@@ -464,7 +464,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         if prompt_embeds is not None:
             check_embeds("prompt_embeds", prompt_embeds)
             schedule_prompt = ["<prompt_embeds>"] * prompt_embeds.shape[0]
-        last_chunk_start = self.latent_to_pixel_start(geometry.num_latent_frames - geometry.chunk_frames)
+        last_chunk_start = self.latent_to_pixel_start(geometry.last_chunk_start)
         return PromptSchedule.build(schedule_prompt, prompt_schedule, geometry.num_frames, last_chunk_start)
 
     def _check_schedule_text(self, schedule, negatives, max_sequence_length, first_is_embeds, from_schedule) -> None:

@@ -51,9 +51,10 @@ def _describe(video: Any) -> str:
     if isinstance(video, (str, os.PathLike)):
         path = os.fspath(video)
         return f"file:{os.path.abspath(path)}:{os.path.getsize(path) if os.path.isfile(path) else -1}"
-    if isinstance(video, (np.ndarray, torch.Tensor)):
-        array = np.asarray(video.cpu() if isinstance(video, torch.Tensor) else video, dtype=np.float64)
-        return f"array:{tuple(array.shape)}:{float(array.sum())!r}"
+    if isinstance(video, torch.Tensor):  # summed in float64 without a float64 copy of the whole input
+        return f"array:{tuple(video.shape)}:{float(video.sum(dtype=torch.float64))!r}"
+    if isinstance(video, np.ndarray):
+        return f"array:{tuple(video.shape)}:{float(video.sum(dtype=np.float64))!r}"
     return f"iterator:{type(video).__name__}"
 
 

@@ -226,8 +226,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         scratch.commit()
         recached = [tuple(t[:, -count * tokens :] for t in layer.get()) for layer in scratch]
         if start == 0:  # every slot rewritten: the stream's cache holds exactly the re-cached frames
-            cache.reset()
-            self.set_conditioning(cache, embeds)
+            cache.reset_context()  # the text K/V stay: the switch already set them for `embeds`
             _write_key_values(cache, recached, layout.chunk_tokens)
             return
         window = layout.rewindable_frames(frame) * tokens  # the frames the next chunk sees after the sink

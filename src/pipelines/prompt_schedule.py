@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-def _as_prompt_list(name: str, prompt) -> list[str]:
+def as_prompt_list(name: str, prompt) -> list[str]:
+    """`prompt` (one string, or one per batch element) as a list; raises naming `name` if it is not one."""
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
         raise ValueError(
@@ -61,7 +62,7 @@ def _schedule_entries(
         frame = _check_frame(pair[0], num_frames, last_chunk_start, previous)
         if frame == 0 and has_prompt:
             raise ValueError("Give either `prompt` or a `prompt_schedule` entry at frame 0, not both.")
-        entries.append((frame, _as_prompt_list("prompt_schedule", pair[1])))
+        entries.append((frame, as_prompt_list("prompt_schedule", pair[1])))
         previous = frame
     return entries
 
@@ -90,7 +91,7 @@ class PromptSchedule:
         """
         entries: list[tuple[int, list[str]]] = []
         if prompt is not None:
-            entries.append((0, _as_prompt_list("prompt", prompt)))
+            entries.append((0, as_prompt_list("prompt", prompt)))
         if schedule is not None:
             entries += _schedule_entries(schedule, num_frames, last_chunk_start, has_prompt=prompt is not None)
         if not entries:
@@ -103,11 +104,6 @@ class PromptSchedule:
         if len(sizes) > 1:
             raise ValueError(f"Every prompt in `prompt`/`prompt_schedule` must have the same batch size, got {sizes}.")
         return cls(tuple((frame, tuple(p)) for frame, p in entries))
-
-    @property
-    def may_switch(self) -> bool:
-        """Whether a switch can come: the chunk loop then keeps the recent frames a re-cache re-runs."""
-        return len(self.entries) > 1
 
     def active_index(self, frame: int) -> int:
         """Index of the entry active at pixel frame `frame`."""

@@ -87,7 +87,7 @@ class VideoGeometry:
     width: int
     num_latent_frames: int
     chunk_shape: tuple[int, int, int, int, int]  # (batch, channels, chunk_frames, latent height, latent width)
-    first_chunk_frames: int = 0  # 0: the same as every chunk
+    first_chunk_frames: int  # `chunk_frames` unless the first chunk's rule says otherwise
 
     @property
     def batch_size(self) -> int:
@@ -99,7 +99,7 @@ class VideoGeometry:
 
     @property
     def first_chunk(self) -> int:
-        return self.first_chunk_frames or self.chunk_frames
+        return self.first_chunk_frames
 
     @property
     def num_chunks(self) -> int:
@@ -108,6 +108,11 @@ class VideoGeometry:
     def chunk_start(self, index: int) -> int:
         """First latent frame of chunk `index`."""
         return 0 if index == 0 else self.first_chunk + (index - 1) * self.chunk_frames
+
+    @property
+    def last_chunk_start(self) -> int:
+        """First latent frame of the video's last chunk (a prompt switch after it would never apply)."""
+        return self.chunk_start(self.num_chunks - 1)
 
     def chunk_size(self, index: int) -> int:
         return self.first_chunk if index == 0 else self.chunk_frames
@@ -170,6 +175,13 @@ class VideoRequest:
     def uses_guidance(self) -> bool:
         return self.guidance_scale > 1.0
 
+    @property
+    def reencodes(self) -> bool:
+        """Whether each rebuilt context's first frame is re-encoded from the last chunk's decoded pixels (the
+        recompute policy with `recompute_first_frame="reencode"`): chunk k + 1 then needs chunk k's pixels, so the
+        stream decodes serially (no `overlap_decode`) and keeps those pixels."""
+        return self.context_policy == "recompute" and self.recompute_first_frame == "reencode"
+
 
 # ---------------------------------------------------------------------------------------- argument groups
 def check_output_type(output_type: Any) -> str:
@@ -198,7 +210,7 @@ def check_context_policy(policy: Any, layout: ChunkLayout) -> str:
     """The policy; "recompute" writes its whole context (sink + window - chunk frames) in one pass, as one chunk."""
     if policy not in CONTEXT_POLICIES:
         raise ValueError(f"`context_policy` must be one of {CONTEXT_POLICIES}, got {policy!r}.")
-    context = layout.context_frames - layout.chunk_frames
+    context = layout.full_window_frames
     if policy == "recompute" and context > layout.chunk_frames:
         raise ValueError(
             f"`context_policy='recompute'` rebuilds {context} context frames (sink + window - chunk) in one pass, "
@@ -206,9 +218,6 @@ def check_context_policy(policy: Any, layout: ChunkLayout) -> str:
             "window 6, chunk 3)."
         )
     return policy
-
-
-RECACHE_MODES = ("causal", "longlive", "longsana")
 
 
 def check_flag(name: str, value: Any) -> bool:
@@ -220,7 +229,8 @@ def check_flag(name: str, value: Any) -> bool:
 FIRST_FRAME_RULES = ("keep", "reencode")
 
 
-def check_recache(mode: Any, allowed: tuple[str, ...] = RECACHE_MODES) -> str:
+def check_recache(mode: Any, allowed: tuple[str, ...]) -> str:
+    """`mode` must be one of the re-cache modes the pipeline's family offers (`allowed`)."""
     if mode not in allowed:
         raise ValueError(f"`recache` must be one of {allowed} for this pipeline, got {mode!r}.")
     return mode

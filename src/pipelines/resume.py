@@ -181,6 +181,13 @@ def write_video(
     uninterrupted run; the continuation starts a new key frame, so with lossy `quality` (< 10) its frames match the
     uninterrupted run's to the encoder's precision, and exactly at `quality=10` (lossless).
     """
+    try:
+        return _write(stream, path, fps, resume, state_every_s, quality)
+    finally:
+        stream.close()  # a refused argument or state, or a failed write, leaves no input reader or hook behind
+
+
+def _write(stream: ChunkStream, path, fps: float, resume: bool, state_every_s: float, quality: float) -> int:
     path = check_output_path(path)
     quality = check_quality(quality)
     state_every_s = _check_state_every(state_every_s)
@@ -198,7 +205,7 @@ def write_video(
         warnings.warn(
             f"`resume`: {str(partial)!r} has no saved state beside it ({state_path.name}); starting from the first "
             "chunk (the partial is replaced when this run ends).",
-            stacklevel=3,
+            stacklevel=4,  # the caller of `generate_to_file`
         )
     writer = StreamingVideoWriter(
         path,

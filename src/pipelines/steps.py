@@ -75,7 +75,7 @@ def check_steps(steps: Sequence, allow_zero: bool) -> tuple[float, ...]:
 def plan_steps(
     steps: Sequence,
     sigma_mapping: str,
-    shift: float,
+    shift: float,  # `timestep_shift` (the scheduler's own unless the call or recipe sets one)
     integer_timesteps: bool = False,
     sigmas: Sequence[float] | None = None,
     scheduler_shift: float | None = None,
@@ -86,6 +86,9 @@ def plan_steps(
         raise ValueError(f"`sigma_mapping` must be one of {SIGMA_MAPPINGS}, got {sigma_mapping!r}.")
     if not isinstance(integer_timesteps, bool):
         raise ValueError(f"`integer_timesteps` must be True or False, got {integer_timesteps!r}.")
+    if not (is_number(shift) and shift > 0):
+        raise ValueError(f"`timestep_shift` must be a positive number, got {shift!r}.")
+    shift = float(shift)
     explicit = sigmas is not None
     steps = check_steps(steps, allow_zero=True)
     plain = sigma_mapping == "shift" and not explicit and not integer_timesteps and steps[-1] > 0

@@ -31,6 +31,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from .conditioning import ConditioningInput, strength_steps
 from .overlap import OverlappedDecoder, decode_ahead
+from .prompt_schedule import as_prompt_list
 from .request import VideoRequest, check_embeds
 from .steps import StepPlan
 
@@ -84,6 +85,7 @@ class ChunkStream(Iterator[Any]):
         self._plain_scheduler = FlowMatchEulerDiscreteScheduler.from_config(
             pipe.scheduler.config, stochastic_sampling=True, use_dynamic_shifting=False, shift=1.0
         )  # for a step plan's own sigmas, which are final (no second shift)
+        self._fed: dict[StepPlan, torch.Tensor] = {}  # per step plan: the fed timesteps, (steps, batch), made once
 
     # ---------------------------------------------------------------------------------------- properties
     @property
@@ -123,8 +125,7 @@ class ChunkStream(Iterator[Any]):
     @property
     def last_chunk_start(self) -> int:
         """The first pixel frame of the video's last chunk (a later switch could never apply)."""
-        geometry = self._request.geometry
-        return self._pipe.latent_to_pixel_start(geometry.chunk_start(geometry.num_chunks - 1))
+        return self._pipe.latent_to_pixel_start(self._request.geometry.last_chunk_start)
 
     @property
     def embeds(self) -> tuple[torch.Tensor, ...]:
@@ -153,12 +154,10 @@ class ChunkStream(Iterator[Any]):
         if prompt_embeds is not None:
             embeds = check_embeds("prompt_embeds", prompt_embeds, batch_size)
         else:
-            prompts = [prompt] * batch_size if isinstance(prompt, str) else prompt
-            if (
-                not isinstance(prompts, list)
-                or len(prompts) != batch_size
-                or not all(isinstance(p, str) and p.strip() for p in prompts)
-            ):
+            prompts = as_prompt_list("prompt", prompt)
+            if isinstance(prompt, str):
+                prompts = prompts * batch_size
+            elif len(prompts) != batch_size:
                 raise ValueError(
                     f"`prompt` must be a non-empty str or a list of {batch_size} non-empty str, got {prompt!r}."
                 )
@@ -196,33 +195,44 @@ class ChunkStream(Iterator[Any]):
 
     # ---------------------------------------------------------------------------------------- start
     def _start(self) -> None:
-        """Encode the prompts, make the caches and the decoder (once, before the first chunk or a load)."""
+        """Encode the prompts, make the caches and the decoder, and condition the caches (once, before the first
+        chunk)."""
         if self._started:
             return
         pipe, request = self._pipe, self._request
-        device, dtype = pipe.execution_device, pipe.transformer.dtype
         embeds = [pipe.branch_embeds(request, 0)]
         if request.uses_guidance:
             negative = request.negative_prompt_embeds
             if negative is None:
                 negative = pipe.encode_prompt(list(request.negative_prompt), request.max_sequence_length)
-            embeds.append(negative.to(device=device, dtype=dtype))
-        caches = [pipe.make_stream_cache(request, dtype, device) for _ in embeds]
-        for cache, branch_embeds in zip(caches, embeds):
-            pipe.set_conditioning(cache, branch_embeds)
+            embeds.append(negative.to(device=pipe.execution_device, dtype=pipe.transformer.dtype))
+        self._allocate()
+        self._condition(embeds)
+
+    def _allocate(self) -> None:
+        """Make the caches (one per guidance branch), the decoder and the input's encoder: no text encoded, no
+        conditioning (a loaded state brings its own embeddings)."""
+        pipe, request = self._pipe, self._request
+        device, dtype = pipe.execution_device, pipe.transformer.dtype
+        self._caches = [pipe.make_stream_cache(request, dtype, device) for _ in range(1 + request.uses_guidance)]
         chunk_shape = request.chunk_shape
         self._recent = torch.zeros((*chunk_shape[:2], 0, *chunk_shape[3:]), device=device, dtype=dtype)
-        reencodes = request.context_policy == "recompute" and request.recompute_first_frame == "reencode"
-        self._decoder = pipe.make_decoder() if request.output_type != "latent" or reencodes else None
-        if request.overlap_decode and self._decoder is not None and request.output_type != "latent":
+        self._decoder = pipe.make_decoder() if request.output_type != "latent" or request.reencodes else None
+        overlaps = request.overlap_decode and not request.reencodes  # a re-encode needs chunk k's pixels first
+        if overlaps and self._decoder is not None and request.output_type != "latent":
             # chunk k decodes on a side stream while chunk k + 1 denoises (CUDA; decodes in place elsewhere)
             self._decoder = OverlappedDecoder(self._decoder, device)
             self._overlapped = decode_ahead(self._latent_chunks(), self._decoder)
         if request.conditioning is not None:
             self._inputs = ConditioningInput(request.conditioning, pipe.make_encoder())
-        self._caches, self._embeds = caches, embeds
         pipe.interrupt = False
         self._started = True
+
+    def _condition(self, embeds: list[torch.Tensor]) -> None:
+        """Use `embeds` (one per branch, conditional first) and fill each cache's text K/V from them."""
+        self._embeds = embeds
+        for cache, branch_embeds in zip(self._caches, embeds):
+            self._pipe.set_conditioning(cache, branch_embeds)
 
     # ---------------------------------------------------------------------------------------- iteration
     def __iter__(self) -> ChunkStream:
@@ -302,8 +312,7 @@ class ChunkStream(Iterator[Any]):
 
     def _context_frames(self) -> int:
         """Latent frames a rebuilt context holds (the recompute policy): the window less the chunk."""
-        layout = self._request.layout
-        return layout.sink_frames + layout.window_frames - layout.chunk_frames
+        return self._request.layout.full_window_frames
 
     def _rebuild_context(self) -> None:
         """The recompute policy (Krea Realtime's `GenerationSession`): every branch's cache emptied, then refilled
@@ -312,7 +321,7 @@ class ChunkStream(Iterator[Any]):
         if self._next_chunk == 0:
             return
         first = self._first_frame
-        if self._request.recompute_first_frame == "reencode" and self._next_chunk > 1:
+        if self._request.reencodes and self._next_chunk > 1:
             # Krea's default: the oldest decoded pixel frame of the last chunk's span, encoded alone (a fresh encoder)
             first = self._pipe.make_encoder().encode(self._first_pixels[:, :, :1]).to(first.dtype)
         context = torch.cat([first, self._recent], dim=2)[:, :, : self._context_frames()]
@@ -336,7 +345,7 @@ class ChunkStream(Iterator[Any]):
         if given is not None:  # flow matching: x_sigma = sigma * noise + (1 - sigma) * x0 (sigma 1: the noise)
             sigma = scheduler.sigmas[0].to(device)
             noisy = sigma * noisy + (1.0 - sigma) * given.to(device=device, dtype=torch.float32)
-        for timestep, fed_timestep in zip(scheduler.timesteps, fed):
+        for timestep, fed_timestep in zip(scheduler.timesteps, fed.unbind(0)):
             if pipe.interrupt:
                 return None
             velocity = self._velocity(noisy.to(dtype), fed_timestep)
@@ -344,24 +353,31 @@ class ChunkStream(Iterator[Any]):
             noisy = self._after_step(noisy.float(), timestep)
         return noisy.to(dtype)  # the last step re-noises to sigma 0: the clean chunk
 
-    def _schedule(self, plan: StepPlan, device: torch.device) -> tuple[FlowMatchEulerDiscreteScheduler, list[float]]:
-        """This chunk's scheduler and the timesteps the model is fed: diffusers' shift mapping done by the
-        scheduler itself, or the plan's own sigmas taken as given (a copy with shift 1) and its timesteps."""
+    def _schedule(self, plan: StepPlan, device: torch.device) -> tuple[FlowMatchEulerDiscreteScheduler, torch.Tensor]:
+        """This chunk's scheduler and the timesteps the model is fed, `(steps, batch)` float32 on `device`:
+        diffusers' shift mapping done by the scheduler itself, or the plan's own sigmas taken as given (a copy
+        with shift 1) and its timesteps. The fed timesteps are made once per plan and stream (one host read, not
+        one a step), then reused by every chunk."""
         if plan.sigmas is None:
             scheduler = self._scheduler
             scheduler.set_timesteps(sigmas=[s / 1000.0 for s in plan.steps], device=device)
-            return scheduler, [float(t) for t in scheduler.timesteps]
-        scheduler = self._plain_scheduler
-        scheduler.set_timesteps(sigmas=list(plan.sigmas), timesteps=list(plan.timesteps), device=device)
-        return scheduler, list(plan.timesteps)
+        else:
+            scheduler = self._plain_scheduler
+            scheduler.set_timesteps(sigmas=list(plan.sigmas), timesteps=list(plan.timesteps), device=device)
+        fed = self._fed.get(plan)
+        if fed is None:
+            values = scheduler.timesteps.tolist() if plan.timesteps is None else list(plan.timesteps)
+            column = torch.tensor(values, dtype=torch.float32).unsqueeze(1)  # each value as float32, as before
+            fed = column.expand(-1, self._request.batch_size).contiguous().to(device)
+            self._fed[plan] = fed
+        return scheduler, fed
 
-    def _velocity(self, chunk: torch.Tensor, timestep: float) -> torch.Tensor:
-        """The velocity for one chunk at `timestep` (guided when a negative branch exists)."""
+    def _velocity(self, chunk: torch.Tensor, timestep: torch.Tensor) -> torch.Tensor:
+        """The velocity for one chunk at `timestep` `(batch,)` (guided when a negative branch exists)."""
         request = self._request
-        t = torch.full((chunk.shape[0],), timestep, device=chunk.device, dtype=torch.float32)
-        velocity = self._pipe.transformer_step(chunk, t, self._embeds[0], self._caches[0], request)
+        velocity = self._pipe.transformer_step(chunk, timestep, self._embeds[0], self._caches[0], request)
         if len(self._caches) > 1:
-            unconditional = self._pipe.transformer_step(chunk, t, self._embeds[1], self._caches[1], request)
+            unconditional = self._pipe.transformer_step(chunk, timestep, self._embeds[1], self._caches[1], request)
             velocity = unconditional + request.guidance_scale * (velocity - unconditional)
         return velocity
 
@@ -390,7 +406,7 @@ class ChunkStream(Iterator[Any]):
             self._frames_emitted += clean.shape[2]
             return clean
         video = self._decoder.decode(clean)  # (batch, 3, frames, H, W) in [-1, 1]
-        if self._request.recompute_first_frame == "reencode":  # the pixel span of the latest chunk's first frames
+        if self._request.reencodes:  # the pixel span of the latest chunk's first frames
             span = self._pipe.latent_to_frames(self._request.geometry.chunk_frames)
             held = video if self._first_pixels is None else torch.cat([self._first_pixels, video], dim=2)
             self._first_pixels = held[:, :, -span:]
@@ -401,12 +417,14 @@ class ChunkStream(Iterator[Any]):
         return self._pipe.postprocess(video, self._request.output_type)
 
     def close(self) -> None:
-        """End the stream: close its progress bar and release offload hooks; iteration then stops."""
+        """End the stream: close its input video (stopping ffmpeg for a file, even if the stream never started), its
+        progress bar, and release offload hooks; iteration then stops."""
         if self._closed:
             return
         self._closed = True
-        if self._inputs is not None:
-            self._inputs.close()
+        conditioning = self._request.conditioning
+        if conditioning is not None and conditioning.video is not None:
+            conditioning.video.close()
         if isinstance(self._decoder, OverlappedDecoder):
             self._decoder.drain()
         if self._progress is not None:
@@ -461,18 +479,17 @@ class ChunkStream(Iterator[Any]):
                 f"This state is not a ChunkStream state of version {STREAM_STATE_VERSION} (saved by another "
                 "rolldiff version); start the video over."
             )
-        self._start()
+        if not self._started:
+            self._allocate()  # the saved embeddings condition the caches below: no prompt is encoded
         device, dtype = self._pipe.execution_device, self._pipe.transformer.dtype
         for branch, cache in enumerate(self._caches):
             prefix = f"cache.{branch}."
             cache.load_state_dict({k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)})
         if self._decoder is not None:
             self._decoder.load_state_dict({k[8:]: v for k, v in state.items() if k.startswith("decoder.")})
-        self._embeds = [
-            state[f"embeds.{branch}"].to(device=device, dtype=dtype) for branch in range(len(self._caches))
-        ]
-        for cache, embeds in zip(self._caches, self._embeds):
-            self._pipe.set_conditioning(cache, embeds)
+        self._condition(
+            [state[f"embeds.{branch}"].to(device=device, dtype=dtype) for branch in range(len(self._caches))]
+        )
         pending = state.get("pending_embeds")
         self._pending = None if pending is None else pending.to(device=device, dtype=dtype)
         self._recent = state["recent"].to(device=device, dtype=dtype)
