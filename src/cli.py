@@ -30,7 +30,7 @@ from .defaults import (
     load_pipeline,
     native_size,
 )
-from .pipelines.resume import ResumeError, load_state, state_path_for
+from .pipelines.resume import ResumeError, load_state, state_path_for, write_video
 from .pipelines.text_encoding import PromptWarning
 from .pipelines.video_writer import check_output_path, check_quality, count_frames, partial_path_for
 from .recipes import get_recipe, list_recipes
@@ -364,11 +364,12 @@ def run_generate(args: argparse.Namespace) -> int:
         recipe=args.recipe,
         overlap_decode=args.overlap_decode,
     )
+    generator = torch.Generator("cpu").manual_seed(args.seed)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PromptWarning)
             # Checks every argument and names the bad one; nothing runs until the stream is iterated.
-            pipe.stream(args.prompt, num_frames, height, width, **options).close()
+            stream = pipe.stream(args.prompt, num_frames, height, width, generator=generator, **options)
     except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from exc
     _report_warnings(caught)
@@ -376,23 +377,18 @@ def run_generate(args: argparse.Namespace) -> int:
     duration = num_frames / args.fps
     print(f"Generating {num_frames} frames{rounded}: {duration:.2f} s at {args.fps} fps, {height}x{width}, {device}")
 
-    pipe.set_progress_bar_config(disable=False, unit="chunk")
+    pipe.set_progress_bar_config(disable=False, unit="chunk")  # the stream makes its bar at the first chunk
     start = time.perf_counter()
     try:
-        with _sigterm_as_interrupt(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", PromptWarning)  # reported above
-            frames = pipe.generate_to_file(  # a temporary file beside --out until the end; resume states beside it
+        with _sigterm_as_interrupt():
+            # a temporary file beside --out until the end; resume states beside it
+            frames = write_video(
+                stream,
                 args.out,
-                args.prompt,
-                fps=args.fps,
-                num_frames=num_frames,
-                height=height,
-                width=width,
-                generator=torch.Generator("cpu").manual_seed(args.seed),
+                args.fps,
                 resume=args.resume,
                 state_every_s=args.state_every,
                 quality=args.quality,
-                **options,
             )
     except KeyboardInterrupt:
         print(f"rolldiff: interrupted; {_kept(args.out)}", file=sys.stderr)
@@ -402,6 +398,8 @@ def run_generate(args: argparse.Namespace) -> int:
     except (FloatingPointError, MemoryError) as exc:  # NaN latents, or a cache that does not fit: stopped there
         print(f"rolldiff: error: {exc} {_kept(args.out)}", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        stream.close()  # its input video and offload hooks, however the run ended
     elapsed = time.perf_counter() - start
     print(f"Wrote {frames} frames to {args.out.resolve()}")
     print(f"{frames / elapsed:.1f} frames per second ({elapsed:.1f} s for the whole video)")
