@@ -26,14 +26,14 @@ from .defaults import (
     ModelNotFoundError,
     default_device,
     default_dtype,
-    frames_for_seconds,
+    frames_for_call,
     load_pipeline,
     native_size,
 )
 from .pipelines.resume import ResumeError, load_state, state_path_for, write_video
 from .pipelines.text_encoding import PromptWarning
 from .pipelines.video_writer import check_output_path, check_quality, count_frames, partial_path_for
-from .recipes import get_recipe, list_recipes
+from .recipes import list_recipes
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -342,12 +342,18 @@ def run_generate(args: argparse.Namespace) -> int:
     _accelerate(pipe, args, device)
     native_height, native_width = native_size(pipe)
     height, width = args.height or native_height, args.width or native_width
-    recipe = get_recipe(args.recipe).settings if args.recipe else {}
-    chunk_frames = args.chunk_frames or recipe.get("chunk_frames") or pipe.config.chunk_frames
-    image_mode = (args.image_mode or recipe.get("image_mode")) if image is not None else None
-    num_frames = frames_for_seconds(
-        pipe, args.seconds, args.fps, chunk_frames, first_frame_alone=image_mode == "frame"
-    )
+    try:  # chunk length and first chunk as the stream resolves them: the flags, else --recipe's or the folder's
+        num_frames = frames_for_call(
+            pipe,
+            args.seconds,
+            args.fps,
+            recipe=args.recipe,
+            chunk_frames=args.chunk_frames,
+            image_mode=args.image_mode,
+            has_image=image is not None,
+        )
+    except ValueError as exc:  # a recipe for another pipeline
+        raise UsageError(str(exc)) from None
     options = dict(
         prompt_schedule=sorted(args.prompt_at) or None,
         denoising_steps=args.steps,
