@@ -275,29 +275,21 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _accelerate(pipe, args: argparse.Namespace, device: str) -> None:
-    """--fp8, --attention-backend, --cuda-graphs / --compile, in that order (fp8 before compiling); a refusal
-    (no CUDA, no torchao, an unknown backend) is a usage error naming the flag."""
-    from .pipelines.acceleration import (
-        capture_cuda_graphs,
-        enable_fp8,
-        fastest_attention_backend,
-        set_attention_backend,
-    )
-
+def _accelerate(pipe, args: argparse.Namespace) -> None:
+    """--fp8, --attention-backend, --cuda-graphs / --compile, in that order (fp8 before compiling), through the
+    pipeline's own switches; a refusal (no CUDA, no torchao, an unknown backend) is a usage error naming the flag."""
     flag = "--fp8"
     try:
         if args.fp8:
-            enable_fp8(pipe.transformer)
+            pipe.enable_fp8()
         flag = "--attention-backend"
         if args.attention_backend:
-            name = args.attention_backend
-            set_attention_backend(pipe.transformer, fastest_attention_backend(device) if name == "fastest" else name)
+            pipe.set_attention_backend(args.attention_backend)  # "fastest": the transformer's device's fastest
         flag = "--cuda-graphs"
         if args.cuda_graphs:
             if args.kv_offload:
                 raise ValueError("CUDA graphs need the cache's buffers on the GPU; drop --kv-offload")
-            capture_cuda_graphs(pipe.transformer)
+            pipe.enable_cuda_graphs()
         elif args.compile:  # one graph while the window fills, one once it is full; compiled at the first chunks
             pipe.transformer.compile(fullgraph=True, backend=args.compile)
     except (ValueError, RuntimeError, ImportError) as exc:
@@ -339,7 +331,7 @@ def run_generate(args: argparse.Namespace) -> int:
             pipe.load_tiny_autoencoder(args.tiny_vae)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--tiny-vae: {exc}") from None
-    _accelerate(pipe, args, device)
+    _accelerate(pipe, args)
     native_height, native_width = native_size(pipe)
     height, width = args.height or native_height, args.width or native_width
     try:  # chunk length and first chunk as the stream resolves them: the flags, else --recipe's or the folder's
