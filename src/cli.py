@@ -300,12 +300,11 @@ def _start_image(path: Path | None):
     """`--image` read as an RGB picture, or a usage error naming the file."""
     if path is None:
         return None
-    import PIL.Image
+    from .pipelines.video_input import read_image
 
     try:
-        with PIL.Image.open(path) as image:
-            return image.convert("RGB")
-    except (OSError, ValueError) as exc:
+        return read_image(path)
+    except ValueError as exc:
         raise UsageError(f"--image: cannot read {str(path)!r} as an image ({exc})") from None
 
 

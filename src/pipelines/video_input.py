@@ -129,6 +129,16 @@ def _image_list(image: Picture | list[Picture], batch_size: int) -> list[tuple[P
     return [(image, "`image`")]
 
 
+def read_image(path: str | os.PathLike) -> PIL.Image.Image:
+    """The picture in the file at `path` as an RGB PIL image, read whole now (a broken file fails here, before any
+    work); a ValueError with PIL's reason when it cannot be read (missing, not a picture, truncated)."""
+    try:
+        with PIL.Image.open(path) as picture:
+            return picture.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as exc:  # PIL's UnidentifiedImageError is an OSError
+        raise ValueError(str(exc)) from exc
+
+
 def load_start_image(
     image: Picture | list[Picture], batch_size: int, height: int, width: int, resize_mode: str = "default"
 ) -> torch.Tensor:
