@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from ..defaults import embedded_models, frames_for_call, load_pipeline, native_size
+from ..pipelines.video_writer import frames_to_uint8
 from .fields import WEBCAM_LABEL, ChunkSettings, DemoInputError, DemoSettings, GenerateConfig, prompt_notes
 
 
@@ -239,7 +240,7 @@ def _timed(stream: LiveStream) -> Iterator[Chunk]:
         if frames is None:
             return
         seconds = time.perf_counter() - start
-        frames = (frames[0] * 255.0).round().clip(0, 255).astype(np.uint8)
+        frames = frames_to_uint8(frames[0])
         yield Chunk(frames, seconds, stream.cache_bytes())
 
 

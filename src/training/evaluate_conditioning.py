@@ -36,6 +36,7 @@ import torch
 from ..defaults import fewest_frames
 from ..pipelines.streaming_decode import denormalize_wan_latents
 from ..pipelines.streaming_encode import StreamingWanEncoder
+from ..pipelines.video_writer import frames_to_uint8
 from ..toyworld.metrics import evaluate_video
 from ..toyworld.world import (
     COLOURS,
@@ -258,7 +259,7 @@ def pipeline_image_to_video(pipeline, seed: int = 0, image_mode: str = "chunk") 
             generator=torch.Generator().manual_seed(seed),
             output_type="np",
         )
-        return _to_uint8(output.frames[:, :num_frames])
+        return frames_to_uint8(output.frames[:, :num_frames])
 
     return generate
 
@@ -282,13 +283,9 @@ def pipeline_video_to_video(pipeline, seed: int = 0) -> VideoToVideoFn:
             generator=torch.Generator().manual_seed(seed),
             output_type="np",
         )
-        return _to_uint8(output.frames)
+        return frames_to_uint8(output.frames)
 
     return generate
-
-
-def _to_uint8(frames) -> np.ndarray:
-    return (np.asarray(frames) * 255).round().clip(0, 255).astype(np.uint8)
 
 
 def _checked(videos: np.ndarray, batch: int, num_frames: int) -> np.ndarray:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..defaults import fewest_frames
+from ..pipelines.video_writer import frames_to_uint8
 from ..toyworld.evaluate import evaluate_generator, format_table, ground_truth_fn, parse_windows
 from ..toyworld.world import all_prompts
 
@@ -47,7 +48,7 @@ def generate_videos(pipeline, prompts: Sequence[str], num_frames: int, seed: int
         output_type="np",
     )
     frames = np.asarray(output.frames)[:, :num_frames]  # (batch, frames, H, W, 3) in [0, 1]
-    return (frames * 255).round().clip(0, 255).astype(np.uint8)
+    return frames_to_uint8(frames)
 
 
 def evaluate_pipeline(pipeline, prompts, num_frames, windows, seeds, log=print) -> dict[str, dict[str, float]]:
