@@ -331,11 +331,10 @@ class Generation:
         self.live = LivePrompt(config.prompt)
         self.inputs = config.inputs
         self.webcam = FrameQueue() if config.inputs.webcam else None
-        plan = VideoPlan(
-            self.num_frames, self.height, self.width, config.seed, config.settings,
+        self._chunks = generate_frames(
+            self.pipe, self.live, self.num_frames, self.height, self.width, config.seed, config.settings,
             config.inputs.stream_arguments(self.webcam),
         )  # fmt: skip
-        self._chunks = _timed(LiveStream(self.pipe, self.live, plan))
         self.chunk_seconds: list[float] = []  # per chunk made so far
         self.chunk_cache_bytes: list[int] = []
         self.frames_written = 0
