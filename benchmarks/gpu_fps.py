@@ -379,8 +379,10 @@ def graphs_label(technique: Technique, graphs: int, cudagraph_skips: int) -> str
 
 def refusal_or_failure(exc: Exception) -> str:
     """A technique's own refusal on this device (CUDA graphs or fp8 on a CPU) is a skip; anything else fails."""
+    from rolldiff.pipelines.acceleration import AccelerationUnavailable
+
     message = str(exc).splitlines()[0][:200] if str(exc) else ""
-    if ("--cuda-graphs" in message or "--fp8" in message) and isinstance(exc, (ValueError, RuntimeError)):
+    if isinstance(exc, AccelerationUnavailable):
         return f"skipped: {message}"
     return f"FAILED: {type(exc).__name__}: {message}"
 

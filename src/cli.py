@@ -26,14 +26,14 @@ from .defaults import (
     ModelNotFoundError,
     default_device,
     default_dtype,
-    frames_for_seconds,
+    frames_for_call,
     load_pipeline,
     native_size,
 )
-from .pipelines.resume import ResumeError, load_state, state_path_for
+from .pipelines.resume import ResumeError, load_state, state_path_for, write_video
 from .pipelines.text_encoding import PromptWarning
 from .pipelines.video_writer import check_output_path, check_quality, count_frames, partial_path_for
-from .recipes import get_recipe, list_recipes
+from .recipes import list_recipes
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -275,29 +275,21 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _accelerate(pipe, args: argparse.Namespace, device: str) -> None:
-    """--fp8, --attention-backend, --cuda-graphs / --compile, in that order (fp8 before compiling); a refusal
-    (no CUDA, no torchao, an unknown backend) is a usage error naming the flag."""
-    from .pipelines.acceleration import (
-        capture_cuda_graphs,
-        enable_fp8,
-        fastest_attention_backend,
-        set_attention_backend,
-    )
-
+def _accelerate(pipe, args: argparse.Namespace) -> None:
+    """--fp8, --attention-backend, --cuda-graphs / --compile, in that order (fp8 before compiling), through the
+    pipeline's own switches; a refusal (no CUDA, no torchao, an unknown backend) is a usage error naming the flag."""
     flag = "--fp8"
     try:
         if args.fp8:
-            enable_fp8(pipe.transformer)
+            pipe.enable_fp8()
         flag = "--attention-backend"
         if args.attention_backend:
-            name = args.attention_backend
-            set_attention_backend(pipe.transformer, fastest_attention_backend(device) if name == "fastest" else name)
+            pipe.set_attention_backend(args.attention_backend)  # "fastest": the transformer's device's fastest
         flag = "--cuda-graphs"
         if args.cuda_graphs:
             if args.kv_offload:
                 raise ValueError("CUDA graphs need the cache's buffers on the GPU; drop --kv-offload")
-            capture_cuda_graphs(pipe.transformer)
+            pipe.enable_cuda_graphs()
         elif args.compile:  # one graph while the window fills, one once it is full; compiled at the first chunks
             pipe.transformer.compile(fullgraph=True, backend=args.compile)
     except (ValueError, RuntimeError, ImportError) as exc:
@@ -308,12 +300,11 @@ def _start_image(path: Path | None):
     """`--image` read as an RGB picture, or a usage error naming the file."""
     if path is None:
         return None
-    import PIL.Image
+    from .pipelines.video_input import read_image
 
     try:
-        with PIL.Image.open(path) as image:
-            return image.convert("RGB")
-    except (OSError, ValueError) as exc:
+        return read_image(path)
+    except ValueError as exc:
         raise UsageError(f"--image: cannot read {str(path)!r} as an image ({exc})") from None
 
 
@@ -339,15 +330,21 @@ def run_generate(args: argparse.Namespace) -> int:
             pipe.load_tiny_autoencoder(args.tiny_vae)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--tiny-vae: {exc}") from None
-    _accelerate(pipe, args, device)
+    _accelerate(pipe, args)
     native_height, native_width = native_size(pipe)
     height, width = args.height or native_height, args.width or native_width
-    recipe = get_recipe(args.recipe).settings if args.recipe else {}
-    chunk_frames = args.chunk_frames or recipe.get("chunk_frames") or pipe.config.chunk_frames
-    image_mode = (args.image_mode or recipe.get("image_mode")) if image is not None else None
-    num_frames = frames_for_seconds(
-        pipe, args.seconds, args.fps, chunk_frames, first_frame_alone=image_mode == "frame"
-    )
+    try:  # chunk length and first chunk as the stream resolves them: the flags, else --recipe's or the folder's
+        num_frames = frames_for_call(
+            pipe,
+            args.seconds,
+            args.fps,
+            recipe=args.recipe,
+            chunk_frames=args.chunk_frames,
+            image_mode=args.image_mode,
+            has_image=image is not None,
+        )
+    except ValueError as exc:  # a recipe for another pipeline
+        raise UsageError(str(exc)) from None
     options = dict(
         prompt_schedule=sorted(args.prompt_at) or None,
         denoising_steps=args.steps,
@@ -364,11 +361,12 @@ def run_generate(args: argparse.Namespace) -> int:
         recipe=args.recipe,
         overlap_decode=args.overlap_decode,
     )
+    generator = torch.Generator("cpu").manual_seed(args.seed)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PromptWarning)
             # Checks every argument and names the bad one; nothing runs until the stream is iterated.
-            pipe.stream(args.prompt, num_frames, height, width, **options).close()
+            stream = pipe.stream(args.prompt, num_frames, height, width, generator=generator, **options)
     except (ValueError, TypeError, OSError) as exc:
         raise UsageError(str(exc)) from exc
     _report_warnings(caught)
@@ -376,23 +374,18 @@ def run_generate(args: argparse.Namespace) -> int:
     duration = num_frames / args.fps
     print(f"Generating {num_frames} frames{rounded}: {duration:.2f} s at {args.fps} fps, {height}x{width}, {device}")
 
-    pipe.set_progress_bar_config(disable=False, unit="chunk")
+    pipe.set_progress_bar_config(disable=False, unit="chunk")  # the stream makes its bar at the first chunk
     start = time.perf_counter()
     try:
-        with _sigterm_as_interrupt(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", PromptWarning)  # reported above
-            frames = pipe.generate_to_file(  # a temporary file beside --out until the end; resume states beside it
+        with _sigterm_as_interrupt():
+            # a temporary file beside --out until the end; resume states beside it
+            frames = write_video(
+                stream,
                 args.out,
-                args.prompt,
-                fps=args.fps,
-                num_frames=num_frames,
-                height=height,
-                width=width,
-                generator=torch.Generator("cpu").manual_seed(args.seed),
+                args.fps,
                 resume=args.resume,
                 state_every_s=args.state_every,
                 quality=args.quality,
-                **options,
             )
     except KeyboardInterrupt:
         print(f"rolldiff: interrupted; {_kept(args.out)}", file=sys.stderr)
@@ -402,6 +395,8 @@ def run_generate(args: argparse.Namespace) -> int:
     except (FloatingPointError, MemoryError) as exc:  # NaN latents, or a cache that does not fit: stopped there
         print(f"rolldiff: error: {exc} {_kept(args.out)}", file=sys.stderr)
         return EXIT_FAILED
+    finally:
+        stream.close()  # its input video and offload hooks, however the run ended
     elapsed = time.perf_counter() - start
     print(f"Wrote {frames} frames to {args.out.resolve()}")
     print(f"{frames / elapsed:.1f} frames per second ({elapsed:.1f} s for the whole video)")

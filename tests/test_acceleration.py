@@ -225,3 +225,20 @@ def test_the_pipeline_offers_each_speed_option():
         pipe.enable_fp8()
     with pytest.raises((ValueError, RuntimeError), match="CUDA|cuda"):
         pipe.enable_cuda_graphs()
+
+
+def test_refusals_are_acceleration_unavailable_and_a_typo_is_a_plain_value_error():
+    """Benchmarks skip a row on AccelerationUnavailable (by type, not by message); a ValueError and RuntimeError
+    both, so callers catching either keep working."""
+    from rolldiff.pipelines.acceleration import AccelerationUnavailable, capture_cuda_graphs
+
+    assert issubclass(AccelerationUnavailable, ValueError) and issubclass(AccelerationUnavailable, RuntimeError)
+    with pytest.raises(AccelerationUnavailable, match="--fp8"):
+        enable_fp8(tiny_transformer(**ALIGNED).to(torch.bfloat16))
+    with pytest.raises(AccelerationUnavailable, match="--cuda-graphs"):
+        capture_cuda_graphs(tiny_transformer())
+    with pytest.raises(AccelerationUnavailable, match="cannot run on cpu"):
+        set_attention_backend(tiny_transformer(), "flash")
+    with pytest.raises(ValueError, match="is not an offered") as typo:
+        set_attention_backend(tiny_transformer(), "sage")
+    assert not isinstance(typo.value, AccelerationUnavailable)

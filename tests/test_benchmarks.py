@@ -270,3 +270,10 @@ def test_recipes_cost_dry_run_measures_every_recipe(capsys):
         assert label in table
     # the recompute policy adds its context rebuild to chunks 1 and 2: (5 + 6 + 6) / 3 forwards
     assert "| krea-realtime (keep first frame) | 5.7 |" in table
+
+
+def test_gpu_fps_skips_a_refusal_by_its_type_not_its_message():
+    from rolldiff.pipelines.acceleration import AccelerationUnavailable
+
+    assert gpu_fps.refusal_or_failure(AccelerationUnavailable("no CUDA here")) == "skipped: no CUDA here"
+    assert gpu_fps.refusal_or_failure(ValueError("--fp8 broke")).startswith("FAILED: ValueError: --fp8 broke")

@@ -120,3 +120,40 @@ def test_overlap_decode_and_the_fastest_backend_run_on_a_cpu(tmp_path):
     out = tmp_path / "video.mp4"
     assert main([*BASE, "--overlap-decode", "--attention-backend", "fastest", "--out", str(out)]) == 0
     assert _read(out).shape[0] > 0
+
+
+def test_video_to_video_builds_its_stream_once(tmp_path, monkeypatch):
+    """The checked stream is the one written: the input video is opened and the prompt checked once."""
+    from rolldiff.pipelines.chunked_video import ChunkedVideoPipeline
+
+    source = tmp_path / "input.mp4"
+    iio.imwrite(source, render_video("a red circle moving left", num_frames=12, seed=1), fps=12, codec="libx264")
+    real_stream, built = ChunkedVideoPipeline.stream, []
+
+    def counted(self, *args, **kwargs):
+        built.append(kwargs.get("video"))
+        return real_stream(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkedVideoPipeline, "stream", counted)
+    assert main([*BASE, "--video", str(source), "--strength", "0.5", "--out", str(tmp_path / "video.mp4")]) == 0
+    assert built == [str(source)]
+
+
+def test_the_recipe_a_pipeline_folder_names_sets_the_length_of_an_image_to_video(tmp_path):
+    """A folder whose model_index.json names "self-forcing" (image_mode "frame"): with --image, one latent frame
+    and whole chunks of 3 (13 frames for 12), as the stream resolves it, not the whole chunks of 12."""
+    import json
+    import shutil
+
+    from rolldiff.defaults import default_model_path
+
+    folder = tmp_path / "self-forcing-model"
+    shutil.copytree(default_model_path(), folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "recipe": "self-forcing"}))
+    image = render_video("a red circle moving left", num_frames=1, seed=2)[0]
+    PIL.Image.fromarray(image).save(tmp_path / "start.png")
+    out = tmp_path / "video.mp4"
+    arguments = [*BASE, "--model", str(folder), "--image", str(tmp_path / "start.png"), "--out", str(out)]
+    assert main(arguments) == 0
+    assert _read(out).shape[0] == 13

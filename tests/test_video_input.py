@@ -327,3 +327,28 @@ def test_bad_chunk_sizes_are_refused():
         video.next_chunk(0)
     with pytest.raises(ValueError, match=r"`num_frames` must be an int >= 0, got -1"):
         video.skip(-1)
+
+
+def test_read_image_gives_rgb_and_refuses_a_file_that_is_not_a_picture(tmp_path):
+    from rolldiff.pipelines.video_input import read_image
+
+    PIL.Image.new("L", (4, 3), 128).save(tmp_path / "gray.png")
+    picture = read_image(tmp_path / "gray.png")
+    assert picture.mode == "RGB" and picture.size == (4, 3)
+    (tmp_path / "notes.png").write_text("not a picture")
+    with pytest.raises(ValueError, match="cannot identify image file"):
+        read_image(tmp_path / "notes.png")
+    with pytest.raises(ValueError, match="No such file"):
+        read_image(tmp_path / "missing.png")
+
+
+def test_an_arrays_values_are_checked_once_whole_not_again_per_frame(monkeypatch):
+    from rolldiff.pipelines import video_input
+
+    real, calls = video_input._check_pixel_values, []
+    monkeypatch.setattr(
+        video_input, "_check_pixel_values", lambda pixels, name: calls.append(name) or real(pixels, name)
+    )
+    frames = np.random.default_rng(0).random((4, HEIGHT, WIDTH, 3), dtype=np.float32)
+    assert VideoInput(frames, height=HEIGHT, width=WIDTH).next_chunk(4).shape[2] == 4
+    assert calls == ["`video`"]

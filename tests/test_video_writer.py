@@ -121,3 +121,11 @@ def test_write_after_close_is_refused(tmp_path):
     writer.close()  # idempotent
     with pytest.raises(RuntimeError, match="closed"):
         writer.write(solid_frames(COLOURS[0], frames=2))
+
+
+def test_frames_to_uint8_rounds_and_clips_to_0_255():
+    from rolldiff.pipelines.video_writer import frames_to_uint8
+
+    frames = np.array([[-0.5, 0.0, 0.5 / 255, 0.499, 1.0, 1.5]], dtype=np.float32)
+    out = frames_to_uint8(frames)
+    assert out.dtype == np.uint8 and out.tolist() == [[0, 0, 0, 127, 255, 255]]

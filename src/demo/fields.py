@@ -20,6 +20,7 @@ import PIL.Image
 from ..caching.layout import POSITION_MODES
 from ..pipelines.conditioning import DEFAULT_STRENGTH
 from ..pipelines.text_encoding import check_prompts
+from ..pipelines.video_input import read_image
 
 EXAMPLE_PROMPTS = [
     "a red circle moving left",
@@ -154,9 +155,8 @@ def parse_image(value: Any, uploads: str | None = None) -> PIL.Image.Image | np.
     if path is None:
         return None
     try:
-        with PIL.Image.open(path) as picture:
-            return picture.convert("RGB")  # reads the whole file: a broken one fails here
-    except (OSError, SyntaxError, ValueError) as exc:  # PIL's UnidentifiedImageError is an OSError
+        return read_image(path)  # reads the whole file: a broken one fails here
+    except ValueError as exc:
         raise DemoInputError(
             f"{IMAGE_LABEL}: {os.path.basename(path)!r} is not a picture PIL can read ({exc}); upload a PNG, JPEG or "
             "WebP."

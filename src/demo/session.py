@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..defaults import embedded_models, frames_for_seconds, load_pipeline, native_size
+from ..defaults import embedded_models, frames_for_call, load_pipeline, native_size
+from ..pipelines.video_writer import frames_to_uint8
 from .fields import WEBCAM_LABEL, ChunkSettings, DemoInputError, DemoSettings, GenerateConfig, prompt_notes
 
 
@@ -239,7 +240,7 @@ def _timed(stream: LiveStream) -> Iterator[Chunk]:
         if frames is None:
             return
         seconds = time.perf_counter() - start
-        frames = (frames[0] * 255.0).round().clip(0, 255).astype(np.uint8)
+        frames = frames_to_uint8(frames[0])
         yield Chunk(frames, seconds, stream.cache_bytes())
 
 
@@ -323,15 +324,17 @@ class Generation:
         self.notes = prompt_notes(self.pipe, config.prompt)  # unknown words: said with the video, not refused
         self.height, self.width = frame_size(self.pipe, settings)
         self.fps = settings.fps
-        self.num_frames = frames_for_seconds(self.pipe, config.seconds, settings.fps, config.settings.chunk_frames)
+        self.num_frames = frames_for_call(
+            self.pipe, config.seconds, settings.fps, chunk_frames=config.settings.chunk_frames,
+            has_image=config.inputs.image is not None,
+        )  # fmt: skip
         self.live = LivePrompt(config.prompt)
         self.inputs = config.inputs
         self.webcam = FrameQueue() if config.inputs.webcam else None
-        plan = VideoPlan(
-            self.num_frames, self.height, self.width, config.seed, config.settings,
+        self._chunks = generate_frames(
+            self.pipe, self.live, self.num_frames, self.height, self.width, config.seed, config.settings,
             config.inputs.stream_arguments(self.webcam),
         )  # fmt: skip
-        self._chunks = _timed(LiveStream(self.pipe, self.live, plan))
         self.chunk_seconds: list[float] = []  # per chunk made so far
         self.chunk_cache_bytes: list[int] = []
         self.frames_written = 0

@@ -42,6 +42,13 @@ ATTENTION_PREFERENCE = ("_flash_3", "flash", "_native_cudnn", "native")
 OFFERED_BACKENDS = (*ATTENTION_PREFERENCE, "_native_flash", "_native_efficient", "_native_math")
 
 
+class AccelerationUnavailable(ValueError, RuntimeError):  # noqa: N818 (a refusal, named for what it says)
+    """A speed switch refused on this model or machine (float8 without the GPU, weights or torchao it needs, an
+    attention backend the device cannot run, CUDA graphs off CUDA or under offload hooks); the message names the
+    switch and why, before anything is changed. A ValueError and a RuntimeError (what the switches raised
+    before), so callers catching either keep working; benchmarks catch it to skip a row instead of failing it."""
+
+
 # ----------------------------------------------------------------------------------------- helpers
 def transformer_device(transformer: nn.Module) -> torch.device:
     """The device of the transformer's first parameter (where its matmuls run)."""
@@ -110,15 +117,15 @@ def enable_fp8(transformer: nn.Module) -> bool:
     multiply the compile time).
 
     Raises:
-        RuntimeError: on a CPU or a GPU without float8 tensor cores, for non-bfloat16 weights, or when torchao
-            is not installed; before anything is changed.
+        AccelerationUnavailable: on a CPU or a GPU without float8 tensor cores, for non-bfloat16 weights, or when
+            torchao is not installed; before anything is changed.
     """
     names = fp8_linear_names(transformer)
     device = transformer_device(transformer)
     dtype = transformer.get_submodule(names[0]).weight.dtype if names else torch.bfloat16
     refusal = fp8_refusal(device, cuda_capability(device), dtype)
     if refusal is not None:
-        raise RuntimeError(refusal)
+        raise AccelerationUnavailable(refusal)
     config = _fp8_config()
     if not names:
         return False
@@ -136,11 +143,11 @@ def torchao_installed() -> bool:
 def _fp8_config():
     """torchao's float8 config, or a RuntimeError saying how to install it."""
     if not torchao_installed():
-        raise RuntimeError("enable_fp8 (--fp8) needs torchao: `pip install torchao` (0.10 or newer).")
+        raise AccelerationUnavailable("enable_fp8 (--fp8) needs torchao: `pip install torchao` (0.10 or newer).")
     try:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
     except ImportError as exc:
-        raise RuntimeError(
+        raise AccelerationUnavailable(
             f"enable_fp8 (--fp8): the installed torchao has no Float8DynamicActivationFloat8WeightConfig ({exc}); "
             "`pip install -U torchao`."
         ) from None
@@ -191,14 +198,15 @@ def set_attention_backend(transformer: nn.Module, name: str) -> None:
     `attention_bias != 1`; `attention_backend_for(backend, masked=True)` gives the processor a masked fallback.
 
     Raises:
-        ValueError: for a name that is not offered, or not usable on the transformer's device (the message lists
-            the usable ones).
+        ValueError: for a name that is not offered; AccelerationUnavailable (a ValueError) for one not usable on
+            the transformer's device (the messages list the usable ones).
     """
     device = transformer_device(transformer)
     available = available_attention_backends(device)
     if name not in available:
-        why = "is not an offered attention backend" if name not in OFFERED_BACKENDS else f"cannot run on {device}"
-        raise ValueError(
+        offered = name in OFFERED_BACKENDS  # an offered one this device cannot run is a refusal, not a typo
+        why = f"cannot run on {device}" if offered else "is not an offered attention backend"
+        raise (AccelerationUnavailable if offered else ValueError)(
             f"attention backend {name!r} {why}; usable on {device}: {', '.join(available)} "
             "(FA3 needs the flash_attn_3 package on a Hopper GPU, 'flash' the flash-attn package)."
         )
@@ -281,18 +289,18 @@ def capture_cuda_graphs(transformer: nn.Module) -> CompiledStep:
     `compile_cached_step`). The cache must be compileable (not `kv_offload`).
 
     Raises:
-        ValueError: when the transformer is not on a CUDA device (on the CPU use `compile_cached_step`, the CLI's
+        AccelerationUnavailable: when the transformer is not on a CUDA device (on the CPU use `compile_cached_step`, the CLI's
             `--compile`: a silent fallback would make a "CUDA graphs" row or claim untrue), or when its weights
             are moved by offload hooks (a graph needs them resident).
     """
     device = transformer_device(transformer)
     if device.type != "cuda":
-        raise ValueError(
+        raise AccelerationUnavailable(
             f"capture_cuda_graphs (--cuda-graphs): CUDA graphs need the transformer on a CUDA device; it is on "
             f"{device}. Use compile_cached_step(transformer) (--compile) instead."
         )
     if getattr(transformer, "_hf_hook", None) is not None:
-        raise ValueError(
+        raise AccelerationUnavailable(
             "capture_cuda_graphs (--cuda-graphs): the transformer has offload hooks (enable_model_cpu_offload or "
             "a device_map); a CUDA graph replays fixed weight addresses. Load it without offloading."
         )

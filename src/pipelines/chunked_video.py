@@ -616,19 +616,24 @@ class ChunkedVideoPipeline(DiffusionPipeline):
     # ---------------------------------------------------------------------------------------- speed
     def enable_fp8(self) -> bool:
         """float8 weights and activations for the transformer's per-step linear layers (torchao; CUDA, sm 8.9+,
-        bf16 weights): `acceleration.enable_fp8`. Apply before compiling. Refused, naming why, elsewhere."""
+        bf16 weights): `acceleration.enable_fp8`. Apply before compiling. Refused elsewhere, naming why
+        (`AccelerationUnavailable`); False when no layer was converted."""
         return enable_fp8(self.transformer)
 
     def set_attention_backend(self, name: str = "fastest") -> str:
-        """Every attention through diffusers' backend `name`, or the fastest the device offers ("fastest": FA3,
-        flash, cuDNN or SDPA); masked calls fall back to SDPA. Returns the backend set."""
-        chosen = fastest_attention_backend(self.execution_device) if name == "fastest" else name
+        """Every attention through diffusers' backend `name`, or the fastest the transformer's device offers
+        ("fastest": FA3, flash, cuDNN or SDPA); masked calls fall back to SDPA. Returns the backend set. Chosen and
+        checked on one device, the transformer's (`acceleration.set_attention_backend` checks there)."""
+        from .acceleration import transformer_device
+
+        chosen = fastest_attention_backend(transformer_device(self.transformer)) if name == "fastest" else name
         set_attention_backend(self.transformer, chosen)
         return chosen
 
     def enable_cuda_graphs(self):
         """Replay the compiled cached step as CUDA graphs (`torch.compile(mode="reduce-overhead", fullgraph=True)`:
-        2 graphs, the ring buffers' static addresses); one stream per transformer. Refused off CUDA."""
+        2 graphs, the ring buffers' static addresses); one stream per transformer. Refused off CUDA or under
+        offload hooks (`AccelerationUnavailable`)."""
         return capture_cuda_graphs(self.transformer)
 
     # ---------------------------------------------------------------------------------------- the loop's pieces

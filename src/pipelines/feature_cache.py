@@ -15,6 +15,14 @@ _EMPTY, _TENSOR, _REP = 0, 1, 2
 REP_MARKER = "Rep"
 
 
+def wan_latent_stats(vae, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(mean, std)` of `vae.config`, each `(1, z_dim, 1, 1, 1)` in `dtype` on `device` (a host-to-device copy:
+    a streaming encoder or decoder makes them once, not every chunk)."""
+    shape = (1, vae.config.z_dim, 1, 1, 1)
+    mean = torch.tensor(vae.config.latents_mean, dtype=dtype, device=device).view(shape)
+    return mean, torch.tensor(vae.config.latents_std, dtype=dtype, device=device).view(shape)
+
+
 def feature_cache_state(
     cache: list, video_shape: tuple[int, int, int] | None, position_key: str, position: int
 ) -> dict[str, torch.Tensor]:
@@ -62,15 +70,19 @@ def load_feature_cache(
 class WanFeatureCacheStream:
     """What the streaming Wan encoder and decoder share: one causal cache slot per `WanCausalConv3d` of `module`
     (the VAE's encoder or decoder), the video's (batch, height, width) fixed at its first chunk, a position counter
-    saved under `position_key`, and the `state_dict` / `load_state_dict` round trip of all three."""
+    saved under `position_key`, and the `state_dict` / `load_state_dict` round trip of all three; also the
+    latents' per-channel statistics, made once. `anchor` is the 1x1x1 conv next to `module` (`quant_conv` /
+    `post_quant_conv`) whose weight says where and in which dtype a chunk runs."""
 
     position_key: str  # "latent_frames_encoded" or "latent_frames_decoded"
 
-    def __init__(self, vae, module: torch.nn.Module) -> None:
+    def __init__(self, vae, module: torch.nn.Module, anchor: torch.nn.Module) -> None:
         from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
         self.vae = vae
+        self._anchor = anchor
         self._num_cached_convs = sum(isinstance(conv, WanCausalConv3d) for conv in module.modules())
+        self._stats: tuple[torch.Tensor, torch.Tensor] | None = None  # the latents' mean and std, made once
         self.reset()
 
     def reset(self) -> None:
@@ -86,12 +98,23 @@ class WanFeatureCacheStream:
                 "call reset() to start a new video."
             )
 
-    def _onload(self) -> None:
+    def _onload(self) -> torch.Tensor:
         """Same as `apply_forward_hook` on `vae.encode` / `vae.decode`: lets model offloading move the VAE onto its
-        device before a chunk."""
+        device before a chunk; then moves the cached features there too (entries restored by `load_state_dict`,
+        or left behind by an offload move; moved, not changed: a failed chunk still leaves the cache as it was).
+        Returns the anchor conv's weight, whose device and dtype the chunk runs in."""
         hook = getattr(self.vae, "_hf_hook", None)
         if hook is not None and hasattr(hook, "pre_forward"):
             hook.pre_forward(self.vae)
+        weight = self._anchor.weight
+        self._feat_cache = [e.to(weight.device) if isinstance(e, torch.Tensor) else e for e in self._feat_cache]
+        return weight
+
+    def _latent_stats(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`wan_latent_stats` in `like`'s dtype and device, made at the first chunk (again only if those change)."""
+        if self._stats is None or self._stats[0].device != like.device or self._stats[0].dtype != like.dtype:
+            self._stats = wan_latent_stats(self.vae, like.dtype, like.device)
+        return self._stats
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The position and the feature cache, tensors only (for `safetensors`): see `feature_cache_state`."""

@@ -11,15 +11,9 @@ import torch
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
-from .feature_cache import WanFeatureCacheStream
+from .feature_cache import WanFeatureCacheStream, wan_latent_stats
 
-
-def wan_latent_stats(vae: AutoencoderKLWan, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(mean, std)` of `vae.config`, each `(1, z_dim, 1, 1, 1)` in `dtype` on `device` (a host-to-device copy:
-    a streaming decoder makes them once, not every chunk)."""
-    shape = (1, vae.config.z_dim, 1, 1, 1)
-    mean = torch.tensor(vae.config.latents_mean, dtype=dtype, device=device).view(shape)
-    return mean, torch.tensor(vae.config.latents_std, dtype=dtype, device=device).view(shape)
+__all__ = ["StreamingWanDecoder", "denormalize_wan_latents", "wan_latent_stats"]
 
 
 def denormalize_wan_latents(
@@ -66,10 +60,9 @@ class StreamingWanDecoder(WanFeatureCacheStream):
 
     def __init__(self, vae: AutoencoderKLWan, denormalize: bool = False) -> None:
         self.denormalize = denormalize
-        self._stats: tuple[torch.Tensor, torch.Tensor] | None = None  # the latents' mean and std, made once
         # The first latent frame decodes to 1 pixel frame; every later one to `temporal_upsample` frames.
         self.temporal_upsample = 2 ** sum(vae.config.temperal_downsample)
-        super().__init__(vae, vae.decoder)
+        super().__init__(vae, vae.decoder, vae.post_quant_conv)
 
     @property
     def latent_frames_decoded(self) -> int:
@@ -108,14 +101,9 @@ class StreamingWanDecoder(WanFeatureCacheStream):
 
         if self.denormalize:
             latents = latents.to(self.vae.dtype)
-            if self._stats is None or self._stats[0].device != latents.device:
-                self._stats = wan_latent_stats(self.vae, latents.dtype, latents.device)
-            latents = denormalize_wan_latents(latents, self.vae, self._stats)
-        self._onload()
-        weight = self.vae.post_quant_conv.weight
+            latents = denormalize_wan_latents(latents, self.vae, self._latent_stats(latents))
+        weight = self._onload()
         latents = latents.to(device=weight.device, dtype=weight.dtype)
-        # Entries restored by `load_state_dict` (or left behind by an offload move) follow the VAE's device.
-        self._feat_cache = [e.to(weight.device) if isinstance(e, torch.Tensor) else e for e in self._feat_cache]
 
         # Mirrors AutoencoderKLWan._decode, one latent frame per decoder call. post_quant_conv is 1x1x1 (no
         # temporal context), so applying it per chunk is exact.

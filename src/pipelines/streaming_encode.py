@@ -22,13 +22,12 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-from .feature_cache import WanFeatureCacheStream
-
-# How a feature-cache slot is written into `state_dict()["feat_cache_kinds"]`: empty, a tensor, or diffusers'
-# "Rep" marker (written by temporal upsampling; the decoder's convs use it, the encoder's keep the slot generic).
+from .feature_cache import WanFeatureCacheStream, wan_latent_stats
 
 
-def normalize_wan_latents(latents: torch.Tensor, vae: AutoencoderKLWan) -> torch.Tensor:
+def normalize_wan_latents(
+    latents: torch.Tensor, vae: AutoencoderKLWan, stats: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """Map latents from the space `vae.encode` returns to the diffusion model's normalised space.
 
     Applies `(latents - latents_mean) / latents_std` with the per-channel statistics in `vae.config`, as diffusers'
@@ -37,6 +36,7 @@ def normalize_wan_latents(latents: torch.Tensor, vae: AutoencoderKLWan) -> torch
     Args:
         latents: `(batch, z_dim, latent_frames, height, width)`, the posterior's mean or a sample of it.
         vae: the `AutoencoderKLWan` whose `config.latents_mean` / `config.latents_std` apply.
+        stats: `wan_latent_stats(vae, ...)` made ahead, in `latents`' dtype and device (else made here).
 
     Returns:
         `(batch, z_dim, latent_frames, height, width)` in `latents`' dtype and device.
@@ -46,8 +46,7 @@ def normalize_wan_latents(latents: torch.Tensor, vae: AutoencoderKLWan) -> torch
         raise ValueError(
             f"`latents` must have shape (batch, {z_dim}, latent_frames, height, width), got {tuple(latents.shape)}."
         )
-    mean = torch.tensor(vae.config.latents_mean, dtype=latents.dtype, device=latents.device).view(1, z_dim, 1, 1, 1)
-    std = torch.tensor(vae.config.latents_std, dtype=latents.dtype, device=latents.device).view(1, z_dim, 1, 1, 1)
+    mean, std = stats if stats is not None else wan_latent_stats(vae, latents.dtype, latents.device)
     return (latents - mean) / std
 
 
@@ -80,7 +79,7 @@ class StreamingWanEncoder(WanFeatureCacheStream):
         # Computed from the layers, not `config.scale_factor_spatial`, which tiny configs leave at its default 8.
         self.spatial_downsample = 2 ** len(vae.config.temperal_downsample) * patch_size
         self.in_channels = vae.config.in_channels // patch_size**2  # RGB: 3
-        super().__init__(vae, vae.encoder)
+        super().__init__(vae, vae.encoder, vae.quant_conv)
 
     @property
     def latent_frames_encoded(self) -> int:
@@ -164,15 +163,14 @@ class StreamingWanEncoder(WanFeatureCacheStream):
             raise ValueError("`generator` is only used with `sample=True` (the default takes the posterior's mean).")
         video_shape = self._check_frames(frames)
 
-        self._onload()
-        weight = self.vae.quant_conv.weight
+        weight = self._onload()
         x = frames.to(device=weight.device, dtype=weight.dtype)
         if self.vae.config.patch_size is not None:
             x = patchify(x, patch_size=self.vae.config.patch_size)  # (batch, 3 * patch**2, F, H / patch, W / patch)
 
         # A shallow copy: the convs replace cache entries and never write into them, so until the swap below the
-        # committed cache is untouched, whatever fails part-way. Entries may sit elsewhere after an offload move.
-        cache = [entry.to(weight.device) if isinstance(entry, torch.Tensor) else entry for entry in self._feat_cache]
+        # committed cache is untouched, whatever fails part-way.
+        cache = list(self._feat_cache)
         groups = self._groups(x.shape[2])
         outputs = []
         for start, stop in groups:
@@ -182,7 +180,8 @@ class StreamingWanEncoder(WanFeatureCacheStream):
         moments = self.vae.quant_conv(torch.cat(outputs, dim=2))  # (batch, 2 * z_dim, latent_frames, h, w)
 
         posterior = DiagonalGaussianDistribution(moments)
-        latents = normalize_wan_latents(posterior.sample(generator) if sample else posterior.mode(), self.vae)
+        raw = posterior.sample(generator) if sample else posterior.mode()
+        latents = normalize_wan_latents(raw, self.vae, self._latent_stats(raw))
         self._feat_cache = cache
         self._position += len(groups)
         self._video_shape = video_shape

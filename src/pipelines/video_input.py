@@ -72,9 +72,10 @@ def _to_numpy(pixels: torch.Tensor | np.ndarray) -> np.ndarray:
     return pixels
 
 
-def _to_pil(picture: Picture, name: str) -> PIL.Image.Image:
+def _to_pil(picture: Picture, name: str, values_checked: bool = False) -> PIL.Image.Image:
     """One RGB 8-bit picture from a PIL image or an `(H, W, 3)` array/tensor, validated; `name` is how errors call
-    it ("`image`", "frame 12 of `video`")."""
+    it ("`image`", "frame 12 of `video`"). `values_checked`: a frame of an array whose values were checked whole
+    (`_check_video_array`), not scanned again."""
     if isinstance(picture, PIL.Image.Image):
         return picture if picture.mode == "RGB" else picture.convert("RGB")
     if not isinstance(picture, (np.ndarray, torch.Tensor)):
@@ -84,7 +85,8 @@ def _to_pil(picture: Picture, name: str) -> PIL.Image.Image:
         raise ValueError(f"{name} must have shape (height, width, 3) (RGB), got {tuple(pixels.shape)}.")
     if pixels.shape[0] == 0 or pixels.shape[1] == 0:
         raise ValueError(f"{name} is empty: shape {tuple(pixels.shape)}.")
-    _check_pixel_values(pixels, name)
+    if not values_checked:
+        _check_pixel_values(pixels, name)
     if pixels.dtype != np.uint8:
         pixels = np.round(pixels * 255.0).astype(np.uint8)
     return PIL.Image.fromarray(np.ascontiguousarray(pixels))
@@ -127,6 +129,16 @@ def _image_list(image: Picture | list[Picture], batch_size: int) -> list[tuple[P
         names = ["`image`"] if len(pictures) == 1 else [f"`image[{i}]`" for i in range(len(pictures))]
         return list(zip(pictures, names))
     return [(image, "`image`")]
+
+
+def read_image(path: str | os.PathLike) -> PIL.Image.Image:
+    """The picture in the file at `path` as an RGB PIL image, read whole now (a broken file fails here, before any
+    work); a ValueError with PIL's reason when it cannot be read (missing, not a picture, truncated)."""
+    try:
+        with PIL.Image.open(path) as picture:
+            return picture.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as exc:  # PIL's UnidentifiedImageError is an OSError
+        raise ValueError(str(exc)) from exc
 
 
 def load_start_image(
@@ -225,11 +237,13 @@ class VideoInput:
         self.height, self.width, self.batch_size, self.resize_mode = height, width, batch_size, resize_mode
         self.fps: float | None = None  # a file's frame rate (None if unknown or not a file)
         self._source = None  # what `close()` closes
+        self._values_checked = False  # an array's values are checked whole here, not again frame by frame
         if isinstance(video, (str, os.PathLike)):
             self._frames, self._source, meta = _open_file(Path(video))
             self.fps = float(meta["fps"]) or None
         elif isinstance(video, (np.ndarray, torch.Tensor)):
             self._frames = iter(_check_video_array(video))
+            self._values_checked = True
         elif isinstance(video, Iterable):
             self._frames = iter(video)
             self._source = video
@@ -252,7 +266,7 @@ class VideoInput:
         if frame is _END:
             return None
         name = f"frame {self.frames_read} of `video`"
-        picture = _to_pil(frame, name)
+        picture = _to_pil(frame, name, self._values_checked)
         size = (picture.height, picture.width)
         if self._frame_size is not None and size != self._frame_size:
             raise ValueError(

@@ -108,6 +108,12 @@ def concat_mp4(parts: list[Path], out: Path) -> None:
         os.unlink(listing.name)
 
 
+def frames_to_uint8(frames) -> np.ndarray:
+    """Frames in [0, 1] (a float array of any shape, e.g. a pipeline's `output_type="np"` frames) as uint8 0-255,
+    rounded to nearest and clipped: what `StreamingVideoWriter.write` takes."""
+    return (np.asarray(frames) * 255.0).round().clip(0, 255).astype(np.uint8)
+
+
 class StreamingVideoWriter:
     """Streaming mp4 writer: `write` chunks of uint8 RGB frames, `close` (or leave the `with` block) to finish.
 

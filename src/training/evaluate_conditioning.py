@@ -33,8 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..defaults import fewest_frames
 from ..pipelines.streaming_decode import denormalize_wan_latents
 from ..pipelines.streaming_encode import StreamingWanEncoder
+from ..pipelines.video_writer import frames_to_uint8
 from ..toyworld.metrics import evaluate_video
 from ..toyworld.world import (
     COLOURS,
@@ -47,7 +49,7 @@ from ..toyworld.world import (
     render_video,
 )
 from .conditioning_metrics import ShapeTrack, attribute_rate, follow_metrics, track_shape, window
-from .evaluate_tiny import evaluation_prompts, whole_chunk_frames
+from .evaluate_tiny import evaluation_prompts
 from .train_transformer import render_seed
 from .train_vae import tensor_to_videos, videos_to_tensor
 
@@ -249,7 +251,7 @@ def pipeline_image_to_video(pipeline, seed: int = 0, image_mode: str = "chunk") 
     def generate(prompts: list[str], images: list[np.ndarray], num_frames: int) -> np.ndarray:
         output = pipeline(
             prompts,
-            num_frames=whole_chunk_frames(pipeline, num_frames, first_frame_alone=image_mode == "frame"),
+            num_frames=fewest_frames(pipeline, num_frames, first_frame_alone=image_mode == "frame"),
             height=HEIGHT,
             width=WIDTH,
             image=list(images),
@@ -257,7 +259,7 @@ def pipeline_image_to_video(pipeline, seed: int = 0, image_mode: str = "chunk") 
             generator=torch.Generator().manual_seed(seed),
             output_type="np",
         )
-        return _to_uint8(output.frames[:, :num_frames])
+        return frames_to_uint8(output.frames[:, :num_frames])
 
     return generate
 
@@ -266,7 +268,7 @@ def pipeline_video_to_video(pipeline, seed: int = 0) -> VideoToVideoFn:
     """A pipeline's `video=` mode; `num_frames` must be whole chunks (the output ends with the input)."""
 
     def generate(prompts: list[str], video: np.ndarray, strength: float, num_frames: int) -> np.ndarray:
-        if whole_chunk_frames(pipeline, num_frames) != num_frames:
+        if fewest_frames(pipeline, num_frames) != num_frames:
             raise ValueError(
                 f"num_frames must be whole chunks for video-to-video; got {num_frames}, "
                 f"nearest: {pipeline.valid_num_frames(num_frames)}"
@@ -281,13 +283,9 @@ def pipeline_video_to_video(pipeline, seed: int = 0) -> VideoToVideoFn:
             generator=torch.Generator().manual_seed(seed),
             output_type="np",
         )
-        return _to_uint8(output.frames)
+        return frames_to_uint8(output.frames)
 
     return generate
-
-
-def _to_uint8(frames) -> np.ndarray:
-    return (np.asarray(frames) * 255).round().clip(0, 255).astype(np.uint8)
 
 
 def _checked(videos: np.ndarray, batch: int, num_frames: int) -> np.ndarray:

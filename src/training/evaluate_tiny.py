@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..defaults import fewest_frames
+from ..pipelines.video_writer import frames_to_uint8
 from ..toyworld.evaluate import evaluate_generator, format_table, ground_truth_fn, parse_windows
 from ..toyworld.world import all_prompts
 
@@ -35,25 +37,18 @@ def evaluation_prompts() -> list[str]:
     return [p for i, p in enumerate(all_prompts()) if i % 4 == (i // 12) % 4]
 
 
-def whole_chunk_frames(pipeline, num_frames: int, first_frame_alone: bool = False) -> int:
-    """The fewest frames of whole chunks that hold `num_frames` (`num_frames` itself when it is whole chunks);
-    `first_frame_alone`: one latent frame, then whole chunks (`image_mode="frame"`)."""
-    below, above = pipeline.valid_num_frames(num_frames, first_frame_alone=first_frame_alone)
-    return below if below >= num_frames else above
-
-
 def generate_videos(pipeline, prompts: Sequence[str], num_frames: int, seed: int, height=32, width=32) -> np.ndarray:
     """uint8 `(len(prompts), num_frames, height, width, 3)`; generates whole chunks and cuts to `num_frames`."""
     output = pipeline(
         list(prompts),
-        num_frames=whole_chunk_frames(pipeline, num_frames),
+        num_frames=fewest_frames(pipeline, num_frames),
         height=height,
         width=width,
         generator=torch.Generator().manual_seed(seed),
         output_type="np",
     )
     frames = np.asarray(output.frames)[:, :num_frames]  # (batch, frames, H, W, 3) in [0, 1]
-    return (frames * 255).round().clip(0, 255).astype(np.uint8)
+    return frames_to_uint8(frames)
 
 
 def evaluate_pipeline(pipeline, prompts, num_frames, windows, seeds, log=print) -> dict[str, dict[str, float]]:
