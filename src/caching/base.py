@@ -252,6 +252,12 @@ class CacheLayer(nn.Module, abc.ABC):
             names += [f"{prefix}.{n}" if prefix else n for n in module._buffers if n not in skipped]  # noqa: SLF001
         return names
 
+    def state_tensors(self, state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+        """This layer's saved tensors in `state_dict` (its keys under `prefix`), by relative buffer name: every
+        persistent buffer, its storage's included (`storage.keys`)."""
+        names = self.persistent_buffer_names()
+        return {name: state_dict[prefix + name] for name in names if prefix + name in state_dict}
+
     def check_state(self, tensors: Mapping[str, torch.Tensor], extra: Any) -> None:
         """Raise ValueError, naming the difference, unless loading `tensors` (by buffer name) and `extra` (what
         `get_extra_state` returned) restores this layer exactly; changes nothing."""
@@ -291,8 +297,7 @@ class CacheLayer(nn.Module, abc.ABC):
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
             self.loaded_without_host_state()
             return
-        names = [name for name in self.persistent_buffer_names() if prefix + name in state_dict]
-        tensors = {name: state_dict[prefix + name] for name in names}
+        tensors = self.state_tensors(state_dict, prefix)
         self.check_state(tensors, extra)
         if not tensors:  # saved before its first chunk: an empty layer
             self.reset()

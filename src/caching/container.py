@@ -294,8 +294,14 @@ class RollingKVCache(nn.Module):
             if not isinstance(layer, CacheLayer) or extra is None:
                 continue
             prefix = f"{name}."
-            tensors = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-            tensors = {k: v for k, v in tensors.items() if "." not in k and k != EXTRA_STATE_KEY}
+            tensors = layer.state_tensors(state_dict, prefix)
+            # Keys under the layer's prefix that are none of its buffers: passed on so `check_state` names them.
+            unknown = {
+                k[len(prefix) :]: v
+                for k, v in state_dict.items()
+                if k.startswith(prefix) and k[len(prefix) :] not in tensors and k[len(prefix) :] != EXTRA_STATE_KEY
+            }
+            tensors = {**tensors, **unknown}
             try:
                 layer.check_state(tensors, extra)
             except ValueError as error:
