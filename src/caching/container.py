@@ -166,11 +166,15 @@ class RollingKVCache(nn.Module):
 
     def commit_replacing_last(self) -> None:
         """Commit the pending chunk in place of the last committed one, in every state layer that can (the
-        linear-attention sums); the other stream layers (the temporal-conv state) commit as usual."""
-        for layer in self._stream_layers():
-            replace = getattr(layer, "commit_replacing_last", None)
-            if replace is not None:
-                replace()
+        linear-attention sums); the other stream layers (the temporal-conv state) commit as usual.
+        Every layer is checked first (`check_replacing_last`); only then is any layer changed."""
+        layers = self._stream_layers()
+        for layer in layers:
+            if hasattr(layer, "check_replacing_last"):
+                layer.check_replacing_last()
+        for layer in layers:
+            if hasattr(layer, "commit_replacing_last"):
+                layer.commit_replacing_last()
             elif layer.pending_tokens:
                 layer.commit()
 
