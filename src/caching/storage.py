@@ -8,7 +8,7 @@ them over. The interface, shared by every storage:
     write(slots, key, value) -> (keys, values)                  the pending chunk into `slots`; what attention reads
     commit(slots, rows)                                         the pending chunk becomes permanent (offload: home)
     read(slots, rows) -> (keys, values)                         copies of `slots`, in the compute dtype and device
-    reset(), share_workspace(workspace, work_parity), prefetch(rows), memory_bytes(device), resident_bytes()
+    reset(), share_workspace(workspace, work_parity), prefetch(rows), tensors(), resident_bytes()
 
 - `KVStorage`: the K/V as they arrive, written in place (`index_copy_`); attention reads the buffers.
 - `QuantizedKVStorage`: int8 / fp8 codes plus per token-and-head scales (`quantization.py`); attention reads
@@ -104,19 +104,13 @@ class KVStorage(nn.Module):
     def _reserve_workspace(self) -> None:
         """Name (and size) this storage's shares of the workspace: none for dense K/V."""
 
-    def memory_bytes(self, device: torch.device | str | None = None) -> int:
-        """Bytes of the stored buffers (on `device` only, when given)."""
-        tensors = [t for t in self._held() if t is not None]
-        if device is not None:
-            tensors = [t for t in tensors if t.device.type == torch.device(device).type]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def _held(self) -> list[torch.Tensor | None]:
-        return list(self.stored().values())
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffers this storage holds (a layer's `memory_bytes` counts them)."""
+        return [t for t in self.stored().values() if t is not None]
 
     def resident_bytes(self) -> int:
         """Bytes kept on the compute device."""
-        return self.memory_bytes()
+        return sum(t.nbytes for t in self.tensors())
 
     # ------------------------------------------------------------------------------------ the step
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,11 +300,8 @@ class OffloadedKVStorage(nn.Module):
     def work_parity(self) -> int:
         return self._work_parity
 
-    def memory_bytes(self, device: torch.device | str | None = None) -> int:
-        staged = [t for t in self._staged().values()]
-        if device is not None:
-            staged = [t for t in staged if t.device.type == torch.device(device).type]
-        return self.home.memory_bytes(device) + sum(t.numel() * t.element_size() for t in staged)
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.home.tensors(), *self._staged().values()]  # the work buffers are the workspace's
 
     def resident_bytes(self) -> int:
         return 0  # home and staging live in CPU memory; the work buffers are the workspace's
