@@ -91,10 +91,13 @@ class KVStorage(nn.Module):
         runs), for writes of up to `chunk_tokens` tokens in `dtype`."""
         self._device = device if home is not None and home != device else None
         self._chunk_tokens = chunk_tokens
-        where = device if home is None else home
+        self._allocate_tensors(shape, dtype, device if home is None else home)
+        self._reserve_workspace()
+
+    def _allocate_tensors(self, shape: tuple[int, int, int, int], dtype: torch.dtype, where: torch.device) -> None:
+        """The zeroed stored tensors on `where`, for K/V arriving in `dtype`."""
         self.keys = _zeros(shape, dtype, where)
         self.values = _zeros(shape, dtype, where)
-        self._reserve_workspace()
 
     def share_workspace(self, workspace: CacheWorkspace, work_parity: int = 0) -> None:
         """Use a container's workspace (one scratch for all layers); `work_parity` picks an offload work buffer."""
@@ -179,21 +182,13 @@ class QuantizedKVStorage(KVStorage):
     def compute_dtype(self) -> torch.dtype | None:
         return None if self.keys is None else self._compute_dtype
 
-    @property
-    def device(self) -> torch.device | None:
-        return None if self.keys is None else (self._device or self.keys.device)
-
-    def allocate(self, shape, chunk_tokens, dtype, device, home=None) -> None:
+    def _allocate_tensors(self, shape, dtype, where) -> None:
         self._compute_dtype = dtype
-        self._device = device if home is not None and home != device else None
-        self._chunk_tokens = chunk_tokens
-        where = device if home is None else home
         codes = storage_dtype(self.quantization)
         self.keys = _zeros(shape, codes, where)
         self.values = _zeros(shape, codes, where)
         self.key_scales = _zeros((*shape[:3], 1), torch.float32, where)
         self.value_scales = _zeros((*shape[:3], 1), torch.float32, where)
-        self._reserve_workspace()
 
     def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
         """The dtype the codes dequantize to (a loaded state's)."""
