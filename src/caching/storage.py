@@ -250,6 +250,8 @@ class OffloadedKVStorage(nn.Module):
     # the stored tensors, compute dtype and device are the home's
     keys = property(lambda self: self.home.keys)
     values = property(lambda self: self.home.values)
+    key_scales = property(lambda self: getattr(self.home, "key_scales", None))  # quantized home: its scales
+    value_scales = property(lambda self: getattr(self.home, "value_scales", None))
     is_allocated = property(lambda self: self.home.is_allocated)
     compute_dtype = property(lambda self: self.home.compute_dtype)
     device = property(lambda self: self.home.device)
