@@ -331,7 +331,8 @@ class OffloadedKVStorage(nn.Module):
 
     def _stage(self, name: str, chunk: torch.Tensor) -> None:
         """Copy the chunk written into `name` to host memory now (asynchronously); `commit` writes it home."""
-        self._staged()[name][: chunk.shape[0], : chunk.shape[1]].copy_(chunk, non_blocking=chunk.is_cuda)
+        staged = getattr(self, _STAGED_NAMES[name])  # a buffer lookup, not the 4-entry dict of `_staged()`
+        staged[: chunk.shape[0], : chunk.shape[1]].copy_(chunk, non_blocking=chunk.is_cuda)
 
     def write(self, slots, key, value):
         return self.home.write_into(self._fetch(key.shape[0]), slots, key, value, on_written=self._stage)
