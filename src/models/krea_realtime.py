@@ -538,8 +538,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         if grid_frames > layout.chunk_frames:
             raise ValueError(f"A chunk of {grid_frames} frames exceeds `chunk_frames`={layout.chunk_frames}.")
         if layout.position_mode == "absolute" and not torch.compiler.is_compiling():
-            end_frame = kv_cache[0].committed_count // layout.tokens_per_frame + grid_frames
-            self.check_frame_budget(end_frame, layout)
+            self.check_frame_budget(self.committed_frames(kv_cache, layout) + grid_frames, layout)
 
     def _add_dense_chunks(
         self,
