@@ -38,7 +38,7 @@ def check_positive(name: str, value: int, allow_zero: bool = False) -> int:
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__}.")
     lowest = 0 if allow_zero else 1
     if value < lowest:
-        allowed = ">= 0" if allow_zero else ">= 1"
+        allowed = "an int >= 0" if allow_zero else "a positive int"
         raise ValueError(f"`{name}` must be {allowed}, got {value}.")
     return value
 
