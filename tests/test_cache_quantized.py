@@ -31,6 +31,17 @@ def test_memory_is_at_most_055_of_bf16(quantization, head_dim):
     assert quantized.keys.dtype in (torch.int8, torch.float8_e4m3fn) and quantized.key_scales.dtype == torch.float32
 
 
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("quantization", FORMATS)
+def test_the_scales_are_the_stored_ones_resident_or_offloaded(quantization, offload):
+    layer = SlidingWindowLayer(2, 6, 2, quantization=quantization, offload=offload)
+    layer.early_initialization(1, 2, 8, torch.float32, "cpu")
+    home = layer.storage.home if offload else layer.storage
+    assert layer.key_scales is home.key_scales and layer.value_scales is home.value_scales
+    assert layer.key_scales.shape == (1, 8, 2, 1) and layer.key_scales.dtype == torch.float32
+    assert SlidingWindowLayer(2, 6, 2, offload=offload).key_scales is None  # dense: no scales
+
+
 @pytest.mark.parametrize("quantization", FORMATS)
 def test_dequantization_scratch_is_shared_and_counted_once(quantization):
     layers = [SlidingWindowLayer(2, 6, 2, quantization=quantization) for _ in range(3)]

@@ -87,3 +87,39 @@ def test_commit_replacing_last_keeps_the_new_contribution_once():
     fresh.commit()
     torch.testing.assert_close(layer.get()[0], fresh.get()[0], atol=0, rtol=0)
     assert layer.committed_chunks == 1
+
+
+def test_a_refused_commit_replacing_last_leaves_the_pending_chunk_committable():
+    """With nothing to replace (no chunk committed yet, or a rewind since), `commit_replacing_last` is refused
+    before any change: the pending chunk is still there for `commit()`."""
+    from rolldiff.caching import RewindableLinearAttentionLayer
+
+    torch.manual_seed(0)
+    key, value = torch.rand(1, 4, 2, 3), torch.rand(1, 4, 2, 3)
+    layer = RewindableLinearAttentionLayer()
+    layer.update(key, value)
+    with pytest.raises(RuntimeError, match="nothing to replace"):
+        layer.commit_replacing_last()
+    assert layer.pending_tokens == 4
+    layer.commit()
+    assert layer.committed_chunks == 1 and layer.get_seq_length() == 4
+
+
+def test_a_container_checks_every_layer_before_committing_any_in_place_of_the_last():
+    from rolldiff.caching import RewindableLinearAttentionLayer
+
+    torch.manual_seed(0)
+    key, value = torch.rand(1, 4, 2, 3), torch.rand(1, 4, 2, 3)
+    first, second = RewindableLinearAttentionLayer(), RewindableLinearAttentionLayer()
+    first.update(key, value)
+    first.commit()  # `first` could replace its last chunk, `second` has none
+    cache = RollingKVCache([first, second])
+    before = first.get()[0].clone()
+    for layer in cache:
+        layer.update(key, value)
+    with pytest.raises(RuntimeError, match="nothing to replace"):
+        cache.commit_replacing_last()
+    assert first.committed_chunks == 1 and torch.equal(first.get()[0], before)
+    assert [layer.pending_tokens for layer in cache] == [4, 4]
+    cache.commit()
+    assert [layer.committed_chunks for layer in cache] == [2, 1]

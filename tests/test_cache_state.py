@@ -348,3 +348,25 @@ def test_a_compiled_step_keeps_its_graphs_across_a_load():
     finally:
         torch._dynamo.reset()
     assert len(counter.graphs) == graphs <= 2  # no recompile: the same buffers, the same host flags
+
+
+@pytest.mark.parametrize(
+    "change",
+    [lambda t: t.to(torch.float64), lambda t: t[:, :-1]],  # another dtype, another shape
+    ids=["dtype", "shape"],
+)
+def test_a_bad_storage_tensor_in_a_later_layer_is_refused_before_the_first_layer_changes(change):
+    source = _filled_sliding_cache()
+    tensors, extras = split_extra_state(source.state_dict())
+    tensors["layers.1.storage.keys"] = change(tensors["layers.1.storage.keys"]).contiguous()
+    cache = _sliding_cache(early=False)
+    _run_sliding(cache, ("step", _kv(random.Random(6), 1, 2), 0.0))  # allocated for batch 1, as the state
+    cache.commit()
+    before = {name: t.clone() for name, t in cache.state_dict().items() if isinstance(t, torch.Tensor)}
+    with pytest.raises(ValueError, match=r"layers\.1.*storage\.keys"):
+        cache.check_state_dict(merge_extra_state(tensors, extras))
+    with pytest.raises(ValueError, match=r"storage\.keys"):
+        cache.load_state_dict(merge_extra_state(tensors, extras))
+    after = {name: t for name, t in cache.state_dict().items() if isinstance(t, torch.Tensor)}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert cache[0].get_seq_length() == 2  # layer 0 kept its own stream, not the saved one (6 tokens)

@@ -64,6 +64,13 @@ def test_the_transformer_implements_the_protocol_with_its_exact_signatures(pipe)
         assert all(p.default is not inspect.Parameter.empty for p in got[len(expected) :]), name
 
 
+def test_the_transformer_methods_are_the_protocols_own_methods():
+    assert TRANSFORMER_METHODS == (
+        "tokens_per_frame", "make_cache", "prepare_conditioning", "check_frame_budget", "committed_frames"
+    )  # fmt: skip
+    assert all(callable(getattr(VideoTransformer, name)) for name in TRANSFORMER_METHODS)
+
+
 def test_the_pipeline_provides_every_required_hook(pipe):
     for name, required in PIPELINE_HOOKS.items():
         assert callable(getattr(pipe, name)), name

@@ -82,6 +82,24 @@ def test_cached_chunks_equal_the_dense_block_causal_reference(model, position_mo
     assert cache.cross[0].num_computations == 1  # text K/V computed once for the whole video
 
 
+@pytest.mark.parametrize("bias_mode", ["past", "scope"])
+@torch.no_grad()
+def test_the_bias_mask_is_built_once_per_step_for_every_block_of_one_geometry(model, bias_mode, monkeypatch):
+    from rolldiff.models import krea_realtime
+
+    built = []
+    original = krea_realtime._bias_mask
+    monkeypatch.setattr(krea_realtime, "_bias_mask", lambda *args: built.append(1) or original(*args))
+    layout = ChunkLayout(TOKENS_PER_FRAME, chunk_frames=2, sink_frames=2, window_frames=4)
+    cache = model.make_cache(layout)
+    for _ in range(3):  # window filling, then full
+        _chunk(model, torch.randn(1, 4, 2, 4, 4), 0.5, cache, layout, 0.3, bias_mode)
+        built.clear()
+        _chunk(model, torch.randn(1, 4, 2, 4, 4), 0.0, cache, layout, 0.3, bias_mode)
+        assert len(built) == 1 < len(cache)  # one mask per step, shared by both blocks
+        cache.commit()
+
+
 @pytest.mark.parametrize("position_mode", ["absolute", "relative"])
 @torch.no_grad()
 def test_a_window_per_block_equals_the_dense_reference_with_a_layout_per_block(model, position_mode):

@@ -29,8 +29,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .workspace import CacheWorkspace
-
 EXTRA_STATE_KEY = "_extra_state"  # torch's state-dict name for what `get_extra_state` returns
 
 
@@ -40,7 +38,7 @@ def check_positive(name: str, value: int, allow_zero: bool = False) -> int:
         raise TypeError(f"`{name}` must be an int, got {type(value).__name__}.")
     lowest = 0 if allow_zero else 1
     if value < lowest:
-        allowed = ">= 0" if allow_zero else ">= 1"
+        allowed = "an int >= 0" if allow_zero else "a positive int"
         raise ValueError(f"`{name}` must be {allowed}, got {value}.")
     return value
 
@@ -232,8 +230,8 @@ class CacheLayer(nn.Module, abc.ABC):
         return {"kind": type(self).__name__, "config": self.state_config(), "state": self.host_state()}
 
     def set_extra_state(self, state: Any) -> None:
-        self.check_state({}, state)
-        self._adopt_config(state["config"])
+        """Put back the host state; reached from `_load_from_state_dict` only, after `check_state` and
+        `_adopt_config` (so nothing is checked twice)."""
         self.load_host_state(state["state"])
 
     def _adopt_config(self, config: Mapping[str, Any]) -> None:
@@ -245,12 +243,16 @@ class CacheLayer(nn.Module, abc.ABC):
         """State-dict names (relative, dotted) of every buffer `state_dict()` saves once allocated, its storage's
         included; scratch (non-persistent buffers, the shared workspace) is left out."""
         names = []
-        for prefix, module in self.named_modules():
-            if isinstance(module, CacheWorkspace):
-                continue
+        for prefix, module in self.named_modules():  # the workspace's buffers are all non-persistent
             skipped = module._non_persistent_buffers_set  # noqa: SLF001  torch keeps persistence only here
             names += [f"{prefix}.{n}" if prefix else n for n in module._buffers if n not in skipped]  # noqa: SLF001
         return names
+
+    def state_tensors(self, state_dict: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+        """This layer's saved tensors in `state_dict` (its keys under `prefix`), by relative buffer name: every
+        persistent buffer, its storage's included (`storage.keys`)."""
+        names = self.persistent_buffer_names()
+        return {name: state_dict[prefix + name] for name in names if prefix + name in state_dict}
 
     def check_state(self, tensors: Mapping[str, torch.Tensor], extra: Any) -> None:
         """Raise ValueError, naming the difference, unless loading `tensors` (by buffer name) and `extra` (what
@@ -291,14 +293,13 @@ class CacheLayer(nn.Module, abc.ABC):
             super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
             self.loaded_without_host_state()
             return
-        names = [name for name in self.persistent_buffer_names() if prefix + name in state_dict]
-        tensors = {name: state_dict[prefix + name] for name in names}
+        tensors = self.state_tensors(state_dict, prefix)
         self.check_state(tensors, extra)
+        self._adopt_config(extra["config"])
         if not tensors:  # saved before its first chunk: an empty layer
             self.reset()
             self.set_extra_state(extra)
             return
-        self._adopt_config(extra["config"])
         grown = any(
             self.get_buffer(n) is not None and self.get_buffer(n).shape != t.shape
             for n, t in tensors.items()

@@ -166,11 +166,15 @@ class RollingKVCache(nn.Module):
 
     def commit_replacing_last(self) -> None:
         """Commit the pending chunk in place of the last committed one, in every state layer that can (the
-        linear-attention sums); the other stream layers (the temporal-conv state) commit as usual."""
-        for layer in self._stream_layers():
-            replace = getattr(layer, "commit_replacing_last", None)
-            if replace is not None:
-                replace()
+        linear-attention sums); the other stream layers (the temporal-conv state) commit as usual.
+        Every layer is checked first (`check_replacing_last`); only then is any layer changed."""
+        layers = self._stream_layers()
+        for layer in layers:
+            if hasattr(layer, "check_replacing_last"):
+                layer.check_replacing_last()
+        for layer in layers:
+            if hasattr(layer, "commit_replacing_last"):
+                layer.commit_replacing_last()
             elif layer.pending_tokens:
                 layer.commit()
 
@@ -294,8 +298,14 @@ class RollingKVCache(nn.Module):
             if not isinstance(layer, CacheLayer) or extra is None:
                 continue
             prefix = f"{name}."
-            tensors = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-            tensors = {k: v for k, v in tensors.items() if "." not in k and k != EXTRA_STATE_KEY}
+            tensors = layer.state_tensors(state_dict, prefix)
+            # Keys under the layer's prefix that are none of its buffers: passed on so `check_state` names them.
+            unknown = {
+                k[len(prefix) :]: v
+                for k, v in state_dict.items()
+                if k.startswith(prefix) and k[len(prefix) :] not in tensors and k[len(prefix) :] != EXTRA_STATE_KEY
+            }
+            tensors = {**tensors, **unknown}
             try:
                 layer.check_state(tensors, extra)
             except ValueError as error:

@@ -256,11 +256,20 @@ class RewindableLinearAttentionLayer(LinearAttentionLayer):
         """Commit the pending chunk IN PLACE of the last committed one: the pending sums were computed with that
         chunk's old contribution still in the state (LongSANA's re-cache of chunk 0 before chunk 1, whose past is
         chunk 0's own old state); the state then holds the new contribution once, as after a rewind and a commit."""
-        self._require_pending()
-        tokens, self.pending_tokens = self.pending_tokens, 0
-        self.rewind(self._summarised_tokens[-1] if self._summarised_tokens and self._can_undo else -1)
+        self.check_replacing_last()
+        tokens = self.pending_tokens
+        self.rewind(self._summarised_tokens[-1])
         self.pending_tokens = tokens  # the pending sums are untouched by the rewind
         self.commit()
+
+    def check_replacing_last(self) -> None:
+        """Raise if `commit_replacing_last()` would be refused; changes nothing (containers check every layer first)."""
+        self._require_pending()
+        if not (self._summarised_tokens and self._can_undo):
+            raise RuntimeError(
+                f"{type(self).__name__}.commit_replacing_last() with nothing to replace: no committed chunk can be "
+                "undone (none yet, or a rewind since the last commit); call commit() instead."
+            )
 
     def check_rewind(self, num_tokens: int) -> None:
         super().check_rewind(num_tokens)

@@ -192,11 +192,9 @@ class SlidingWindowLayer(CacheLayer):
         """Which of the container's two device work buffers this offloaded layer reads (alternating by block)."""
         return getattr(self.storage, "work_parity", 0)
 
-    def memory_bytes(self, device: torch.device | str | None = None) -> int:
-        own = [] if self.slot_positions is None else [self.slot_positions]
-        if device is not None:
-            own = [t for t in own if t.device.type == torch.device(device).type]
-        return self.storage.memory_bytes(device) + sum(t.nbytes for t in own)
+    def _tensors(self) -> list[torch.Tensor]:
+        """What `memory_bytes` counts: the storage's buffers and the slot map (not the index scratch)."""
+        return [*self.storage.tensors(), *([] if self.slot_positions is None else [self.slot_positions])]
 
     def resident_bytes(self) -> int:
         """Bytes this layer keeps on the compute device (an offloaded layer: only its slot map)."""

@@ -8,7 +8,7 @@ them over. The interface, shared by every storage:
     write(slots, key, value) -> (keys, values)                  the pending chunk into `slots`; what attention reads
     commit(slots, rows)                                         the pending chunk becomes permanent (offload: home)
     read(slots, rows) -> (keys, values)                         copies of `slots`, in the compute dtype and device
-    reset(), share_workspace(workspace, work_parity), prefetch(rows), memory_bytes(device), resident_bytes()
+    reset(), share_workspace(workspace, work_parity), prefetch(rows), tensors(), resident_bytes()
 
 - `KVStorage`: the K/V as they arrive, written in place (`index_copy_`); attention reads the buffers.
 - `QuantizedKVStorage`: int8 / fp8 codes plus per token-and-head scales (`quantization.py`); attention reads
@@ -91,10 +91,13 @@ class KVStorage(nn.Module):
         runs), for writes of up to `chunk_tokens` tokens in `dtype`."""
         self._device = device if home is not None and home != device else None
         self._chunk_tokens = chunk_tokens
-        where = device if home is None else home
+        self._allocate_tensors(shape, dtype, device if home is None else home)
+        self._reserve_workspace()
+
+    def _allocate_tensors(self, shape: tuple[int, int, int, int], dtype: torch.dtype, where: torch.device) -> None:
+        """The zeroed stored tensors on `where`, for K/V arriving in `dtype`."""
         self.keys = _zeros(shape, dtype, where)
         self.values = _zeros(shape, dtype, where)
-        self._reserve_workspace()
 
     def share_workspace(self, workspace: CacheWorkspace, work_parity: int = 0) -> None:
         """Use a container's workspace (one scratch for all layers); `work_parity` picks an offload work buffer."""
@@ -104,19 +107,13 @@ class KVStorage(nn.Module):
     def _reserve_workspace(self) -> None:
         """Name (and size) this storage's shares of the workspace: none for dense K/V."""
 
-    def memory_bytes(self, device: torch.device | str | None = None) -> int:
-        """Bytes of the stored buffers (on `device` only, when given)."""
-        tensors = [t for t in self._held() if t is not None]
-        if device is not None:
-            tensors = [t for t in tensors if t.device.type == torch.device(device).type]
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    def _held(self) -> list[torch.Tensor | None]:
-        return list(self.stored().values())
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffers this storage holds (a layer's `memory_bytes` counts them)."""
+        return [t for t in self.stored().values() if t is not None]
 
     def resident_bytes(self) -> int:
         """Bytes kept on the compute device."""
-        return self.memory_bytes()
+        return sum(t.nbytes for t in self.tensors())
 
     # ------------------------------------------------------------------------------------ the step
     def write(self, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,21 +182,13 @@ class QuantizedKVStorage(KVStorage):
     def compute_dtype(self) -> torch.dtype | None:
         return None if self.keys is None else self._compute_dtype
 
-    @property
-    def device(self) -> torch.device | None:
-        return None if self.keys is None else (self._device or self.keys.device)
-
-    def allocate(self, shape, chunk_tokens, dtype, device, home=None) -> None:
+    def _allocate_tensors(self, shape, dtype, where) -> None:
         self._compute_dtype = dtype
-        self._device = device if home is not None and home != device else None
-        self._chunk_tokens = chunk_tokens
-        where = device if home is None else home
         codes = storage_dtype(self.quantization)
         self.keys = _zeros(shape, codes, where)
         self.values = _zeros(shape, codes, where)
         self.key_scales = _zeros((*shape[:3], 1), torch.float32, where)
         self.value_scales = _zeros((*shape[:3], 1), torch.float32, where)
-        self._reserve_workspace()
 
     def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
         """The dtype the codes dequantize to (a loaded state's)."""
@@ -261,6 +250,8 @@ class OffloadedKVStorage(nn.Module):
     # the stored tensors, compute dtype and device are the home's
     keys = property(lambda self: self.home.keys)
     values = property(lambda self: self.home.values)
+    key_scales = property(lambda self: getattr(self.home, "key_scales", None))  # quantized home: its scales
+    value_scales = property(lambda self: getattr(self.home, "value_scales", None))
     is_allocated = property(lambda self: self.home.is_allocated)
     compute_dtype = property(lambda self: self.home.compute_dtype)
     device = property(lambda self: self.home.device)
@@ -306,11 +297,8 @@ class OffloadedKVStorage(nn.Module):
     def work_parity(self) -> int:
         return self._work_parity
 
-    def memory_bytes(self, device: torch.device | str | None = None) -> int:
-        staged = [t for t in self._staged().values()]
-        if device is not None:
-            staged = [t for t in staged if t.device.type == torch.device(device).type]
-        return self.home.memory_bytes(device) + sum(t.numel() * t.element_size() for t in staged)
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.home.tensors(), *self._staged().values()]  # the work buffers are the workspace's
 
     def resident_bytes(self) -> int:
         return 0  # home and staging live in CPU memory; the work buffers are the workspace's
@@ -343,7 +331,8 @@ class OffloadedKVStorage(nn.Module):
 
     def _stage(self, name: str, chunk: torch.Tensor) -> None:
         """Copy the chunk written into `name` to host memory now (asynchronously); `commit` writes it home."""
-        self._staged()[name][: chunk.shape[0], : chunk.shape[1]].copy_(chunk, non_blocking=chunk.is_cuda)
+        staged = getattr(self, _STAGED_NAMES[name])  # a buffer lookup, not the 4-entry dict of `_staged()`
+        staged[: chunk.shape[0], : chunk.shape[1]].copy_(chunk, non_blocking=chunk.is_cuda)
 
     def write(self, slots, key, value):
         return self.home.write_into(self._fetch(key.shape[0]), slots, key, value, on_written=self._stage)

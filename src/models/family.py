@@ -69,10 +69,5 @@ PIPELINE_HOOKS: dict[str, bool] = {  # name -> required
     "encode_prompt": False,
 }
 
-TRANSFORMER_METHODS: tuple[str, ...] = (
-    "tokens_per_frame",
-    "make_cache",
-    "prepare_conditioning",
-    "check_frame_budget",
-    "committed_frames",
-)
+# The Protocol's methods, in declaration order (read from the class, so the two never drift apart).
+TRANSFORMER_METHODS: tuple[str, ...] = tuple(name for name in vars(VideoTransformer) if not name.startswith("_"))

@@ -157,6 +157,7 @@ class CausalAttentionInputs:
     dense_layouts: list[ChunkLayout] | None = None  # per-block layouts of the dense path (None: `layout`)
     block_dense_chunks: dict[int, list[DenseChunk]] = field(default_factory=dict)
     shared_rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    shared_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)
 
     def query_rope(self, layer: SlidingWindowLayer, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of the chunk being written, shared by every block of the same geometry."""
@@ -174,6 +175,22 @@ class CausalAttentionInputs:
             positions = layer.key_positions(reindexed=True)
             self.shared_rope[key] = self.rope.for_tokens(positions, self.layout.tokens_per_frame)
         return self.shared_rope[key]
+
+    def bias_mask(
+        self, layer: SlidingWindowLayer, num_tokens: int, visible: slice, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The additive attention-bias mask of the `visible` keys, after the layer's update: built once per step
+        and shared by every block of the same geometry (their slot maps and counters move together, as for
+        `key_rope`)."""
+        geometry = (layer.sink_tokens, layer.window_tokens, layer.chunk_tokens)
+        key = ("bias", *geometry, num_tokens, visible.stop, self.attention_bias_mode, dtype)
+        if key not in self.shared_masks:
+            mask = layer.attention_mask
+            past = mask & ~layer.pending_slot_mask()
+            if self.attention_bias_mode == "scope":  # Scope leaves the first frame unbiased
+                past = past & (layer.key_positions() >= self.layout.tokens_per_frame)
+            self.shared_masks[key] = _bias_mask(mask, past, self.attention_bias, dtype)[visible]
+        return self.shared_masks[key]
 
 
 ATTENTION_BIAS_MODES = ("past", "scope")
@@ -252,11 +269,7 @@ class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
             query = apply_rotary(query, *inputs.query_rope(layer, num_tokens))
             keys = apply_rotary(keys, *(table[:, visible] for table in inputs.key_rope(layer)))
         if inputs.attention_bias != 1.0:
-            mask = layer.attention_mask
-            past = mask & ~layer.pending_slot_mask()
-            if inputs.attention_bias_mode == "scope":  # Scope leaves the first frame unbiased
-                past = past & (layer.key_positions() >= inputs.layout.tokens_per_frame)
-            mask = _bias_mask(mask, past, inputs.attention_bias, query.dtype)[visible]
+            mask = inputs.bias_mask(layer, num_tokens, visible, query.dtype)
         elif visible.stop is not None or (layer.window_full and num_tokens == layer.chunk_tokens):
             mask = None  # every key read is visible: no mask, so fused (flash) kernels apply
         else:
@@ -525,8 +538,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         if grid_frames > layout.chunk_frames:
             raise ValueError(f"A chunk of {grid_frames} frames exceeds `chunk_frames`={layout.chunk_frames}.")
         if layout.position_mode == "absolute" and not torch.compiler.is_compiling():
-            end_frame = kv_cache[0].committed_count // layout.tokens_per_frame + grid_frames
-            self.check_frame_budget(end_frame, layout)
+            self.check_frame_budget(self.committed_frames(kv_cache, layout) + grid_frames, layout)
 
     def _add_dense_chunks(
         self,

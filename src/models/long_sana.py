@@ -414,7 +414,7 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
         chunks; no recompile (buffers change in place, the counter is a device tensor).
         """
         conv_layers = kv_cache.slots["conv_state"]
-        committed = conv_layers[0].committed_frames
+        committed = self.committed_frames(kv_cache)
         if isinstance(num_frames, bool) or not isinstance(num_frames, int) or not 0 < num_frames <= committed:
             raise ValueError(
                 f"`num_frames` must be an int in [1, {committed}] (the committed frames), got {num_frames!r}."
@@ -484,7 +484,7 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
                 if conv_layers is None or len(kv_cache) != len(self.transformer_blocks):
                     raise ValueError("`kv_cache` was not built by this model's `make_cache`.")
                 if not torch.compiler.is_compiling():  # host-side check; a compiled step relies on the pipeline's
-                    self.check_frame_budget(conv_layers[0].committed_frames + grid_frames)
+                    self.check_frame_budget(self.committed_frames(kv_cache, layout) + grid_frames)
                 start = conv_layers[0].frame_count  # device tensor: no host sync, no recompile per chunk
                 offsets = torch.arange(grid_frames, device=hidden_states.device)
                 positions = offsets if start is None else start + offsets

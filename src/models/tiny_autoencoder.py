@@ -39,7 +39,16 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 from einops import rearrange
 from torch import Tensor, nn
 
-from .weights import TORCH_SUFFIXES, StrictWeightsMixin, WeightsMismatchError, read_checkpoint_file
+from ..caching.base import check_positive
+from .weights import (
+    KEYS_IN_ERRORS,
+    TORCH_SUFFIXES,
+    StrictWeightsMixin,
+    WeightsMismatchError,
+    preview_keys,
+    read_checkpoint_file,
+    weight_mismatches,
+)
 
 # Per-layer carries between chunks, keyed by the layer's index in its `nn.Sequential` (see `CausalSequential`).
 Memory = dict[str, Tensor]
@@ -178,11 +187,6 @@ def _check_flags(name: str, value: Sequence[bool], stages: str) -> tuple[bool, b
     return tuple(value)
 
 
-def _check_positive(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
-
-
 def _build_encoder(image_channels: int, width: int, latent_channels: int, time_downscale: tuple[bool, ...]):
     layers: list[nn.Module] = [_conv3x3(image_channels, width), nn.ReLU()]
     for pool in time_downscale:  # three stages: pool in time, halve in space, three memory blocks
@@ -248,11 +252,11 @@ class TinyVideoAutoencoder(StrictWeightsMixin, ModelMixin, ConfigMixin):
             ("patch_size", patch_size),
             ("encoder_channels", encoder_channels),
         ):
-            _check_positive(name, value)
+            check_positive(name, value)
         if isinstance(decoder_channels, (str, bytes)) or len(decoder_channels) != 4:
             raise ValueError(f"`decoder_channels` must be 4 positive ints, got {decoder_channels!r}.")
         for width in decoder_channels:
-            _check_positive("decoder_channels", width)
+            check_positive("decoder_channels", width)
         time_down = _check_flags("encoder_time_downscale", encoder_time_downscale, "encoder stage")
         time_up = _check_flags("decoder_time_upscale", decoder_time_upscale, "decoder stage")
         space_up = _check_flags("decoder_space_upscale", decoder_space_upscale, "decoder stage")
@@ -494,18 +498,15 @@ def _drop_disabled_time_upscale(state_dict: dict[str, Tensor], model: TinyVideoA
 def check_state_dict_fits(model: nn.Module, state_dict: Mapping[str, Tensor], source: str) -> None:
     """Raise one error naming every missing, unexpected and mis-shaped key of `state_dict` for `model`."""
     expected = {key: tuple(value.shape) for key, value in model.state_dict().items()}
-    missing = sorted(set(expected) - set(state_dict))
-    unexpected = sorted(set(state_dict) - set(expected))
-    mismatched = [
-        f"{key}: file {tuple(state_dict[key].shape)} vs model {shape}"
-        for key, shape in expected.items()
-        if key in state_dict and tuple(state_dict[key].shape) != shape
-    ]
+    found = {key: tuple(value.shape) for key, value in state_dict.items()}
+    missing, unexpected, mismatched = weight_mismatches(expected, found, expected_as="model")
     problems = [
-        f"{label} ({len(keys)}): {keys[:6]}{' ...' if len(keys) > 6 else ''}"
-        for label, keys in (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched))
+        f"{label} ({len(keys)}): {preview_keys(keys)}"
+        for label, keys in (("missing", missing), ("unexpected", unexpected))
         if keys
     ]
+    if mismatched:
+        problems.append(f"mismatched ({len(mismatched)}): {', '.join(mismatched[:KEYS_IN_ERRORS])}")
     if problems:
         raise WeightsMismatchError(
             f"{source} does not fit TinyVideoAutoencoder({dict(model.config)}): " + "; ".join(problems) + "."

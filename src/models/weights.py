@@ -72,6 +72,25 @@ def _blocks(keys: list[str]) -> str:
     return f" (in blocks {indices})" if indices else ""
 
 
+def weight_mismatches(
+    expected: Mapping[str, tuple[int, ...]],
+    found: Mapping[str, tuple[int, ...]],
+    ignored: Iterable[re.Pattern] = (),
+    expected_as: str = "config",
+) -> tuple[list[str], list[str], list[str]]:
+    """What of `found` (key -> shape) does not fit `expected`: the missing keys, the unexpected keys (but those an
+    `ignored` pattern matches) and the mis-shaped ones, written `"key (found shape) ({expected_as}: shape)"`."""
+    ignored = list(ignored)
+    missing = [key for key in expected if key not in found]
+    unexpected = [key for key in found if key not in expected and not any(p.search(key) for p in ignored)]
+    misshaped = [
+        f"{key} {found[key]} ({expected_as}: {expected[key]})"
+        for key in expected
+        if key in found and found[key] != expected[key]
+    ]
+    return missing, unexpected, misshaped
+
+
 def check_weights_match_config(
     model_class, folder: str | os.PathLike, weights_name: str = "diffusion_pytorch_model.safetensors"
 ) -> None:
@@ -95,13 +114,7 @@ def check_weights_match_config(
     ignored = [
         re.compile(pattern) for pattern in getattr(model_class, "_keys_to_ignore_on_load_unexpected", None) or []
     ]
-    missing = [key for key in expected if key not in shapes]
-    unexpected = [key for key in shapes if key not in expected and not any(p.search(key) for p in ignored)]
-    misshaped = [
-        f"{key} {shapes[key]} (config: {expected[key]})"
-        for key in expected
-        if key in shapes and shapes[key] != expected[key]
-    ]
+    missing, unexpected, misshaped = weight_mismatches(expected, shapes, ignored)
     if not (missing or unexpected or misshaped):
         return
     problems = []
