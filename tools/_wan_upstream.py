@@ -333,3 +333,24 @@ def recorder_main(doc: str, record, tree: str, golden_folder: str) -> None:
     parser.add_argument("--out", type=Path, required=True, help=f"golden folder, e.g. {golden_folder}")
     args = parser.parse_args()
     record(args.upstream, args.out)
+
+
+def load_causal_tree(root: Path, patches: dict, memory_module: str, **extra_modules: str) -> types.SimpleNamespace:
+    """A Self-Forcing-family tree (Self-Forcing, LongLive, Krea) imported on a CPU: the causal Wan model with its
+    attention routed to SDPA, its `WanDiffusionWrapper`, `pipeline.causal_inference` and `extra_modules`
+    (attribute name -> module path). `memory_module` is the tree's CUDA-only memory helper, stubbed by name."""
+    cpu_cuda_stubs()
+    tree = UpstreamTree(
+        root,
+        patches=patches,
+        bare_packages=["pipeline", "wan", "wan.modules"],
+        stubs=COMMON_STUBS | {memory_module: dict.fromkeys(MEMORY_HELPERS)},
+    )
+    causal_model = tree.module("wan.modules.causal_model")
+    route_attention(causal_model, tree.module("wan.modules.model"))
+    return types.SimpleNamespace(
+        causal_model=causal_model,
+        wan_wrapper=tree.module("utils.wan_wrapper"),
+        causal_inference=tree.module("pipeline.causal_inference"),
+        **{name: tree.module(module) for name, module in extra_modules.items()},
+    )

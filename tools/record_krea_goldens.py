@@ -55,22 +55,18 @@ from unittest import mock
 
 import torch
 from _wan_upstream import (
-    COMMON_STUBS,
     DIFFUSERS_CONFIG,
     HEIGHT,
     LATENT_SIZE,
-    MEMORY_HELPERS,
     TINY_MODEL,
     TOKENS_PER_FRAME,
     WIDTH,
     NoiseTape,
-    UpstreamTree,
-    cpu_cuda_stubs,
+    load_causal_tree,
     proxied_torch,
     randomize_,
     record_scenario,
     recorder_main,
-    route_attention,
     table_sigmas,
     text_embeddings,
     tiny_weights,
@@ -106,27 +102,19 @@ VAE_BLOCK3_PATCHES = [
 
 
 def load_upstream(root: Path) -> types.SimpleNamespace:
-    cpu_cuda_stubs()
-    tree = UpstreamTree(
+    patches = {
+        "wan.modules.causal_model": [("frame_seqlen = 1560", f"frame_seqlen = {TOKENS_PER_FRAME}")],
+        "demo_utils.vae_block3": VAE_BLOCK3_PATCHES,
+        "v2v": [("interpolate(frames.cuda(),", "interpolate(frames,")],  # the CPU: no `.cuda()`
+    }
+    return load_causal_tree(
         root,
-        patches={
-            "wan.modules.causal_model": [("frame_seqlen = 1560", f"frame_seqlen = {TOKENS_PER_FRAME}")],
-            "demo_utils.vae_block3": VAE_BLOCK3_PATCHES,
-            "v2v": [("interpolate(frames.cuda(),", "interpolate(frames,")],  # the CPU: no `.cuda()`
-        },
-        bare_packages=["pipeline", "wan", "wan.modules"],
-        stubs=COMMON_STUBS | {"demo_utils.memory": dict.fromkeys(MEMORY_HELPERS)},
-    )
-    causal_model = tree.module("wan.modules.causal_model")
-    route_attention(causal_model, tree.module("wan.modules.model"))
-    return types.SimpleNamespace(
-        causal_model=causal_model,
-        wan_wrapper=tree.module("utils.wan_wrapper"),
-        causal_inference=tree.module("pipeline.causal_inference"),
-        server=tree.module("release_server"),
-        v2v=tree.module("v2v"),
-        vae=tree.module("wan.modules.vae"),
-        vae_block3=tree.module("demo_utils.vae_block3"),
+        patches,
+        "demo_utils.memory",
+        server="release_server",
+        v2v="v2v",
+        vae="wan.modules.vae",
+        vae_block3="demo_utils.vae_block3",
     )
 
 

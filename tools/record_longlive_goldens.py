@@ -44,20 +44,16 @@ from pathlib import Path
 
 import torch
 from _wan_upstream import (
-    COMMON_STUBS,
     DIFFUSERS_CONFIG,
     LATENT_SIZE,
-    MEMORY_HELPERS,
     TINY_MODEL,
     TOKENS_PER_FRAME,
     NoiseTape,
-    UpstreamTree,
-    cpu_cuda_stubs,
     kv_buffer_patches,
+    load_causal_tree,
     proxied_torch,
     record_scenario,
     recorder_main,
-    route_attention,
     table_sigmas,
     text_embeddings,
     tiny_weights,
@@ -78,21 +74,8 @@ SCENARIOS = {
 
 
 def load_upstream(root: Path) -> types.SimpleNamespace:
-    cpu_cuda_stubs()
-    tree = UpstreamTree(
-        root,
-        patches={"pipeline.causal_inference": kv_buffer_patches()},
-        bare_packages=["pipeline", "wan", "wan.modules"],
-        stubs=COMMON_STUBS | {"utils.memory": dict.fromkeys(MEMORY_HELPERS)},
-    )
-    causal_model = tree.module("wan.modules.causal_model")
-    route_attention(causal_model, tree.module("wan.modules.model"))
-    return types.SimpleNamespace(
-        causal_model=causal_model,
-        wan_wrapper=tree.module("utils.wan_wrapper"),
-        causal_inference=tree.module("pipeline.causal_inference"),
-        interactive=tree.module("pipeline.interactive_causal_inference"),
-    )
+    patches = {"pipeline.causal_inference": kv_buffer_patches()}
+    return load_causal_tree(root, patches, "utils.memory", interactive="pipeline.interactive_causal_inference")
 
 
 def make_pipeline(up, weights, embeds, interactive: bool, dtype: torch.dtype):

@@ -23,6 +23,17 @@ def wan_latent_stats(vae, dtype: torch.dtype, device) -> tuple[torch.Tensor, tor
     return mean, torch.tensor(vae.config.latents_std, dtype=dtype, device=device).view(shape)
 
 
+def checked_latent_stats(latents: torch.Tensor, vae, stats=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`stats` (else `wan_latent_stats` in `latents`' dtype and device) for latents that must be
+    `(batch, z_dim, latent_frames, height, width)`: what `normalize_wan_latents` and `denormalize_wan_latents` share."""
+    z_dim = vae.config.z_dim
+    if latents.ndim != 5 or latents.shape[1] != z_dim:
+        raise ValueError(
+            f"`latents` must have shape (batch, {z_dim}, latent_frames, height, width), got {tuple(latents.shape)}."
+        )
+    return stats if stats is not None else wan_latent_stats(vae, latents.dtype, latents.device)
+
+
 def feature_cache_state(
     cache: list, video_shape: tuple[int, int, int] | None, position_key: str, position: int
 ) -> dict[str, torch.Tensor]:

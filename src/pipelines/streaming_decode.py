@@ -11,7 +11,7 @@ import torch
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 
-from .feature_cache import WanFeatureCacheStream, wan_latent_stats
+from .feature_cache import WanFeatureCacheStream, checked_latent_stats, wan_latent_stats
 
 __all__ = ["StreamingWanDecoder", "denormalize_wan_latents", "wan_latent_stats"]
 
@@ -32,12 +32,7 @@ def denormalize_wan_latents(
     Returns:
         `(batch, z_dim, latent_frames, height, width)` in `latents`' dtype and device.
     """
-    z_dim = vae.config.z_dim
-    if latents.ndim != 5 or latents.shape[1] != z_dim:
-        raise ValueError(
-            f"`latents` must have shape (batch, {z_dim}, latent_frames, height, width), got {tuple(latents.shape)}."
-        )
-    mean, std = stats if stats is not None else wan_latent_stats(vae, latents.dtype, latents.device)
+    mean, std = checked_latent_stats(latents, vae, stats)
     return latents * std + mean
 
 

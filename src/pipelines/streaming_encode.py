@@ -22,7 +22,7 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
-from .feature_cache import WanFeatureCacheStream, wan_latent_stats
+from .feature_cache import WanFeatureCacheStream, checked_latent_stats
 
 
 def normalize_wan_latents(
@@ -41,12 +41,7 @@ def normalize_wan_latents(
     Returns:
         `(batch, z_dim, latent_frames, height, width)` in `latents`' dtype and device.
     """
-    z_dim = vae.config.z_dim
-    if latents.ndim != 5 or latents.shape[1] != z_dim:
-        raise ValueError(
-            f"`latents` must have shape (batch, {z_dim}, latent_frames, height, width), got {tuple(latents.shape)}."
-        )
-    mean, std = stats if stats is not None else wan_latent_stats(vae, latents.dtype, latents.device)
+    mean, std = checked_latent_stats(latents, vae, stats)
     return (latents - mean) / std
 
 
