@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from _common import markdown_table, require_cuda_unless_dry_run
 
-from rolldiff.defaults import embedded_models, frames_for_seconds, load_pipeline, pipeline_class
+from rolldiff.defaults import embedded_models, load_pipeline, pipeline_class
 from rolldiff.pipelines.acceleration import AccelerationUnavailable
-from rolldiff.pipelines.overlap import OverlappedDecoder, decode_ahead
+from rolldiff.pipelines.codecs.overlap import OverlappedDecoder, decode_ahead
 
 PROMPT = "a red circle moving right"
 SEED = 0
@@ -67,7 +67,7 @@ def generate(model: str, device: str, dtype: str, seconds: float, offload: str |
     if offload == "model":
         pipe.enable_model_cpu_offload(device=device)
     apply_speed_switch(pipe, offload)
-    num_frames = frames_for_seconds(pipe, seconds, 16)
+    num_frames = pipe.num_frames_for(seconds, 16)
     generator = torch.Generator("cpu").manual_seed(SEED)
     options = {"kv_offload": True} if offload == "kv" else {}
     frames = pipe(PROMPT, num_frames=num_frames, generator=generator, **options).frames

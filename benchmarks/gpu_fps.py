@@ -175,7 +175,7 @@ def build_wan_decoder(dry_run: bool, device: str, dtype: torch.dtype):
     """The Wan 2.1 VAE (random weights) and a streaming decoder taking the transformer's latents."""
     from diffusers import AutoencoderKLWan
 
-    from rolldiff.pipelines.streaming_decode import StreamingWanDecoder
+    from rolldiff.pipelines.codecs.streaming_decode import StreamingWanDecoder
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -189,7 +189,7 @@ def build_tiny_decoder(device: str, dtype: torch.dtype):
     """TAEHV (`TinyVideoAutoencoder`, taew2_1's defaults, random weights) and its streaming decoder, or why it could
     not be built on this device (its rows then say so and the others go on)."""
     from rolldiff.models import TinyVideoAutoencoder
-    from rolldiff.pipelines.streaming_tiny_decode import StreamingTinyDecoder
+    from rolldiff.pipelines.codecs.streaming_tiny_decode import StreamingTinyDecoder
 
     torch.manual_seed(0)
     try:
@@ -220,7 +220,7 @@ class Decoders:
 # ----------------------------------------------------------------------------------------- one row
 def frames_of(loop, decoder, chunks: int) -> Iterator[torch.Tensor]:
     """Each chunk's decoded frames as the consumer gets them (latents when there is no decoder)."""
-    from rolldiff.pipelines.overlap import OverlappedDecoder, decode_ahead
+    from rolldiff.pipelines.codecs.overlap import OverlappedDecoder, decode_ahead
 
     latents = (loop.chunk() for _ in range(chunks))
     if decoder is None:
@@ -282,7 +282,7 @@ def measure(row: Row, loop, decoder, args, full_from: int) -> None:
     loop.restart()
     if decoder is not None:
         decoder.reset()
-    from rolldiff.pipelines.overlap import OverlappedDecoder
+    from rolldiff.pipelines.codecs.overlap import OverlappedDecoder
 
     # An overlapped decoder hands a chunk back once the next one exists: one more chunk keeps the last measured
     # interval a steady one (not the end-of-video drain, which has no next chunk to wait for).
@@ -306,7 +306,7 @@ def measure(row: Row, loop, decoder, args, full_from: int) -> None:
 
 def row_decoder(row: Row, technique: Technique, args, decoders: Decoders):
     """The row's decoder, reset for a new video (None: no decode; sets `row.error` if the row cannot run)."""
-    from rolldiff.pipelines.overlap import OverlappedDecoder
+    from rolldiff.pipelines.codecs.overlap import OverlappedDecoder
 
     if not args.vae:
         row.decoder = "none"

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from accelerate import PartialState
 
-from rolldiff.defaults import DTYPES, default_dtype, frames_for_seconds, load_pipeline, native_size
+from rolldiff.defaults import DTYPES, default_dtype, load_pipeline, native_size
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
     pipe.set_progress_bar_config(disable=True)
     height, width = args.height or native_size(pipe)[0], args.width or native_size(pipe)[1]
-    num_frames = frames_for_seconds(pipe, args.seconds, args.fps)
+    num_frames = pipe.num_frames_for(args.seconds, args.fps)
     for prompt in prompts:  # every prompt is checked before any video is made; a stream runs only when iterated
         pipe.stream(prompt, num_frames, height, width)
 

@@ -19,7 +19,6 @@ import time
 import torch
 
 from rolldiff import KreaRealtimeVideoPipeline
-from rolldiff.defaults import frames_for_seconds
 
 
 def parse_args(argv):
@@ -47,7 +46,7 @@ def main(argv=None) -> int:
     pipe = KreaRealtimeVideoPipeline.from_pretrained(args.model, dtype=torch.bfloat16).to(args.device)
 
     # Round the length up to whole chunks, then give each prompt an equal share of the frames.
-    num_frames = frames_for_seconds(pipe, args.minutes * 60, args.fps)
+    num_frames = pipe.num_frames_for(args.minutes * 60, args.fps)
     share = num_frames // len(args.prompt)
     schedule = [(i * share, prompt) for i, prompt in enumerate(args.prompt)]
     print(

@@ -21,18 +21,12 @@ from pathlib import Path
 import torch
 
 from . import __version__ as rolldiff_version
-from .defaults import (
-    DTYPES,
-    ModelNotFoundError,
-    default_device,
-    default_dtype,
-    frames_for_call,
-    load_pipeline,
-    native_size,
-)
-from .pipelines.resume import ResumeError, load_state, state_path_for, write_video
-from .pipelines.text_encoding import PromptWarning
-from .pipelines.video_writer import check_output_path, check_quality, count_frames, partial_path_for
+from .defaults import DTYPES, ModelNotFoundError, default_device, default_dtype, load_pipeline, native_size
+from .pipelines.io.resume import ResumeError, load_state, state_path_for, write_video
+from .pipelines.io.video_writer import check_output_path, check_quality, count_frames, partial_path_for
+from .pipelines.request.builder import check_image_mode
+from .pipelines.request.prompt_schedule import PromptSchedule
+from .pipelines.request.text_encoding import PromptWarning
 from .recipes import list_recipes
 
 EXIT_USAGE = 2
@@ -49,6 +43,44 @@ _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 
 class UsageError(Exception):
     """A bad command-line argument; reported as one line, exit code 2."""
+
+
+# The library's argument names and the flags that set them: a library error is relabelled with the flag (the
+# rule itself is checked once, by the library).
+FLAGS = {
+    "prompt": "--prompt",
+    "prompt_schedule": "--prompt-at",
+    "denoising_steps": "--steps",
+    "height": "--height",
+    "width": "--width",
+    "num_frames": "--seconds",
+    "seconds": "--seconds",
+    "fps": "--fps",
+    "chunk_frames": "--chunk-frames",
+    "sink_frames": "--sink-frames",
+    "window_frames": "--window-frames",
+    "position_mode": "--position-mode",
+    "kv_quantization": "--kv-quantization",
+    "kv_offload": "--kv-offload",
+    "image": "--image",
+    "image_mode": "--image-mode",
+    "video": "--video",
+    "strength": "--strength",
+    "recipe": "--recipe",
+    "overlap_decode": "--overlap-decode",
+    "path": "--out",
+    "quality": "--quality",
+    "state_every_s": "--state-every",
+}
+
+
+def relabel(error: Exception) -> UsageError:
+    """The library's message with each argument it names shown as the flag that sets it (`--steps
+    (`denoising_steps`)`), as one usage error."""
+    message = str(error)
+    for name, flag in FLAGS.items():
+        message = message.replace(f"`{name}`", f"{flag} (`{name}`)")
+    return UsageError(message)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -300,7 +332,7 @@ def _start_image(path: Path | None):
     """`--image` read as an RGB picture, or a usage error naming the file."""
     if path is None:
         return None
-    from .pipelines.video_input import read_image
+    from .pipelines.io.video_input import read_image
 
     try:
         return read_image(path)
@@ -309,43 +341,22 @@ def _start_image(path: Path | None):
 
 
 # ---------------------------------------------------------------------------------------- commands
-def run_generate(args: argparse.Namespace) -> int:
+def _check_before_loading(args: argparse.Namespace) -> None:
+    """The rules that need no model, run by the library's own checks before it loads (so a typo costs no load)."""
     try:
-        check_output_path(args.out, "--out")
+        check_output_path(args.out)
+        PromptSchedule.build(args.prompt, sorted(args.prompt_at) or None, num_frames=math.inf)
+        check_image_mode(args.image_mode, args.image)
     except ValueError as exc:
-        raise UsageError(str(exc).replace("`--out`", "--out")) from None
-    if args.prompt is None and not any(frame == 0 for frame, _ in args.prompt_at):
-        raise UsageError("give --prompt, or a --prompt-at 0:TEXT for the first frames")
-
-    if args.image_mode is not None and args.image is None:
-        raise UsageError("--image-mode applies to --image (image-to-video) only; add --image or drop it")
-    image = _start_image(args.image)  # read (and refused) before the model loads
+        raise relabel(exc) from None
     if args.video is not None and not args.video.is_file():
         raise UsageError(f"--video: no such file {str(args.video)!r}")
-    device = args.device or default_device()
-    pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
-    pipe.set_progress_bar_config(disable=True)  # ours counts chunks of the whole video instead
-    if args.tiny_vae is not None:
-        try:
-            pipe.load_tiny_autoencoder(args.tiny_vae)
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"--tiny-vae: {exc}") from None
-    _accelerate(pipe, args)
-    native_height, native_width = native_size(pipe)
-    height, width = args.height or native_height, args.width or native_width
-    try:  # chunk length and first chunk as the stream resolves them: the flags, else --recipe's or the folder's
-        num_frames = frames_for_call(
-            pipe,
-            args.seconds,
-            args.fps,
-            recipe=args.recipe,
-            chunk_frames=args.chunk_frames,
-            image_mode=args.image_mode,
-            has_image=image is not None,
-        )
-    except ValueError as exc:  # a recipe for another pipeline
-        raise UsageError(str(exc)) from None
-    options = dict(
+
+
+def _call_arguments(args: argparse.Namespace, image) -> dict:
+    """The `pipe.stream` arguments the flags set (None: the recipe's or the model's)."""
+    return dict(
+        prompt=args.prompt,
         prompt_schedule=sorted(args.prompt_at) or None,
         denoising_steps=args.steps,
         chunk_frames=args.chunk_frames,
@@ -361,14 +372,38 @@ def run_generate(args: argparse.Namespace) -> int:
         recipe=args.recipe,
         overlap_decode=args.overlap_decode,
     )
-    generator = torch.Generator("cpu").manual_seed(args.seed)
+
+
+def _load(args: argparse.Namespace, device: str):
+    pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
+    pipe.set_progress_bar_config(disable=True)  # ours counts chunks of the whole video instead
+    if args.tiny_vae is not None:
+        try:
+            pipe.load_tiny_autoencoder(args.tiny_vae)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--tiny-vae: {exc}") from None
+    _accelerate(pipe, args)
+    return pipe
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    _check_before_loading(args)
+    image = _start_image(args.image)  # read (and refused) before the model loads
+    device = args.device or default_device()
+    pipe = _load(args, device)
+    native_height, native_width = native_size(pipe)
+    height, width = args.height or native_height, args.width or native_width
+    call = _call_arguments(args, image)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PromptWarning)
-            # Checks every argument and names the bad one; nothing runs until the stream is iterated.
-            stream = pipe.stream(args.prompt, num_frames, height, width, generator=generator, **options)
+            # The length as the stream resolves it (the flags, else --recipe's or the folder's), then every
+            # argument checked and the bad one named; nothing runs until the stream is iterated.
+            num_frames = pipe.num_frames_for(args.seconds, args.fps, **call)
+            generator = torch.Generator("cpu").manual_seed(args.seed)
+            stream = pipe.stream(num_frames=num_frames, height=height, width=width, generator=generator, **call)
     except (ValueError, TypeError, OSError) as exc:
-        raise UsageError(str(exc)) from exc
+        raise relabel(exc) from exc
     _report_warnings(caught)
     rounded = " (rounded up to whole chunks)" if num_frames != round(args.seconds * args.fps) else ""
     duration = num_frames / args.fps
@@ -391,7 +426,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"rolldiff: interrupted; {_kept(args.out)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ResumeError as exc:
-        raise UsageError(f"--resume: {exc}") from exc
+        raise UsageError(f"--resume: {relabel(exc)}") from exc
     except (FloatingPointError, MemoryError) as exc:  # NaN latents, or a cache that does not fit: stopped there
         print(f"rolldiff: error: {exc} {_kept(args.out)}", file=sys.stderr)
         return EXIT_FAILED

@@ -9,7 +9,6 @@ folder or a Hub id; the pipeline class is the one named by the folder's `model_i
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 
@@ -143,43 +142,3 @@ def native_size(pipe: KreaRealtimeVideoPipeline) -> tuple[int, int]:
     Pipelines saved before those were registered load with Wan 2.1's 480x832.
     """
     return int(pipe.config.height), int(pipe.config.width)
-
-
-def frames_for_seconds(
-    pipe: KreaRealtimeVideoPipeline,
-    seconds: float,
-    fps: float,
-    chunk_frames: int | None = None,
-    first_frame_alone: bool = False,
-) -> int:
-    """The smallest frame count the pipeline can make (whole chunks, after one latent frame if `first_frame_alone`)
-    that lasts at least `seconds` at `fps`."""
-    requested = max(1, math.ceil(round(seconds * fps, 6)))  # round first: 0.1 s * 30 fps is 3 frames, not 4
-    return fewest_frames(pipe, requested, chunk_frames, first_frame_alone)
-
-
-def fewest_frames(
-    pipe: KreaRealtimeVideoPipeline, num_frames: int, chunk_frames: int | None = None, first_frame_alone: bool = False
-) -> int:
-    """The fewest frames the pipeline can make that hold `num_frames` (`num_frames` itself when it can): whole
-    chunks, after one latent frame if `first_frame_alone` (`image_mode="frame"`)."""
-    below, above = pipe.valid_num_frames(num_frames, chunk_frames, first_frame_alone)
-    return below if below >= num_frames else above
-
-
-def frames_for_call(
-    pipe: KreaRealtimeVideoPipeline,
-    seconds: float,
-    fps: float,
-    *,
-    recipe: str | None = None,
-    chunk_frames: int | None = None,
-    image_mode: str | None = None,
-    has_image: bool = False,
-) -> int:
-    """`frames_for_seconds` for a `pipe.stream` call with these arguments: its chunk length and first chunk as the
-    stream resolves them (the given value, else the recipe's: `recipe`, or the one the pipeline folder names in
-    `model_index.json`, else the model's). `image_mode` applies only with a start image (`has_image`)."""
-    settings = pipe.recipe_settings(recipe, chunk_frames=chunk_frames, image_mode=image_mode)
-    first_frame_alone = has_image and settings["image_mode"] == "frame"
-    return frames_for_seconds(pipe, seconds, fps, settings["chunk_frames"], first_frame_alone)

@@ -11,7 +11,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from rolldiff.pipelines.video_writer import StreamingVideoWriter, check_output_path, count_frames, partial_path_for
+from rolldiff.pipelines.io.video_writer import StreamingVideoWriter, check_output_path, count_frames, partial_path_for
 
 SIZE = 16
 RED, GREEN, BLUE = (220, 30, 30), (30, 220, 30), (30, 30, 220)

@@ -34,8 +34,8 @@ from rolldiff.models.wan_conversion import (
     load_original_wan_checkpoint,
 )
 from rolldiff.models.weights import StrictWeightsMixin, WeightsMismatchError, check_weights_match_config
-from rolldiff.pipelines.text_encoding import PromptWarning, check_max_sequence_length
-from rolldiff.pipelines.video_writer import StreamingVideoWriter
+from rolldiff.pipelines.io.video_writer import StreamingVideoWriter
+from rolldiff.pipelines.request.text_encoding import PromptWarning, check_max_sequence_length
 
 RED = "a red circle moving left"
 SIZE = ["--height", "16", "--width", "16"]

@@ -121,7 +121,7 @@ def test_gpu_fps_counts_flops_on_a_steady_chunk_so_every_loop_counts_the_same_wo
 def test_an_overlapped_row_times_steady_chunks_not_the_end_of_video_drain(overlapped):
     """Overlapped, chunk k's frames come back once chunk k + 1 exists and the last with no wait at all: the row
     makes one chunk more than it times, so every timed interval is a steady one."""
-    from rolldiff.pipelines.overlap import OverlappedDecoder
+    from rolldiff.pipelines.codecs.overlap import OverlappedDecoder
 
     args = gpu_fps.parse_args(["--dry-run", "--chunks", "3", "--no-compile"])
     setup = gpu_fps.make_setup(args)

@@ -13,7 +13,7 @@ from concurrency import assert_same_as_alone, run_together
 from tiny_components import tiny_pipeline
 
 from rolldiff.pipelines import stream as stream_module
-from rolldiff.pipelines.chunked_video import CacheAllocationError
+from rolldiff.pipelines.families.chunked_video import CacheAllocationError
 
 PROMPT = "a red circle moving left"
 SIZE = dict(height=16, width=16)
@@ -138,7 +138,7 @@ def test_prompt_checks_and_encodings_on_other_threads_never_change_an_embeddings
     import threading
     import time
 
-    from rolldiff.pipelines.text_encoding import check_prompts, encode_prompts
+    from rolldiff.pipelines.request.text_encoding import check_prompts, encode_prompts
 
     done = threading.Event()
 

@@ -19,7 +19,7 @@ import rolldiff.defaults
 from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.cli import main
 from rolldiff.defaults import native_size
-from rolldiff.pipelines.video_writer import StreamingVideoWriter
+from rolldiff.pipelines.io.video_writer import StreamingVideoWriter
 
 RED, BLUE = "a red circle moving left", "a blue square moving up"
 SIZE = ["--height", "16", "--width", "16"]

@@ -8,7 +8,7 @@ import PIL.Image
 import pytest
 
 from rolldiff.cli import main
-from rolldiff.pipelines.video_writer import StreamingVideoWriter
+from rolldiff.pipelines.io.video_writer import StreamingVideoWriter
 from rolldiff.toyworld import render_video
 
 BASE = ["generate", "--prompt", "a blue square moving up", "--seconds", "1", "--fps", "12"]
@@ -124,7 +124,7 @@ def test_overlap_decode_and_the_fastest_backend_run_on_a_cpu(tmp_path):
 
 def test_video_to_video_builds_its_stream_once(tmp_path, monkeypatch):
     """The checked stream is the one written: the input video is opened and the prompt checked once."""
-    from rolldiff.pipelines.chunked_video import ChunkedVideoPipeline
+    from rolldiff.pipelines.families.chunked_video import ChunkedVideoPipeline
 
     source = tmp_path / "input.mp4"
     iio.imwrite(source, render_video("a red circle moving left", num_frames=12, seed=1), fps=12, codec="libx264")

@@ -10,8 +10,8 @@ import torch
 from family_cases import FAMILIES
 
 from rolldiff.defaults import load_pipeline
-from rolldiff.pipelines import conditioning as conditioning_module
-from rolldiff.pipelines.resume import RunState, load_state, save_state, write_video
+from rolldiff.pipelines.io.resume import RunState, load_state, save_state, write_video
+from rolldiff.pipelines.request import conditioning as conditioning_module
 from rolldiff.recipes import get_recipe
 from rolldiff.toyworld import render_video
 

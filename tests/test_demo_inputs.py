@@ -35,7 +35,7 @@ from rolldiff.demo import (
     push_webcam_frame,
     stop_webcam,
 )
-from rolldiff.pipelines.video_writer import StreamingVideoWriter
+from rolldiff.pipelines.io.video_writer import StreamingVideoWriter
 
 FPS = 4
 RED = "a red circle moving left"

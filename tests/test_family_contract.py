@@ -20,9 +20,9 @@ from concurrency import assert_same_as_alone, run_together
 from family_cases import BLOCKS, FAMILIES
 
 from rolldiff.models.family import PIPELINE_HOOKS, TRANSFORMER_METHODS, VideoTransformer
-from rolldiff.pipelines.chunked_video import ChunkedVideoPipeline
-from rolldiff.pipelines.resume import RunState, load_state, save_state
-from rolldiff.pipelines.video_writer import StreamingVideoWriter
+from rolldiff.pipelines.families.chunked_video import ChunkedVideoPipeline
+from rolldiff.pipelines.io.resume import RunState, load_state, save_state
+from rolldiff.pipelines.io.video_writer import StreamingVideoWriter
 
 PROMPT, OTHER = "a red circle moving left", "a blue square moving up"
 CHUNKS = 5  # chunks of 2 latent frames; one latent frame per pixel frame with these VAEs

@@ -13,8 +13,8 @@ import pytest
 import torch
 from tiny_components import tiny_vae
 
-from rolldiff.pipelines.overlap import PENDING_KEY, OverlappedDecoder, decode_ahead
-from rolldiff.pipelines.streaming_decode import StreamingWanDecoder
+from rolldiff.pipelines.codecs.overlap import PENDING_KEY, OverlappedDecoder, decode_ahead
+from rolldiff.pipelines.codecs.streaming_decode import StreamingWanDecoder
 
 CHUNK_SIZES = (1, 3, 3, 3)  # latent frames per chunk (a 1-frame first chunk, as Wan's 4k+1 videos start)
 

@@ -25,8 +25,8 @@ from safetensors import safe_open
 from tiny_components import tiny_pipeline
 
 from rolldiff.cli import main
-from rolldiff.pipelines.resume import ResumeError, load_state, state_path_for
-from rolldiff.pipelines.video_writer import StreamingVideoWriter, partial_path_for
+from rolldiff.pipelines.io.resume import ResumeError, load_state, state_path_for
+from rolldiff.pipelines.io.video_writer import StreamingVideoWriter, partial_path_for
 
 RED, BLUE = "a red circle moving left", "a blue square moving up"
 STEPS = 4  # the tiny pipeline's denoising steps per chunk (its config default)
@@ -132,7 +132,7 @@ def test_state_file_is_safetensors_with_json_metadata(pipe, tmp_path):
     with safe_open(str(state_path_for(path)), framework="pt") as file:
         header = json.loads(file.metadata()["rolldiff_state"])
         names = list(file.keys())
-    assert header["format"] == "rolldiff-resume-2" and load_state(state_path_for(path)).next_chunk == 2
+    assert header["format"] == "rolldiff-resume-3" and load_state(state_path_for(path)).next_chunk == 2
     extras = header["extras"]  # every layer's host counters, as JSON (the layers' get_extra_state)
     assert any(key.startswith("cache.0.") and key.endswith("_extra_state") for key in extras)
     assert any(name.startswith("cache.0.layers.0.") for name in names)  # conditional branch
@@ -161,6 +161,14 @@ def test_a_state_file_of_the_old_format_is_refused_with_a_clear_message(pipe, tm
         ({"guidance_scale": 3.0}, "guidance_scale"),
         ({"prompt_schedule": [(6, BLUE)]}, "schedule"),
         ({"quality": 5}, "quality"),
+        # each of these continued silently before the fingerprint was derived from the request's fields
+        ({"context_noise": 100.0}, "context_noise"),
+        ({"prompt_blend_chunks": 2}, "prompt_blend_chunks"),
+        ({"sigma_mapping": "table"}, "step_plan"),
+        ({"timestep_shift": 3.0}, "step_plan"),
+        ({"recache": "longlive"}, "recache_mode"),
+        ({"recompute_first_frame": "reencode"}, "recompute_first_frame"),
+        ({"denoising_steps": [1000, 500, 250, 100]}, "denoising_steps|steps"),
     ],
 )
 def test_resume_with_other_arguments_is_refused_before_work(pipe, tmp_path, change, named):
@@ -241,3 +249,23 @@ def test_quantized_and_offloaded_caches_resume_exactly(pipe, written, tmp_path, 
     written.clear()
     _generate(pipe, path, state_every_s=0, resume=True, **options)
     np.testing.assert_array_equal(np.concatenate([first, *written]), full)
+
+
+def test_every_request_field_is_fingerprinted_or_excluded_with_a_reason(pipe):
+    """A field added to `VideoRequest` (or to a family's cache options) later is fingerprinted unless someone
+    names it in `NOT_FINGERPRINTED`: the fingerprint is derived from the dataclass fields, not listed by hand."""
+    import dataclasses
+
+    from rolldiff.pipelines.io.resume import run_fingerprint
+    from rolldiff.pipelines.request import VideoRequest
+    from rolldiff.pipelines.request.fingerprint import NOT_FINGERPRINTED
+
+    stream = pipe.stream(RED, num_frames=10, height=16, width=16)
+    fingerprint = run_fingerprint(stream, fps=8)["request"]
+    names = {f.name for f in dataclasses.fields(VideoRequest)}
+    assert set(fingerprint) | set(NOT_FINGERPRINTED) == names
+    assert set(fingerprint) & set(NOT_FINGERPRINTED) == set()
+    assert all(reason.strip() for reason in NOT_FINGERPRINTED.values())
+    options = {f.name for f in dataclasses.fields(stream.request.options)}
+    assert set(fingerprint["options"]) == options
+    assert {"steps", "timesteps", "sigmas"} <= set(fingerprint["step_plan"])

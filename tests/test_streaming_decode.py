@@ -5,7 +5,7 @@ import torch
 from diffusers import AutoencoderKLWan
 from tiny_components import seeded_wan_vae
 
-from rolldiff.pipelines.streaming_decode import StreamingWanDecoder, denormalize_wan_latents
+from rolldiff.pipelines.codecs.streaming_decode import StreamingWanDecoder, denormalize_wan_latents
 
 Z_DIM = 4
 LATENT_FRAMES = 8

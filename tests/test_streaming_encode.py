@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 from tiny_components import seeded_wan_vae
 
 from rolldiff.defaults import default_model_path
-from rolldiff.pipelines.streaming_decode import StreamingWanDecoder, denormalize_wan_latents
-from rolldiff.pipelines.streaming_encode import StreamingWanEncoder, normalize_wan_latents
+from rolldiff.pipelines.codecs.streaming_decode import StreamingWanDecoder, denormalize_wan_latents
+from rolldiff.pipelines.codecs.streaming_encode import StreamingWanEncoder, normalize_wan_latents
 from rolldiff.toyworld.world import render_video
 
 Z_DIM = 4

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from rolldiff import TinyVideoAutoencoder
 from rolldiff.models.tiny_autoencoder import infer_tiny_autoencoder_config
 from rolldiff.models.weights import WeightsMismatchError
-from rolldiff.pipelines.streaming_tiny_decode import StreamingTinyDecoder, StreamingTinyEncoder
+from rolldiff.pipelines.codecs.streaming_tiny_decode import StreamingTinyDecoder, StreamingTinyEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from record_taehv_golden import load_key_shapes, seeded_frames, seeded_latents, seeded_state_dict  # noqa: E402

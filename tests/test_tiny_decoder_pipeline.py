@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from rolldiff.cli import main
 from rolldiff.models import TinyVideoAutoencoder
-from rolldiff.pipelines.resume import RunState, load_state, save_state
+from rolldiff.pipelines.io.resume import RunState, load_state, save_state
 
 PROMPT = "a red circle moving left"
 NARROW = dict(encoder_channels=8, decoder_channels=(16, 16, 8, 8))  # small widths: the architecture, tiny

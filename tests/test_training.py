@@ -9,7 +9,7 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from rolldiff.models.krea_realtime import teacher_forcing_frame_mask
-from rolldiff.pipelines.text_encoding import encode_prompts
+from rolldiff.pipelines.request.text_encoding import encode_prompts
 from rolldiff.toyworld import all_prompts
 from rolldiff.training.tiny_components import (
     TinyConfig,
@@ -237,6 +237,20 @@ def test_training_refuses_a_share_outside_0_1_before_any_work(module, flag, valu
         main(["--out", str(tmp_path / "out"), flag, value])
     assert f"{flag} must be in [0, 1]" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_both_training_runs_share_one_command_line_with_their_own_defaults():
+    from rolldiff.training import __main__ as krea
+    from rolldiff.training import train_sana
+
+    krea_args = vars(krea.argument_parser().parse_args(["--out", "x"]))
+    sana_args = vars(train_sana.argument_parser().parse_args(["--out", "x"]))
+    assert (krea_args["clip_frames"], krea_args["vae_from"]) == (12, None)
+    assert (sana_args["clip_frames"], sana_args["vae_from"]) == (15, train_sana.DEFAULT_VAE)
+    own = {"gap_prob": 0.6, "first_chunk_weight": 1.0, "first_chunk_batches": 0.0, "package": None}
+    assert {k: v for k, v in sana_args.items() if k not in krea_args} == own
+    shared = set(krea_args) - {"clip_frames", "vae_from"}
+    assert {k: krea_args[k] for k in shared} == {k: sana_args[k] for k in shared}
 
 
 def test_the_direction_swap_gives_each_prompt_its_opposite_direction_and_keeps_the_rest():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers.video_processor import VideoProcessor
 
-from rolldiff.pipelines.video_input import VideoInput, load_start_image, num_frames_available
+from rolldiff.pipelines.io.video_input import VideoInput, load_start_image, num_frames_available
 
 HEIGHT, WIDTH = 16, 16  # output size
 SOURCE_HEIGHT, SOURCE_WIDTH = 24, 32  # input frames: another size and aspect, so resizing is exercised
@@ -330,7 +330,7 @@ def test_bad_chunk_sizes_are_refused():
 
 
 def test_read_image_gives_rgb_and_refuses_a_file_that_is_not_a_picture(tmp_path):
-    from rolldiff.pipelines.video_input import read_image
+    from rolldiff.pipelines.io.video_input import read_image
 
     PIL.Image.new("L", (4, 3), 128).save(tmp_path / "gray.png")
     picture = read_image(tmp_path / "gray.png")
@@ -343,7 +343,7 @@ def test_read_image_gives_rgb_and_refuses_a_file_that_is_not_a_picture(tmp_path)
 
 
 def test_an_arrays_values_are_checked_once_whole_not_again_per_frame(monkeypatch):
-    from rolldiff.pipelines import video_input
+    from rolldiff.pipelines.io import video_input
 
     real, calls = video_input._check_pixel_values, []
     monkeypatch.setattr(

@@ -4,7 +4,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 
-from rolldiff.pipelines.video_writer import StreamingVideoWriter
+from rolldiff.pipelines.io.video_writer import StreamingVideoWriter
 
 SIZE = 32
 # One flat colour per write call, far enough apart to survive H.264.
@@ -124,7 +124,7 @@ def test_write_after_close_is_refused(tmp_path):
 
 
 def test_frames_to_uint8_rounds_and_clips_to_0_255():
-    from rolldiff.pipelines.video_writer import frames_to_uint8
+    from rolldiff.pipelines.io.video_writer import frames_to_uint8
 
     frames = np.array([[-0.5, 0.0, 0.5 / 255, 0.499, 1.0, 1.5]], dtype=np.float32)
     out = frames_to_uint8(frames)

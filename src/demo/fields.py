@@ -18,9 +18,9 @@ import numpy as np
 import PIL.Image
 
 from ..caching.layout import POSITION_MODES
-from ..pipelines.conditioning import DEFAULT_STRENGTH
-from ..pipelines.text_encoding import check_prompts
-from ..pipelines.video_input import read_image
+from ..pipelines.io.video_input import read_image
+from ..pipelines.request.conditioning import DEFAULT_STRENGTH
+from ..pipelines.request.text_encoding import check_prompts
 
 EXAMPLE_PROMPTS = [
     "a red circle moving left",

@@ -22,7 +22,7 @@ import gradio as gr
 from gradio.utils import get_upload_folder
 
 from ..caching.layout import POSITION_MODES
-from ..pipelines.conditioning import DEFAULT_STRENGTH
+from ..pipelines.request.conditioning import DEFAULT_STRENGTH
 from .fields import (
     CACHE_FIELDS,
     EXAMPLE_PROMPTS,

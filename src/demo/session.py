@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..defaults import embedded_models, frames_for_call, load_pipeline, native_size
-from ..pipelines.video_writer import frames_to_uint8
+from ..defaults import embedded_models, load_pipeline, native_size
+from ..pipelines.io.video_writer import frames_to_uint8
 from .fields import WEBCAM_LABEL, ChunkSettings, DemoInputError, DemoSettings, GenerateConfig, prompt_notes
 
 
@@ -324,10 +324,9 @@ class Generation:
         self.notes = prompt_notes(self.pipe, config.prompt)  # unknown words: said with the video, not refused
         self.height, self.width = frame_size(self.pipe, settings)
         self.fps = settings.fps
-        self.num_frames = frames_for_call(
-            self.pipe, config.seconds, settings.fps, chunk_frames=config.settings.chunk_frames,
-            has_image=config.inputs.image is not None,
-        )  # fmt: skip
+        self.num_frames = self.pipe.num_frames_for(
+            config.seconds, settings.fps, chunk_frames=config.settings.chunk_frames, image=config.inputs.image
+        )
         self.live = LivePrompt(config.prompt)
         self.inputs = config.inputs
         self.webcam = FrameQueue() if config.inputs.webcam else None

@@ -14,7 +14,7 @@ from types import TracebackType
 
 import numpy as np
 
-from ..pipelines.video_writer import StreamingVideoWriter, concat_mp4
+from ..pipelines.io.video_writer import StreamingVideoWriter, concat_mp4
 
 
 class VideoSoFar:

@@ -17,28 +17,86 @@ one draw per step (the scheduler's re-noise): a seed fixes the whole video, noth
 ever allocated.
 
 `state_dict()` / `load_state_dict()` round-trip a stream at a chunk boundary (caches through their layers'
-extra state, decoder memory, latents, generators, position), which is all `rolldiff.pipelines.resume` saves.
+extra state, decoder memory, latents, generators, position), which is all `rolldiff.pipelines.io.resume` saves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
-from .conditioning import ConditioningInput, strength_steps
-from .overlap import OverlappedDecoder, decode_ahead
-from .prompt_schedule import as_prompt_list
-from .request import VideoRequest, check_embeds
-from .steps import StepPlan
-
-if TYPE_CHECKING:
-    from .chunked_video import ChunkedVideoPipeline
+from .codecs.overlap import OverlappedDecoder, decode_ahead
+from .request.conditioning import ConditioningInput, strength_steps
+from .request.prompt_schedule import as_prompt_list
+from .request.request import VideoRequest, check_embeds
+from .request.steps import StepPlan
 
 STREAM_STATE_VERSION = 2  # bumped whenever the keys of `ChunkStream.state_dict` change meaning
+
+
+@runtime_checkable
+class StreamPipeline(Protocol):
+    """What a `ChunkStream` reads from its pipeline: components and config, the family hooks of one step, the
+    context pass and the re-cache, the codecs, text encoding and frame arithmetic. It holds none of a stream's
+    state, so one pipeline serves many streams."""
+
+    transformer: Any
+    scheduler: Any
+
+    @property
+    def execution_device(self) -> torch.device: ...
+
+    def make_stream_cache(self, request: VideoRequest, dtype: torch.dtype, device: torch.device) -> Any: ...
+
+    def make_decoder(self) -> Any: ...
+
+    def make_encoder(self) -> Any: ...
+
+    def transformer_step(
+        self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor, cache: Any, request: VideoRequest
+    ) -> torch.Tensor: ...
+
+    def context_pass(
+        self,
+        clean: torch.Tensor,
+        embeds: Sequence[torch.Tensor],
+        caches: Sequence,
+        request: VideoRequest,
+        timestep: float = 0.0,
+    ) -> None: ...
+
+    def recache_frames(self, layout: Any, committed_frames: int, chunk_frames: int) -> int: ...
+
+    def recache(self, recent: torch.Tensor, embeds: torch.Tensor, cache: Any, request: VideoRequest) -> None: ...
+
+    def set_conditioning(self, cache: Any, embeds: torch.Tensor) -> None: ...
+
+    def branch_embeds(self, request: VideoRequest, prompt_index: int) -> torch.Tensor: ...
+
+    def encode_prompt(self, prompts: list[str], max_sequence_length: int) -> torch.Tensor: ...
+
+    def check_prompt_text(
+        self, prompts: list[str], max_sequence_length: int, name: str, require_known_word: bool = True
+    ) -> None: ...
+
+    def postprocess(self, video: torch.Tensor, output_type: str) -> Any: ...
+
+    def latent_to_frames(self, latent_frames: int) -> int: ...
+
+    def latent_to_pixel_start(self, latent_frame: int) -> int: ...
+
+    def progress_bar(self, iterable: Any = None, total: int | None = None) -> Any: ...
+
+    def maybe_free_model_hooks(self) -> None: ...
+
+    def stream_started(self, stream: ChunkStream) -> None: ...
+
+    def stream_ended(self, stream: ChunkStream) -> None: ...
 
 
 def default_generator(device: torch.device) -> torch.Generator:
@@ -55,15 +113,17 @@ class ChunkStream(Iterator[Any]):
     those frames: `(batch, frames, H, W, 3)` np in [0, 1] for "np", PIL lists for "pil", `(batch, frames, 3, H,
     W)` torch for "pt", or the chunk's latents `(batch, channels, chunk_frames, h, w)` for "latent".
 
-    Public surface: iteration, `switch_prompt`, `state_dict` / `load_state_dict`, `close`, and read-only
-    properties (`request`, `num_chunks`, `next_chunk`, `caches`, `frames_emitted`, `memory_bytes()`).
+    Public surface: iteration, `switch_prompt`, `interrupt`, `state_dict` / `load_state_dict`, `close`, and
+    read-only properties (`request`, `num_chunks`, `next_chunk`, `caches`, `frames_emitted`, `interrupted`,
+    `memory_bytes()`).
     """
 
-    def __init__(self, pipe: ChunkedVideoPipeline, request: VideoRequest) -> None:
+    def __init__(self, pipe: StreamPipeline, request: VideoRequest) -> None:
         self._pipe = pipe
         self._request = request
         self._started = False
         self._closed = False
+        self._interrupted = threading.Event()  # set by `interrupt()`, from any thread
         self._next_chunk = 0
         self._step_index = 0  # denoising steps done over the video (what callbacks see)
         self._frames_emitted = 0
@@ -89,7 +149,7 @@ class ChunkStream(Iterator[Any]):
 
     # ---------------------------------------------------------------------------------------- properties
     @property
-    def pipeline(self) -> ChunkedVideoPipeline:
+    def pipeline(self) -> StreamPipeline:
         """The pipeline this stream reads (weights, config, family hooks); it holds none of the stream's state."""
         return self._pipe
 
@@ -131,6 +191,16 @@ class ChunkStream(Iterator[Any]):
     def embeds(self) -> tuple[torch.Tensor, ...]:
         """The text embeddings in use, one per guidance branch (conditional first); empty before the first chunk."""
         return tuple(self._embeds)
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether `interrupt()` (or `pipe.interrupt = True` while this stream ran) asked it to stop."""
+        return self._interrupted.is_set()
+
+    def interrupt(self) -> None:
+        """Stop this stream before its next denoising step (safe from any thread; other streams go on): iteration
+        then ends, and the chunks finished so far are all it made (`__call__` returns them)."""
+        self._interrupted.set()
 
     def memory_bytes(self) -> int:
         """Bytes the stream's caches hold now."""
@@ -225,7 +295,7 @@ class ChunkStream(Iterator[Any]):
             self._overlapped = decode_ahead(self._latent_chunks(), self._decoder)
         if request.conditioning is not None:
             self._inputs = ConditioningInput(request.conditioning, pipe.make_encoder())
-        pipe.interrupt = False
+        pipe.stream_started(self)
         self._started = True
 
     def _condition(self, embeds: list[torch.Tensor]) -> None:
@@ -250,7 +320,7 @@ class ChunkStream(Iterator[Any]):
             if self._overlapped is not None:
                 return self._next_overlapped()
             clean = self._generate_chunk()
-            if clean is None:  # interrupted (`pipe.interrupt = True`) before the chunk finished, or the input ended
+            if clean is None:  # interrupted before the chunk finished, or the input ended
                 self.close()
                 raise StopIteration
             self._progress.update()
@@ -275,7 +345,7 @@ class ChunkStream(Iterator[Any]):
 
     def _generate_chunk(self) -> torch.Tensor | None:
         """Denoise, context-pass and commit the next chunk; its clean latents in the model's dtype (None: the
-        input video ended, or `pipe.interrupt` was set)."""
+        input video ended, or the stream was interrupted)."""
         pipe, request = self._pipe, self._request
         geometry, index = request.geometry, self._next_chunk
         start, chunk_frames = geometry.chunk_start(index), geometry.chunk_size(index)
@@ -346,7 +416,7 @@ class ChunkStream(Iterator[Any]):
             sigma = scheduler.sigmas[0].to(device)
             noisy = sigma * noisy + (1.0 - sigma) * given.to(device=device, dtype=torch.float32)
         for timestep, fed_timestep in zip(scheduler.timesteps, fed.unbind(0)):
-            if pipe.interrupt:
+            if self._interrupted.is_set():
                 return None
             velocity = self._velocity(noisy.to(dtype), fed_timestep)
             noisy = scheduler.step(velocity.float(), timestep, noisy, generator=request.generator).prev_sample
@@ -429,6 +499,7 @@ class ChunkStream(Iterator[Any]):
             self._decoder.drain()
         if self._progress is not None:
             self._progress.close()
+        self._pipe.stream_ended(self)
         self._pipe.maybe_free_model_hooks()
 
     # ---------------------------------------------------------------------------------------- state

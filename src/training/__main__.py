@@ -20,6 +20,7 @@ from diffusers import AutoencoderKLWan
 from transformers import UMT5EncoderModel
 
 from ..models.krea_realtime import KreaRealtimeTransformer3DModel
+from .command_line import parse_training_arguments, training_arguments
 from .tiny_components import (
     TinyConfig,
     build_scheduler,
@@ -68,7 +69,7 @@ class EMA:
 def save_pipeline(out: Path, tokenizer, text_encoder, transformer, vae, scheduler, config: TinyConfig) -> None:
     """Save all components as a diffusers pipeline folder (the lead's pipeline writes `model_index.json`)."""
     try:
-        from ..pipelines.krea_realtime import KreaRealtimeVideoPipeline
+        from ..pipelines.families.pipeline_krea_realtime import KreaRealtimeVideoPipeline
     except ImportError:
         KreaRealtimeVideoPipeline = None
     out.mkdir(parents=True, exist_ok=True)
@@ -107,35 +108,22 @@ def start_image_videos(vae, tokenizer, text_encoder, config, args, log) -> Laten
     return data
 
 
+def argument_parser() -> argparse.ArgumentParser:
+    """The Krea-like run's flags: the shared ones (`training_arguments`) with its defaults."""
+    return training_arguments(
+        __doc__.split("\n")[0],
+        clip_frames=12,
+        vae_from=None,
+        vae_from_help="load a trained VAE instead of training one",
+        init_from_help="fine-tune this pipeline folder: its transformer, text encoder and VAE (unless --vae-from) are "
+        "loaded",
+        start_image_help="share of steps on clips that start as image-to-video does (frame 0 held over the first "
+        "chunk, then the motion): without them a start image's video stays still for its first chunks",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
-    parser.add_argument("--minutes", type=float, default=60.0, help="wall time of transformer training")
-    parser.add_argument("--steps", type=int, default=None, help="stop after this many transformer steps")
-    parser.add_argument("--vae-from", type=Path, default=None, help="load a trained VAE instead of training one")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--clip-frames", type=int, default=12, help="latent frames per teacher-forcing clip")
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids thrashing on shared CPUs)")
-    parser.add_argument("--videos-per-prompt", type=int, default=12, help="training videos of 97 frames per prompt")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--init-from",
-        type=Path,
-        default=None,
-        help="fine-tune this pipeline folder: its transformer, text encoder and VAE (unless --vae-from) are loaded",
-    )
-    parser.add_argument(
-        "--start-image-batches",
-        type=float,
-        default=0.0,
-        help="share of steps on clips that start as image-to-video does (frame 0 held over the first chunk, then "
-        "the motion): without them a start image's video stays still for its first chunks",
-    )
-    args = parser.parse_args(argv)
-    if not 0.0 <= args.start_image_batches <= 1.0:
-        parser.error(f"--start-image-batches must be in [0, 1], got {args.start_image_batches}")
+    args = parse_training_arguments(argument_parser(), argv)
     torch.set_num_threads(args.threads)
     config = TinyConfig()
     began = time.perf_counter()

@@ -33,10 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..defaults import fewest_frames
-from ..pipelines.streaming_decode import denormalize_wan_latents
-from ..pipelines.streaming_encode import StreamingWanEncoder
-from ..pipelines.video_writer import frames_to_uint8
+from ..pipelines.codecs.streaming_decode import denormalize_wan_latents
+from ..pipelines.codecs.streaming_encode import StreamingWanEncoder
+from ..pipelines.io.video_writer import frames_to_uint8
 from ..toyworld.metrics import evaluate_video
 from ..toyworld.world import (
     COLOURS,
@@ -49,7 +48,7 @@ from ..toyworld.world import (
     render_video,
 )
 from .conditioning_metrics import ShapeTrack, attribute_rate, follow_metrics, track_shape, window
-from .evaluate_tiny import evaluation_prompts
+from .prompts import evaluation_prompts
 from .train_transformer import render_seed
 from .train_vae import tensor_to_videos, videos_to_tensor
 
@@ -251,7 +250,7 @@ def pipeline_image_to_video(pipeline, seed: int = 0, image_mode: str = "chunk") 
     def generate(prompts: list[str], images: list[np.ndarray], num_frames: int) -> np.ndarray:
         output = pipeline(
             prompts,
-            num_frames=fewest_frames(pipeline, num_frames, first_frame_alone=image_mode == "frame"),
+            num_frames=pipeline.num_frames_for(num_frames, 1, image=list(images), image_mode=image_mode),
             height=HEIGHT,
             width=WIDTH,
             image=list(images),
@@ -268,7 +267,7 @@ def pipeline_video_to_video(pipeline, seed: int = 0) -> VideoToVideoFn:
     """A pipeline's `video=` mode; `num_frames` must be whole chunks (the output ends with the input)."""
 
     def generate(prompts: list[str], video: np.ndarray, strength: float, num_frames: int) -> np.ndarray:
-        if fewest_frames(pipeline, num_frames) != num_frames:
+        if pipeline.num_frames_for(num_frames, 1) != num_frames:
             raise ValueError(
                 f"num_frames must be whole chunks for video-to-video; got {num_frames}, "
                 f"nearest: {pipeline.valid_num_frames(num_frames)}"

@@ -18,10 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..defaults import fewest_frames
-from ..pipelines.video_writer import frames_to_uint8
+from ..pipelines.io.video_writer import frames_to_uint8
 from ..toyworld.evaluate import evaluate_generator, format_table, ground_truth_fn, parse_windows
-from ..toyworld.world import all_prompts
+from .prompts import evaluation_prompts  # also importable from here, as before
 
 
 def load_pipeline(path: Path):
@@ -32,16 +31,11 @@ def load_pipeline(path: Path):
     return pipeline
 
 
-def evaluation_prompts() -> list[str]:
-    """The 12 evaluation prompts: colour i goes direction i, so 4 colours x 3 shapes cover every direction too."""
-    return [p for i, p in enumerate(all_prompts()) if i % 4 == (i // 12) % 4]
-
-
 def generate_videos(pipeline, prompts: Sequence[str], num_frames: int, seed: int, height=32, width=32) -> np.ndarray:
     """uint8 `(len(prompts), num_frames, height, width, 3)`; generates whole chunks and cuts to `num_frames`."""
     output = pipeline(
         list(prompts),
-        num_frames=fewest_frames(pipeline, num_frames),
+        num_frames=pipeline.num_frames_for(num_frames, 1),  # whole chunks holding `num_frames`
         height=height,
         width=width,
         generator=torch.Generator().manual_seed(seed),

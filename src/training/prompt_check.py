@@ -60,7 +60,7 @@ def direction_swap_check(model, data: LatentVideos, config, num_clips: int = 96,
 
 def model_and_config(pipe):
     """The training call of a pipeline's transformer (`TeacherForcingAdapter` for LongSANA) and its tiny config."""
-    from ..pipelines.long_sana import LongSanaVideoPipeline
+    from ..pipelines.families.pipeline_long_sana import LongSanaVideoPipeline
     from .sana_components import SanaTinyConfig
     from .tiny_components import TinyConfig
     from .train_sana import TeacherForcingAdapter

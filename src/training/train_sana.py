@@ -32,6 +32,7 @@ from transformers import Gemma2Model
 
 from ..models.long_sana import LongSanaTransformer3DModel
 from .__main__ import EMA, HELD_OUT_SEEDS, start_image_videos
+from .command_line import parse_training_arguments, training_arguments
 from .sana_components import (
     SanaTinyConfig,
     build_gemma_text_encoder,
@@ -89,7 +90,7 @@ def package_sana_pipeline(components: Path, out: Path, config: SanaTinyConfig | 
     """
     from transformers import PreTrainedTokenizerFast
 
-    from ..pipelines.long_sana import LongSanaVideoPipeline
+    from ..pipelines.families.pipeline_long_sana import LongSanaVideoPipeline
 
     config = config or SanaTinyConfig()
     pipeline = LongSanaVideoPipeline(
@@ -110,21 +111,16 @@ def package_sana_pipeline(components: Path, out: Path, config: SanaTinyConfig | 
     pipeline.save_pretrained(out, safe_serialization=True)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="pipeline folder to write")
-    parser.add_argument("--vae-from", type=Path, default=DEFAULT_VAE, help="the trained VAE to share")
-    parser.add_argument("--minutes", type=float, default=60.0, help="wall time of transformer training")
-    parser.add_argument("--steps", type=int, default=None, help="stop after this many transformer steps")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--clip-frames", type=int, default=15, help="latent frames per teacher-forcing clip")
-    parser.add_argument("--lr", type=float, default=5e-4)
-    parser.add_argument("--checkpoint-minutes", type=float, default=10.0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 avoids thrashing on shared CPUs)")
-    parser.add_argument("--videos-per-prompt", type=int, default=12, help="training videos of 97 frames per prompt")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--init-from", type=Path, default=None, help="start from this folder's transformer (a checkpoint or pipeline)"
+def argument_parser() -> argparse.ArgumentParser:
+    """The SANA-like run's flags: the shared ones with its defaults, then its loss weighting and `--package`."""
+    parser = training_arguments(
+        __doc__.split("\n")[0],
+        clip_frames=15,
+        vae_from=DEFAULT_VAE,
+        vae_from_help="the trained VAE to share",
+        init_from_help="start from this folder's transformer (a checkpoint or pipeline)",
+        start_image_help="share of steps on clips that start as image-to-video does (frame 0 held over the first "
+        "chunk)",
     )
     parser.add_argument(
         "--gap-prob", type=float, default=0.6, help="share of clips that start mid-video rather than at frame 0"
@@ -143,17 +139,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="share of steps that train on the videos' first chunks alone: without them the model learned colour "
         "and shape from the prompt but took its motion only from context, ignoring the direction word",
     )
-    parser.add_argument(
-        "--start-image-batches",
-        type=float,
-        default=0.0,
-        help="share of steps on clips that start as image-to-video does (frame 0 held over the first chunk)",
-    )
     parser.add_argument("--package", type=Path, default=None, help="only assemble this components folder into --out")
-    args = parser.parse_args(argv)
-    for name in ("gap_prob", "first_chunk_batches", "start_image_batches"):
-        if not 0.0 <= getattr(args, name) <= 1.0:
-            parser.error(f"--{name.replace('_', '-')} must be in [0, 1], got {getattr(args, name)}")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_training_arguments(
+        argument_parser(), argv, shares=("gap_prob", "first_chunk_batches", "start_image_batches")
+    )
     torch.set_num_threads(args.threads)
     config = SanaTinyConfig()
     if args.package is not None:

@@ -22,7 +22,7 @@ import torch
 
 from ..models.krea_realtime import ChunkLayout, KreaRealtimeTransformer3DModel, teacher_forcing_frame_mask
 from ..pipelines.flow_matching import add_noise, predict_clean, sigma_for_step, sigmas_from_uniform
-from ..pipelines.text_encoding import encode_prompts
+from ..pipelines.request.text_encoding import encode_prompts
 from ..toyworld.world import all_prompts, render_video
 from .tiny_components import TinyConfig
 from .train_vae import encode_videos

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .request import is_number
+from ...checks import check_choice, check_flag, check_number, is_number
 
 SIGMA_MAPPINGS = ("shift", "table", "linear")
 TABLE_SIZE = 1000
@@ -59,16 +59,21 @@ class StepPlan:
         )
 
 
-def check_steps(steps: Sequence, allow_zero: bool) -> tuple[float, ...]:
-    steps = list(steps)
-    lowest = 0 if allow_zero else 1e-9
+def check_steps(steps: Sequence) -> tuple[float, ...]:
+    """A step list that starts from noise: strictly decreasing numbers in [0, 1000] whose first is above 0 (a
+    list of only t = 0 would denoise nothing); only the last may be 0 (Krea's list ends there)."""
+    steps = list(steps) if isinstance(steps, Sequence) and not isinstance(steps, str) else steps
     if (
-        not steps
-        or not all(is_number(s) and lowest <= s <= 1000 for s in steps)
+        not isinstance(steps, list)
+        or not steps
+        or not all(is_number(s) and 0 <= s <= 1000 for s in steps)
+        or steps[0] <= 0
         or any(a <= b for a, b in zip(steps, steps[1:]))
     ):
-        allowed = "[0, 1000] (only the last may be 0)" if allow_zero else "(0, 1000]"
-        raise ValueError(f"`denoising_steps` must be strictly decreasing numbers in {allowed}, got {steps}.")
+        raise ValueError(
+            "`denoising_steps` must be strictly decreasing numbers in [0, 1000], the first above 0 (a chunk starts "
+            f"from noise; only the last may be 0), e.g. [1000, 750, 500, 250]; got {steps!r}."
+        )
     return tuple(float(s) for s in steps)
 
 
@@ -82,15 +87,11 @@ def plan_steps(
 ) -> StepPlan:
     """Check the step options together and compute the plan (see the module docstring). `scheduler_shift`: the
     pipeline scheduler's own shift; with the default mapping at that shift the scheduler maps the steps itself."""
-    if sigma_mapping not in SIGMA_MAPPINGS:
-        raise ValueError(f"`sigma_mapping` must be one of {SIGMA_MAPPINGS}, got {sigma_mapping!r}.")
-    if not isinstance(integer_timesteps, bool):
-        raise ValueError(f"`integer_timesteps` must be True or False, got {integer_timesteps!r}.")
-    if not (is_number(shift) and shift > 0):
-        raise ValueError(f"`timestep_shift` must be a positive number, got {shift!r}.")
-    shift = float(shift)
+    check_choice("sigma_mapping", sigma_mapping, SIGMA_MAPPINGS)
+    check_flag("integer_timesteps", integer_timesteps)
+    shift = check_number("timestep_shift", shift, 0, above=True)
     explicit = sigmas is not None
-    steps = check_steps(steps, allow_zero=True)
+    steps = check_steps(steps)
     plain = sigma_mapping == "shift" and not explicit and not integer_timesteps and steps[-1] > 0
     if plain and shift == scheduler_shift:
         return StepPlan(steps)  # the scheduler maps them itself, as it always has

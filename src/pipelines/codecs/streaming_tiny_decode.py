@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..models.tiny_autoencoder import Memory, TinyVideoAutoencoder, check_frames, check_latents
+from ...models.tiny_autoencoder import Memory, TinyVideoAutoencoder, check_frames, check_latents
 
 _MEMORY_PREFIX = "memory."
 

@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,19 +24,15 @@ import numpy as np
 import torch
 from einops import repeat
 
-from .request import is_number
-from .streaming_encode import StreamingWanEncoder
-from .video_input import VideoInput, load_start_image, num_frames_available
+from ...checks import check_number
+from ..codecs.streaming_encode import StreamingWanEncoder
+from ..io.video_input import VideoInput, load_start_image, num_frames_available
 
 DEFAULT_STRENGTH = 0.8  # diffusers' WanVideoToVideoPipeline default
 
 
 def check_strength(strength: Any) -> float:
-    if not is_number(strength) or not math.isfinite(strength) or not 0 < strength <= 1:
-        raise ValueError(
-            f"`strength` must be a finite number in (0, 1] (1: ignore the input's content), got {strength!r}."
-        )
-    return float(strength)
+    return check_number("strength", strength, 0, 1, above=True, hint="1: ignore the input's content")
 
 
 def strength_steps(num_steps: int, strength: float) -> int:

@@ -26,11 +26,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .stream import ChunkStream
+from ..request.fingerprint import request_fingerprint
+from ..stream import ChunkStream
 from .video_writer import StreamingVideoWriter, check_output_path, check_quality, count_frames, partial_path_for
 
-STATE_FORMAT = "rolldiff-resume-2"
-_OLD_FORMATS = ("rolldiff-resume-1",)
+STATE_FORMAT = "rolldiff-resume-3"  # 3: the fingerprint is derived from the request's fields
+_OLD_FORMATS = ("rolldiff-resume-1", "rolldiff-resume-2")
 _METADATA_KEY = "rolldiff_state"
 
 
@@ -96,11 +97,7 @@ def load_state(path: str | os.PathLike) -> RunState:
 
 def check_fingerprint(saved: dict, current: dict, path: str | os.PathLike) -> None:
     """Refuse to resume a run whose arguments differ from the saved one's, naming each difference."""
-    differences = [
-        f"{name}: saved {saved.get(name)!r}, now {current.get(name)!r}"
-        for name in sorted(set(saved) | set(current))
-        if saved.get(name) != current.get(name)
-    ]
+    differences = _differences(saved, current, "")
     if differences:
         raise ResumeError(
             f"Cannot resume from {str(path)!r}: it was saved by a run with other arguments ({'; '.join(differences)}). "
@@ -109,33 +106,31 @@ def check_fingerprint(saved: dict, current: dict, path: str | os.PathLike) -> No
 
 
 def run_fingerprint(stream: ChunkStream, fps: float, quality: float = 5) -> dict:
-    """What makes two runs the same video: the checked arguments, the model and the output's rate and encoding
-    (parts encoded at different qualities may differ in H.264 profile and cannot be joined by stream copy)."""
-    pipe, request = stream.pipeline, stream.request
+    """What makes two runs the same video: every fingerprinted field of the request (`request_fingerprint`,
+    derived from `VideoRequest`'s fields), the model, and the output's rate and encoding (parts encoded at
+    different qualities may differ in H.264 profile and cannot be joined by stream copy)."""
+    pipe = stream.pipeline
     transformer = {k: v for k, v in dict(pipe.transformer.config).items() if not k.startswith("_")}
-    latents = request.latents
     fingerprint = {
+        "request": request_fingerprint(stream.request),
         "model": str(getattr(pipe, "name_or_path", "") or ""),
         "transformer": transformer,
         "dtype": str(pipe.transformer.dtype),
-        "schedule": [[frame, list(prompts)] for frame, prompts in request.schedule.entries],
-        "negative_prompt": None if request.negative_prompt is None else list(request.negative_prompt),
-        "num_latent_frames": request.num_latent_frames,
-        "chunk_shape": list(request.chunk_shape),
-        "denoising_steps": list(request.denoising_steps),
-        "guidance_scale": request.guidance_scale,
-        "max_sequence_length": request.max_sequence_length,
-        "options": request.options.as_dict(),
+        "decoder": "tiny" if getattr(pipe, "tiny_autoencoder", None) is not None else "vae",
         "fps": float(fps),
         "quality": float(quality),
-        "seeded": request.generator is not None,
-        "latents": None if latents is None else float(latents.double().sum()),
-        "prompt_embeds": request.prompt_embeds is not None,
-        "decoder": "tiny" if getattr(pipe, "tiny_autoencoder", None) is not None else "vae",
-        "conditioning": None if request.conditioning is None else request.conditioning.description,
-        "recipe": request.recipe,
     }
     return json.loads(json.dumps(fingerprint, default=str))
+
+
+def _differences(saved: Any, current: Any, name: str) -> list[str]:
+    """Each leaf where two fingerprints differ, by its dotted name (`request.step_plan.sigmas`)."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        keys = sorted(set(saved) | set(current))
+        return [line for key in keys for line in _differences(saved.get(key), current.get(key), f"{name}{key}.")]
+    if saved != current:
+        return [f"{name.rstrip('.')}: saved {saved!r}, now {current!r}"]
+    return []
 
 
 def _check_state_every(state_every_s: Any) -> float:

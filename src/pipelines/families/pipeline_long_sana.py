@@ -28,11 +28,12 @@ from dataclasses import dataclass
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
-from ..caching import RollingKVCache
-from ..caching.layout import POSITION_MODES, ChunkLayout
-from ..models.long_sana import ALL_CHUNKS, LongSanaTransformer3DModel
+from ...caching import RollingKVCache
+from ...caching.layout import POSITION_MODES, ChunkLayout
+from ...checks import check_choice, check_int, is_int
+from ...models.long_sana import ALL_CHUNKS, LongSanaTransformer3DModel
+from ..request.request import CacheOptions, VideoRequest
 from .chunked_video import ChunkedVideoPipeline, ChunkedVideoPipelineOutput
-from .request import CacheOptions, VideoRequest, is_int
 
 __all__ = ["LongSanaCacheOptions", "LongSanaVideoPipeline", "LongSanaVideoPipelineOutput"]
 
@@ -59,18 +60,16 @@ class LongSanaCacheOptions(CacheOptions):
         chunk, window = self.chunk_frames, self.window_frames
         if window == EVERY_CHUNK:
             window = None
-        if not is_int(chunk, 1):
-            raise ValueError(f"`chunk_frames` must be a positive int, got {chunk!r}.")
+        check_int("chunk_frames", chunk, 1)
         if self.sink_frames != 0:
             raise ValueError(f"`sink_frames` must be 0: LongSANA has no attention sink, got {self.sink_frames!r}.")
-        if window is not None and not (is_int(window, 2 * chunk) and window % chunk == 0):
+        if window is not None and not (is_int(window) and window >= 2 * chunk and window % chunk == 0):
             raise ValueError(
                 f"`window_frames` must be None (the config's), {EVERY_CHUNK!r} (every earlier chunk) or a multiple of "
                 f"`chunk_frames`={chunk} "
                 f"of at least {2 * chunk} (it counts the chunk itself), got {window!r}."
             )
-        if self.position_mode not in POSITION_MODES:
-            raise ValueError(f"`position_mode` must be one of {POSITION_MODES}, got {self.position_mode!r}.")
+        check_choice("position_mode", self.position_mode, POSITION_MODES)
 
 
 class LongSanaVideoPipeline(ChunkedVideoPipeline):

@@ -26,11 +26,12 @@ from dataclasses import dataclass
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
-from ..caching import RollingKVCache
-from ..caching.layout import ChunkLayout
-from ..models.krea_realtime import ATTENTION_BIAS_MODES, KreaRealtimeTransformer3DModel
+from ...caching import RollingKVCache
+from ...caching.layout import ChunkLayout
+from ...checks import check_choice, check_flag, check_number
+from ...models.krea_realtime import ATTENTION_BIAS_MODES, KreaRealtimeTransformer3DModel
+from ..request.request import CacheOptions, VideoRequest
 from .chunked_video import ChunkedVideoPipeline, ChunkedVideoPipelineOutput
-from .request import CacheOptions, VideoRequest, is_number
 
 __all__ = ["KreaCacheOptions", "KreaRealtimeVideoPipeline", "KreaRealtimeVideoPipelineOutput"]
 
@@ -52,17 +53,15 @@ class KreaCacheOptions(CacheOptions):
     attention_bias_mode: str
 
     def __post_init__(self) -> None:
-        if not is_number(self.attention_bias) or not 0 < self.attention_bias <= 1.0:
-            raise ValueError(f"`attention_bias` must be in (0, 1] (1 disables it), got {self.attention_bias!r}.")
-        if self.attention_bias_mode not in ATTENTION_BIAS_MODES:
-            raise ValueError(
-                f"`attention_bias_mode` must be one of {ATTENTION_BIAS_MODES} (Scope's leaves the first frame "
-                f"unbiased), got {self.attention_bias_mode!r}."
-            )
-        if self.kv_quantization not in KV_QUANTIZATIONS:
-            raise ValueError(f"`kv_quantization` must be None, 'int8' or 'fp8', got {self.kv_quantization!r}.")
-        if not isinstance(self.kv_offload, bool):
-            raise ValueError(f"`kv_offload` must be True or False, got {self.kv_offload!r}.")
+        check_number("attention_bias", self.attention_bias, 0, 1, above=True, hint="1 disables it")
+        check_choice(
+            "attention_bias_mode",
+            self.attention_bias_mode,
+            ATTENTION_BIAS_MODES,
+            hint="Scope's leaves the first frame unbiased",
+        )
+        check_choice("kv_quantization", self.kv_quantization, KV_QUANTIZATIONS)
+        check_flag("kv_offload", self.kv_offload)
 
 
 @dataclass

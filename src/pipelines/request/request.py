@@ -1,9 +1,9 @@
 """`VideoRequest`: one video's call arguments, validated once, group by group, into a frozen dataclass.
 
-`ChunkedVideoPipeline.__call__` / `stream` keep diffusers' explicit signature; `VideoRequest.build` checks
-each group of arguments (output, frames and size, steps, guidance, prompts, latents, generator, callback)
-before any model work and derives the run's geometry. Everything downstream (the chunk loop in
-`ChunkStream`, resume, the demo) reads typed fields instead of a `dict` of options looked up by string.
+`build_request` (`rolldiff.pipelines.request.builder`) makes it from a `VideoCall` with the checks of each
+group of arguments below (output, frames and size, guidance, prompts, latents, generator, callback, loop
+options) before any model work. Everything downstream (the chunk loop in `ChunkStream`, resume, the demo, the
+session server) reads typed fields instead of a `dict` of options looked up by string.
 
 A family's cache options are a frozen dataclass of their own (`CacheOptions` subclasses in the family's
 pipeline file) that resolves call values against the pipeline config and validates itself.
@@ -12,15 +12,14 @@ pipeline file) that resolves call values against the pipeline config and validat
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..caching.layout import ChunkLayout
+from ...caching.layout import ChunkLayout
+from ...checks import ArgumentKindError, check_choice, check_int, check_number
 from .prompt_schedule import PromptSchedule
 
 if TYPE_CHECKING:
@@ -28,15 +27,6 @@ if TYPE_CHECKING:
     from .steps import StepPlan
 
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
-
-
-def is_number(value: Any) -> bool:
-    """A real number that is not a bool (`True` is an int in Python, never a step or a scale here)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def is_int(value: Any, lowest: int) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= lowest
 
 
 @dataclass(frozen=True)
@@ -125,7 +115,7 @@ class VideoGeometry:
 
 @dataclass(frozen=True)
 class VideoRequest:
-    """Everything one generation needs, validated before any work (see `ChunkedVideoPipeline.build_request`)."""
+    """Everything one generation needs, validated before any work (made by `build_request`)."""
 
     geometry: VideoGeometry
     layout: ChunkLayout
@@ -142,7 +132,9 @@ class VideoRequest:
     generator: torch.Generator | list[torch.Generator] | None = None
     callback_on_step_end: Callable | None = None
     callback_tensor_inputs: tuple[str, ...] = ("latents",)
-    conditioning: Conditioning | None = None  # a start image or an input video (`rolldiff.pipelines.conditioning`)
+    conditioning: Conditioning | None = (
+        None  # a start image or an input video (`rolldiff.pipelines.request.conditioning`)
+    )
     context_policy: str = "rolling"  # "recompute": each chunk rebuilds its context in one t = 0 pass (Krea)
     overlap_decode: bool = False  # decode chunk k on a side stream while chunk k + 1 denoises (CUDA)
     recache_mode: str = "causal"  # after a prompt switch: "causal" (chunk by chunk) or "longlive" (one pass)
@@ -185,22 +177,20 @@ class VideoRequest:
 
 # ---------------------------------------------------------------------------------------- argument groups
 def check_output_type(output_type: Any) -> str:
-    if output_type not in OUTPUT_TYPES:
-        raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
-    return output_type
+    return check_choice("output_type", output_type, OUTPUT_TYPES)
 
 
 def check_num_frames(num_frames: Any) -> int:
-    if not is_int(num_frames, 1):
-        raise ValueError(f"`num_frames` must be a positive int, got {num_frames!r}.")
-    return int(num_frames)
+    return check_int("num_frames", num_frames, 1)
 
 
 def check_size(name: str, size: Any, multiple: int, why: str) -> int:
     """A pixel side: a positive multiple of `multiple` (`why` says where the multiple comes from)."""
-    if not is_int(size, 1) or size % multiple:
-        raise ValueError(f"`{name}` must be a positive multiple of {multiple} ({why}), got {size!r}.")
-    return int(size)
+    allowed = f"a positive multiple of {multiple} ({why})"
+    size = check_int(name, size, 1, hint=allowed)
+    if size % multiple:
+        raise ValueError(f"`{name}` must be {allowed}, got {size!r}.")
+    return size
 
 
 CONTEXT_POLICIES = ("rolling", "recompute")
@@ -208,8 +198,7 @@ CONTEXT_POLICIES = ("rolling", "recompute")
 
 def check_context_policy(policy: Any, layout: ChunkLayout) -> str:
     """The policy; "recompute" writes its whole context (sink + window - chunk frames) in one pass, as one chunk."""
-    if policy not in CONTEXT_POLICIES:
-        raise ValueError(f"`context_policy` must be one of {CONTEXT_POLICIES}, got {policy!r}.")
+    check_choice("context_policy", policy, CONTEXT_POLICIES)
     context = layout.full_window_frames
     if policy == "recompute" and context > layout.chunk_frames:
         raise ValueError(
@@ -220,48 +209,30 @@ def check_context_policy(policy: Any, layout: ChunkLayout) -> str:
     return policy
 
 
-def check_flag(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"`{name}` must be True or False, got {value!r}.")
-    return value
-
-
 FIRST_FRAME_RULES = ("keep", "reencode")
 
 
 def check_recache(mode: Any, allowed: tuple[str, ...]) -> str:
     """`mode` must be one of the re-cache modes the pipeline's family offers (`allowed`)."""
-    if mode not in allowed:
-        raise ValueError(f"`recache` must be one of {allowed} for this pipeline, got {mode!r}.")
-    return mode
+    return check_choice("recache", mode, allowed, hint="the re-cache modes of this pipeline's family")
 
 
 def check_first_frame(rule: Any) -> str:
-    if rule not in FIRST_FRAME_RULES:
-        raise ValueError(f"`recompute_first_frame` must be one of {FIRST_FRAME_RULES}, got {rule!r}.")
-    return rule
+    return check_choice("recompute_first_frame", rule, FIRST_FRAME_RULES)
 
 
 def check_blend_chunks(chunks: Any) -> int:
-    if not is_int(chunks, 1):
-        raise ValueError(f"`prompt_blend_chunks` must be an int >= 1 (1: switch at once), got {chunks!r}.")
-    return int(chunks)
+    return check_int("prompt_blend_chunks", chunks, 1, hint="1: switch at once")
 
 
 def check_context_noise(context_noise: Any) -> float:
-    if not is_number(context_noise) or not math.isfinite(context_noise) or not 0 <= context_noise < 1000:
-        raise ValueError(
-            f"`context_noise` must be a timestep in [0, 1000) for the context pass (0: clean), got {context_noise!r}."
-        )
-    return float(context_noise)
+    return check_number(
+        "context_noise", context_noise, 0, 1000, below=True, hint="the context pass's timestep; 0: clean"
+    )
 
 
 def check_guidance_scale(guidance_scale: Any) -> float:
-    if not is_number(guidance_scale) or not math.isfinite(guidance_scale) or guidance_scale < 1.0:
-        raise ValueError(
-            f"`guidance_scale` must be a finite number >= 1.0 (1.0 disables guidance), got {guidance_scale!r}."
-        )
-    return float(guidance_scale)
+    return check_number("guidance_scale", guidance_scale, 1.0, hint="1.0 disables guidance")
 
 
 def check_embeds(name: str, embeds: Any, batch_size: int | None = None) -> torch.Tensor:
@@ -309,7 +280,7 @@ def check_generator(generator: Any, batch_size: int) -> None:
         return
     generators = generator if isinstance(generator, list) else [generator]
     if not all(isinstance(g, torch.Generator) for g in generators):
-        raise TypeError(
+        raise ArgumentKindError(
             f"`generator` must be a torch.Generator or a list of them, got {type(generator).__name__} "
             "(use torch.Generator().manual_seed(seed))."
         )
@@ -319,7 +290,7 @@ def check_generator(generator: Any, batch_size: int) -> None:
 
 def check_callback(callback: Any, names: Any, allowed: tuple[str, ...]) -> tuple[str, ...]:
     if callback is not None and not callable(callback):
-        raise TypeError(f"`callback_on_step_end` must be callable, got {type(callback).__name__}.")
+        raise ArgumentKindError(f"`callback_on_step_end` must be callable, got {type(callback).__name__}.")
     names = ["latents"] if names is None else list(names)
     unknown = [n for n in names if n not in allowed]
     if unknown:

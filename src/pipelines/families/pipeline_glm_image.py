@@ -32,8 +32,8 @@ from diffusers.pipelines.glm_image.pipeline_glm_image import (
 from diffusers.pipelines.glm_image.pipeline_output import GlmImagePipelineOutput
 from einops import rearrange
 
-from ..caching.condition import ConditionKVCache
-from ..models.glm_image import GlmImageCachedTransformer2DModel
+from ...caching.condition import ConditionKVCache
+from ...models.glm_image import GlmImageCachedTransformer2DModel
 
 __all__ = ["GlmImageCachedPipeline", "GlmImagePipelineOutput"]
 

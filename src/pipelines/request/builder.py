@@ -1,0 +1,316 @@
+"""`build_request`: one call's arguments (`VideoCall`) resolved and checked into the frozen `VideoRequest`.
+
+The one place a call is resolved, in this order: the recipe (the call's, else the one the pipeline folder's
+`model_index.json` names) fills what the call left `None`, then the loop's defaults (`LOOP_DEFAULTS`), then
+the pipeline config (cache options, steps, sizes, text length). Every argument is then checked, group by
+group, before any model work; the input video's reader opens last, after every other check passed.
+
+`pipe(...)`, `pipe.stream(...)`, `generate_to_file`, resume, the CLI, the demo and the evaluation all come
+through here, and `num_frames_for` answers "how many frames" from the same resolution, so a front end
+never re-implements a rule: it relabels this module's errors (a flag name, a field label) instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Protocol
+
+from ...caching.layout import ChunkLayout
+from ...checks import check_choice, check_flag, check_number
+from ...recipes import get_recipe
+from .call import VideoCall
+from .conditioning import build_conditioning
+from .prompt_schedule import PromptSchedule
+from .request import (
+    CacheOptions,
+    VideoGeometry,
+    VideoRequest,
+    check_blend_chunks,
+    check_callback,
+    check_context_noise,
+    check_context_policy,
+    check_embeds,
+    check_first_frame,
+    check_generator,
+    check_guidance_scale,
+    check_latents,
+    check_negative_prompt,
+    check_num_frames,
+    check_output_type,
+    check_recache,
+)
+from .steps import StepPlan, plan_steps
+from .text_encoding import check_max_sequence_length
+
+# What the loop does when neither the call nor its recipe says (the cache options' defaults are the config's).
+LOOP_DEFAULTS: dict[str, Any] = {
+    "sigma_mapping": "shift",
+    "integer_timesteps": False,
+    "context_noise": 0.0,
+    "context_policy": "rolling",
+    "recompute_first_frame": "keep",
+    "recache": "causal",
+    "prompt_blend_chunks": 1,
+}
+IMAGE_MODES = ("chunk", "frame")
+FIRST_CHUNK_RULES = ("whole", "remainder", "frame")
+
+
+class RequestPipeline(Protocol):
+    """What `build_request` reads from a pipeline (`ChunkedVideoPipeline` provides it): its config and VAE
+    arithmetic, its family's options and layout, and its transformer's frame budget."""
+
+    config: Any
+    transformer: Any
+    scheduler: Any
+    vae: Any
+    options_class: type[CacheOptions]
+    recache_modes: tuple[str, ...]
+    vae_scale_factor_temporal: int
+    vae_scale_factor_spatial: int
+    callback_tensor_inputs: tuple[str, ...]
+
+    def frames_to_latent(self, num_frames: int) -> int: ...
+
+    def latent_to_frames(self, latent_frames: int) -> int: ...
+
+    def latent_to_pixel_start(self, latent_frame: int) -> int: ...
+
+    def valid_num_frames(
+        self, num_frames: int, chunk_frames: int | None = None, first_frame_alone: bool = False
+    ) -> tuple[int, int]: ...
+
+    def check_size(self, name: str, size: Any) -> int: ...
+
+    def make_layout(
+        self, tokens_per_frame: int, options: CacheOptions, num_latent_frames: int, largest_chunk: int | None = None
+    ) -> ChunkLayout: ...
+
+    def check_prompt_text(
+        self, prompts: list[str], max_sequence_length: int, name: str, require_known_word: bool = True
+    ) -> None: ...
+
+
+# ---------------------------------------------------------------------------------------- the recipe
+def resolve_call(pipe: RequestPipeline, call: VideoCall) -> VideoCall:
+    """`call` with what it left `None` taken from its recipe (the call's, else the folder's), then from the loop's
+    defaults; `recipe` holds the name used. What is still `None` is the pipeline config's to fill."""
+    name = call.recipe if call.recipe is not None else pipe.config.get("recipe")
+    settings = dict(LOOP_DEFAULTS)
+    if name is not None:
+        settings.update(get_recipe(name, type(pipe).__name__).settings)
+    missing = {key: value for key, value in settings.items() if getattr(call, key) is None}
+    return call.replace(recipe=name, **missing)
+
+
+def check_image_mode(image_mode: Any, image: Any) -> None:
+    """A given `image_mode` is one of `IMAGE_MODES` and comes with an `image`."""
+    if image_mode is None:
+        return
+    check_choice("image_mode", image_mode, IMAGE_MODES)
+    if image is None:
+        raise ValueError("`image_mode` applies to `image=` (image-to-video) only; pass an `image` or drop it.")
+
+
+def first_chunk_rule(call: VideoCall) -> str:
+    """The first chunk's rule of a resolved call: as asked, or one latent frame for a start image in the "frame"
+    convention (a recipe's `image_mode` applies only when the call has an `image`)."""
+    if call.image_mode is None or call.image is None or call.image_mode == "chunk":
+        rule = call.first_chunk or "whole"
+        return check_choice("first_chunk", rule, FIRST_CHUNK_RULES)
+    if call.first_chunk not in (None, "frame"):
+        raise ValueError(
+            f"`image_mode='frame'` makes the first chunk one latent frame, but `first_chunk`={call.first_chunk!r} "
+            "(given or set by the recipe) asks otherwise; pass first_chunk='frame' or image_mode='chunk'."
+        )
+    return "frame"
+
+
+def cache_options(pipe: RequestPipeline, call: VideoCall) -> CacheOptions:
+    """The family's cache options for a resolved call: its values, else the pipeline config's."""
+    given = {name: getattr(call, name) for name in CacheOptions.known_names}
+    return pipe.options_class.resolve(pipe.config, given, type(pipe).__name__)
+
+
+# ---------------------------------------------------------------------------------------- frame counts
+def num_frames_for(pipe: RequestPipeline, seconds: Any, fps: Any, call: VideoCall) -> int:
+    """The fewest frames a `call` makes that last at least `seconds` at `fps`: whole chunks of the call's chunk
+    length (after one latent frame for a start image in the "frame" convention), as `build_request` resolves
+    them."""
+    seconds = check_number("seconds", seconds, 0, above=True)
+    fps = check_number("fps", fps, 0, above=True)
+    call = resolve_call(pipe, call)
+    check_image_mode(call.image_mode if call.image is not None else None, call.image)
+    first_frame_alone = first_chunk_rule(call) == "frame"
+    chunk = cache_options(pipe, call).chunk_frames
+    requested = max(1, math.ceil(round(seconds * fps, 6)))  # round first: 0.1 s * 30 fps is 3 frames, not 4
+    below, above = pipe.valid_num_frames(requested, chunk, first_frame_alone)
+    return below if below >= requested else above
+
+
+# ---------------------------------------------------------------------------------------- the request
+def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
+    """Resolve `call` (recipe, loop defaults, config) and check every argument before any work; the frozen
+    request the chunk loop reads."""
+    check_output_type(call.output_type)
+    check_image_mode(call.image_mode, call.image)
+    call = resolve_call(pipe, call)
+    options = cache_options(pipe, call)
+    geometry, layout = _geometry(pipe, call, options, first_chunk_rule(call))
+    schedule = _schedule(pipe, call, geometry)
+    guidance_scale = check_guidance_scale(call.guidance_scale)
+    max_sequence_length = check_max_sequence_length(
+        pipe.config.max_sequence_length if call.max_sequence_length is None else call.max_sequence_length
+    )
+    batch_size = schedule.batch_size
+    geometry = dataclasses.replace(geometry, chunk_shape=(batch_size, *geometry.chunk_shape[1:]))
+    negatives = check_negative_prompt(call.negative_prompt, call.negative_prompt_embeds, guidance_scale, batch_size)
+    _check_schedule_text(pipe, call, schedule, negatives, max_sequence_length)
+    check_generator(call.generator, batch_size)
+    latent_shape = (*geometry.chunk_shape[:2], geometry.num_latent_frames, *geometry.chunk_shape[3:])
+    checked = dict(
+        step_plan=_step_plan(pipe, call),
+        latents=check_latents(call.latents, latent_shape),
+        callback_tensor_inputs=check_callback(
+            call.callback_on_step_end, call.callback_on_step_end_tensor_inputs, pipe.callback_tensor_inputs
+        ),
+        context_noise=check_context_noise(call.context_noise),
+        context_policy=check_context_policy(call.context_policy, layout),
+        recompute_first_frame=check_first_frame(call.recompute_first_frame),
+        recache_mode=check_recache(call.recache, pipe.recache_modes),
+        overlap_decode=check_flag("overlap_decode", call.overlap_decode),
+        prompt_blend_chunks=check_blend_chunks(call.prompt_blend_chunks),
+    )
+    _check_vae_needs(pipe, call, checked)
+    conditioning = build_conditioning(  # last: an input file's reader opens here, after every other check
+        call.image,
+        call.video,
+        call.strength,
+        batch_size,
+        geometry.height,
+        geometry.width,
+        pipe.latent_to_frames(layout.chunk_frames),
+    )
+    return VideoRequest(
+        geometry=geometry,
+        layout=layout,
+        options=options,
+        schedule=schedule,
+        guidance_scale=guidance_scale,
+        negative_prompt=negatives,
+        max_sequence_length=max_sequence_length,
+        output_type=call.output_type,
+        prompt_embeds=call.prompt_embeds,
+        negative_prompt_embeds=call.negative_prompt_embeds,
+        generator=call.generator,
+        callback_on_step_end=call.callback_on_step_end,
+        conditioning=conditioning,
+        recipe=call.recipe,
+        **checked,
+    )
+
+
+def _check_vae_needs(pipe: RequestPipeline, call: VideoCall, checked: dict[str, Any]) -> None:
+    """What needs the VAE, refused up front on a pipeline without one (latents in, latents out)."""
+    if pipe.vae is not None:
+        return
+    if checked["context_policy"] == "recompute" and checked["recompute_first_frame"] == "reencode":
+        source = f" (set by the recipe {call.recipe!r})" if call.recipe else ""
+        raise ValueError(
+            f"`recompute_first_frame='reencode'`{source} re-encodes each rebuilt context's first frame from decoded "
+            "pixels with the VAE, but this pipeline has no VAE; pass recompute_first_frame='keep'."
+        )
+    if call.image is not None or call.video is not None:
+        name = "image" if call.image is not None else "video"
+        raise ValueError(f"`{name}` is encoded by the VAE, but this pipeline has no VAE; load one with its `vae`.")
+    if call.output_type != "latent" and getattr(pipe, "tiny_autoencoder", None) is None:
+        raise ValueError(
+            f"`output_type`={call.output_type!r} decodes with the VAE, but this pipeline has no VAE; pass "
+            "output_type='latent' or load a decoder (`load_tiny_autoencoder`)."
+        )
+
+
+def _step_plan(pipe: RequestPipeline, call: VideoCall) -> StepPlan:
+    steps, shift = call.denoising_steps, call.timestep_shift
+    return plan_steps(
+        pipe.config.denoising_steps if steps is None else steps,
+        call.sigma_mapping,
+        pipe.scheduler.config.shift if shift is None else shift,
+        call.integer_timesteps,
+        call.sigmas,
+        scheduler_shift=float(pipe.scheduler.config.shift),
+    )
+
+
+def _geometry(
+    pipe: RequestPipeline, call: VideoCall, options: CacheOptions, first_chunk: str
+) -> tuple[VideoGeometry, ChunkLayout]:
+    """Frames, sizes and the cache layout of one video, inside the positions' range: whole chunks, or a first
+    chunk that takes the leftover frames (`first_chunk="remainder"`, LongSANA) or is one latent frame
+    (`first_chunk="frame"`: a start image's single latent frame, Self-Forcing / CausVid image-to-video)."""
+    num_frames = check_num_frames(call.num_frames)
+    height = pipe.check_size("height", pipe.config.height if call.height is None else call.height)
+    width = pipe.check_size("width", pipe.config.width if call.width is None else call.width)
+    spatial = pipe.vae_scale_factor_spatial
+    latent_frames = pipe.frames_to_latent(num_frames)
+    tokens_per_frame = pipe.transformer.tokens_per_frame(height // spatial, width // spatial)
+    layout = pipe.make_layout(tokens_per_frame, options, latent_frames)
+    chunk_frames = layout.chunk_frames
+    first = _first_chunk_frames(pipe, num_frames, latent_frames, chunk_frames, first_chunk)
+    if first > chunk_frames:  # the model and cache are sized by the largest chunk, the first
+        layout = pipe.make_layout(tokens_per_frame, options, latent_frames, first)
+    pipe.transformer.check_frame_budget(latent_frames, layout)
+    channels = pipe.transformer.config.in_channels
+    return VideoGeometry(
+        num_frames=num_frames,
+        height=height,
+        width=width,
+        num_latent_frames=latent_frames,
+        chunk_shape=(1, channels, chunk_frames, height // spatial, width // spatial),
+        first_chunk_frames=first,
+    ), layout
+
+
+def _first_chunk_frames(pipe: RequestPipeline, num_frames: int, latent_frames: int, chunk: int, rule: str) -> int:
+    """Latent frames of the first chunk under `rule`; raises naming the nearest valid `num_frames` otherwise."""
+    temporal = pipe.vae_scale_factor_temporal
+    whole_latents = not (num_frames - 1) % temporal
+    if rule == "frame" and latent_frames > 1 and (latent_frames - 1) % chunk == 0 and whole_latents:
+        return 1
+    if rule == "remainder" and latent_frames >= chunk and whole_latents:
+        return chunk + latent_frames % chunk
+    if rule == "whole" and latent_frames % chunk == 0 and whole_latents:
+        return chunk
+    alone = rule == "frame"
+    below, above = pipe.valid_num_frames(num_frames, chunk, first_frame_alone=alone)
+    raise ValueError(
+        f"`num_frames`={num_frames} cannot be made of {'one frame and then ' if alone else ''}whole chunks of "
+        f"{chunk} latent frames (VAE temporal factor {temporal}); nearest valid values: {below} or {above}"
+        + ("" if alone else " (or `first_chunk='remainder'`: the first chunk takes the leftover frames).")
+    )
+
+
+def _schedule(pipe: RequestPipeline, call: VideoCall, geometry: VideoGeometry) -> PromptSchedule:
+    """The prompt schedule (`prompt_embeds` stand for the prompt at frame 0); its batch is the video's."""
+    if call.prompt_embeds is not None and call.prompt is not None:
+        raise ValueError("Give either `prompt` or `prompt_embeds`, not both.")
+    schedule_prompt = call.prompt
+    if call.prompt_embeds is not None:
+        check_embeds("prompt_embeds", call.prompt_embeds)
+        schedule_prompt = ["<prompt_embeds>"] * call.prompt_embeds.shape[0]
+    last_chunk_start = pipe.latent_to_pixel_start(geometry.last_chunk_start)
+    return PromptSchedule.build(schedule_prompt, call.prompt_schedule, geometry.num_frames, last_chunk_start)
+
+
+def _check_schedule_text(
+    pipe: RequestPipeline, call: VideoCall, schedule: PromptSchedule, negatives, max_sequence_length: int
+) -> None:
+    """Unknown words and truncation warned about, prompts with no known word refused (`check_prompts`)."""
+    for index, (_, prompts) in enumerate(schedule.entries):
+        if index == 0 and call.prompt_embeds is not None:
+            continue
+        name = "prompt_schedule" if index > 0 or call.prompt is None else "prompt"
+        pipe.check_prompt_text(list(prompts), max_sequence_length, name)
+    if negatives:
+        pipe.check_prompt_text(list(negatives), max_sequence_length, "negative_prompt", require_known_word=False)

@@ -1,0 +1,205 @@
+"""`VideoCall`: the arguments of one `pipe(...)` / `pipe.stream(...)` call, as given, written once.
+
+diffusers keeps an explicit signature on `__call__`; here that signature is this dataclass's: `stream` and
+`__call__` take `VideoCall`'s `__signature__` (the way our models take diffusers' `__init__` signature), so
+`help(pipe)`, `inspect.signature` and notebooks show every argument with its type and default, and the list
+exists once. `CALL_ARGUMENTS` is its one docstring, in diffusers' typed style; a test checks it documents
+every field. `rolldiff.pipelines.request.builder.build_request` turns a `VideoCall` into the frozen
+`VideoRequest` the chunk loop reads.
+
+A recipe (`rolldiff.recipes`) fills the fields a call leaves `None`; the session server and the CLI build a
+`VideoCall` from their messages and flags, so every front end resolves a call the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class VideoCall:
+    """One call's arguments, unchecked (`build_request` checks them); `None` means "the recipe's, else the
+    model's". Field order is the signature's: four positional arguments, the rest keyword-only."""
+
+    prompt: str | list[str] | None = None
+    num_frames: int = 81
+    height: int | None = None
+    width: int | None = None
+    _: KW_ONLY
+    prompt_schedule: Sequence[tuple[int, str]] | dict[int, str] | None = None
+    negative_prompt: str | list[str] | None = None
+    prompt_embeds: torch.Tensor | None = None
+    negative_prompt_embeds: torch.Tensor | None = None
+    denoising_steps: Sequence[float] | None = None
+    guidance_scale: float = 1.0
+    generator: torch.Generator | list[torch.Generator] | None = None
+    latents: torch.Tensor | None = None
+    output_type: str = "np"
+    max_sequence_length: int | None = None
+    callback_on_step_end: Callable | None = None
+    callback_on_step_end_tensor_inputs: list[str] | None = None
+    chunk_frames: int | None = None
+    sink_frames: int | None = None
+    window_frames: int | str | None = None
+    position_mode: str | None = None
+    attention_bias: float | None = None
+    kv_quantization: str | None = None
+    kv_offload: bool | None = None
+    attention_bias_mode: str | None = None
+    image: Any = None
+    video: Any = None
+    strength: float | None = None
+    image_mode: str | None = None
+    overlap_decode: bool = False
+    recipe: str | None = None
+    sigma_mapping: str | None = None
+    sigmas: Sequence[float] | None = None
+    integer_timesteps: bool | None = None
+    timestep_shift: float | None = None
+    context_noise: float | None = None
+    context_policy: str | None = None
+    first_chunk: str | None = None
+    recache: str | None = None
+    recompute_first_frame: str | None = None
+    prompt_blend_chunks: int | None = None
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def bind(cls, method: str, args: tuple, kwargs: dict[str, Any]) -> VideoCall:
+        """`VideoCall(*args, **kwargs)`, with a misspelt or extra argument named as `method`'s (not this class's)."""
+        try:
+            return cls(*args, **kwargs)
+        except TypeError as error:
+            raise TypeError(str(error).replace(f"{cls.__name__}.__init__()", f"{method}()")) from None
+
+    def replace(self, **changes: Any) -> VideoCall:
+        return dataclasses.replace(self, **changes)
+
+
+def call_signature(extra: Sequence[inspect.Parameter] = ()) -> inspect.Signature:
+    """`VideoCall`'s signature with `self` first (and `extra` keyword-only parameters last): a method's."""
+    parameters = list(inspect.signature(VideoCall).parameters.values())
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return inspect.Signature([this, *parameters, *extra])
+
+
+def takes_call_arguments(extra: Sequence[inspect.Parameter] = ()) -> Callable[[Callable], Callable]:
+    """Give a `(self, *args, **kwargs)` method `VideoCall`'s signature and `CALL_ARGUMENTS` under its docstring."""
+
+    def decorate(method: Callable) -> Callable:
+        method.__signature__ = call_signature(extra)
+        method.__doc__ = (inspect.cleandoc(method.__doc__ or "") + "\n" + CALL_ARGUMENTS).strip()
+        return method
+
+    return decorate
+
+
+CALL_ARGUMENTS = """
+Args:
+    prompt (`str` or `list[str]`, *optional*):
+        The text, or one per batch element. Omit it when `prompt_schedule` starts at frame 0 or `prompt_embeds`
+        are given.
+    num_frames (`int`, *optional*, defaults to 81):
+        Pixel frames; whole chunks (`pipe.num_frames_for(seconds, fps, **call)` or `valid_num_frames` tells the
+        nearest valid counts).
+    height (`int`, *optional*):
+        Pixels, a multiple of the VAE factor times the patch size. Defaults to the config's `height`.
+    width (`int`, *optional*):
+        Pixels, as `height`. Defaults to the config's `width`.
+    prompt_schedule (`list[tuple[int, str]]` or `dict[int, str]`, *optional*):
+        `[(frame, prompt), ...]` switches in pixel frames; each takes effect at the next chunk boundary.
+    negative_prompt (`str` or `list[str]`, *optional*):
+        The unconditional branch's text when `guidance_scale > 1`.
+    prompt_embeds (`torch.Tensor`, *optional*):
+        Precomputed text embeddings `(batch, tokens, channels)` for the first prompt.
+    negative_prompt_embeds (`torch.Tensor`, *optional*):
+        Precomputed embeddings of the negative prompt.
+    denoising_steps (`list[float]`, *optional*):
+        Step values in [0, 1000], strictly decreasing, the first above 0 (only the last may be 0: Krea's);
+        warped by `sigma_mapping`. Defaults to the recipe's, else the config's.
+    guidance_scale (`float`, *optional*, defaults to 1.0):
+        Above 1 enables classifier-free guidance, with a cache of its own for the negative branch.
+    generator (`torch.Generator` or `list[torch.Generator]`, *optional*):
+        One generator (or one per batch element); chunk k's noise is drawn when chunk k starts.
+    latents (`torch.Tensor`, *optional*):
+        Starting noise for the whole video `(batch, channels, latent_frames, h, w)`.
+    output_type (`str`, *optional*, defaults to `"np"`):
+        `"np"`, `"pil"`, `"pt"` or `"latent"`.
+    max_sequence_length (`int`, *optional*):
+        Text tokens. Defaults to the config's.
+    callback_on_step_end (`Callable`, *optional*):
+        `callback(pipe, step, timestep, tensors) -> dict`, called after every denoising step with the next step's
+        input `latents`; returned `latents` replace them. `pipe.interrupt = True` (or the stream's
+        `interrupt()`) stops before the next step: the output holds the chunks finished so far.
+    callback_on_step_end_tensor_inputs (`list[str]`, *optional*):
+        The tensors the callback receives: `"latents"`, `"prompt_embeds"`.
+    chunk_frames (`int`, *optional*):
+        Latent frames generated per chunk (a cache option: `None` takes the recipe's, else the config's).
+    sink_frames (`int`, *optional*):
+        First latent frames, never evicted (the attention sink).
+    window_frames (`int` or `"all"`, *optional*):
+        Most recent latent frames attended to after the sink, counting the chunk; `"all"` keeps every frame
+        (LongSANA). A window longer than the video is shortened to what the video can fill.
+    position_mode (`str`, *optional*):
+        `"absolute"` (keys after RoPE, bounded by the RoPE table) or `"relative"` (re-indexed, unbounded length).
+    attention_bias (`float`, *optional*):
+        Krea's KV-cache bias in (0, 1]: `log(bias)` added to past tokens' scores (1 = off).
+    kv_quantization (`str`, *optional*):
+        `"int8"` or `"fp8"`: store the K/V window quantized (about half of bf16).
+    kv_offload (`bool`, *optional*):
+        Keep the committed K/V window in CPU memory; each block's comes in when it runs.
+    attention_bias_mode (`str`, *optional*):
+        `"past"` (every earlier token biased) or `"scope"` (the first frame and the chunk unbiased).
+    image (`PIL.Image.Image`, `np.ndarray` or `torch.Tensor`, *optional*):
+        A start frame (image-to-video), or one per batch element: `(H, W, 3)` arrays, `(3, H, W)` tensors. It is
+        encoded and becomes the clean first context: frame 0 of the video is the image.
+    video (`str`, `np.ndarray` or iterator of frames, *optional*):
+        An input video (video-to-video), streamed chunk by chunk: a file path, an `(F, H, W, 3)` array or any
+        iterator of frames (a webcam included). The output ends with the input.
+    strength (`float`, *optional*):
+        With `video`: how much of each input chunk is replaced, in (0, 1] (default 0.8, diffusers'); of the N
+        denoising steps the last `int(N * strength)` run.
+    image_mode (`str`, *optional*):
+        With `image`: `"chunk"` (Krea: the image repeated over the first chunk; the default) or `"frame"`
+        (Self-Forcing / CausVid: its one latent frame is the first context; `num_frames` is then one latent frame
+        and whole chunks). `None` takes the recipe's.
+    overlap_decode (`bool`, *optional*, defaults to `False`):
+        On CUDA, decode chunk k on a side stream while chunk k + 1 denoises (the same frames, in order).
+    recipe (`str`, *optional*):
+        A checkpoint's own inference settings (`rolldiff.recipes.list_recipes()`); explicit arguments win.
+        Defaults to the one the pipeline folder's `model_index.json` names.
+    sigma_mapping (`str`, *optional*):
+        How steps become sigmas: `"shift"` (diffusers'; the default), `"table"` or `"linear"`
+        (`rolldiff.pipelines.request.steps`).
+    sigmas (`list[float]`, *optional*):
+        Explicit sigmas in (0, 1], one per denoising step, instead of the mapping.
+    integer_timesteps (`bool`, *optional*):
+        Truncate the timesteps fed to the model to integers (LongSANA).
+    timestep_shift (`float`, *optional*):
+        The shift of the sigma mapping. Defaults to the recipe's, else the scheduler's.
+    context_noise (`float`, *optional*):
+        The timestep of the context pass in [0, 1000) (Self-Forcing's `context_noise`; 0: clean).
+    context_policy (`str`, *optional*):
+        `"rolling"` (commit each chunk's K/V once; the default) or `"recompute"` (Krea: each chunk rebuilds its
+        context from the last clean latents in one t = 0 pass).
+    first_chunk (`str`, *optional*):
+        `"whole"` (every chunk alike; the default), `"remainder"` (the first chunk takes the leftover frames:
+        LongSANA) or `"frame"` (one latent frame: a start image's, with `image_mode="frame"`).
+    recache (`str`, *optional*):
+        The re-cache after a prompt switch: `"causal"` (the default), `"longlive"` or `"longsana"`, as the family
+        offers.
+    recompute_first_frame (`str`, *optional*):
+        Under `context_policy="recompute"`: `"keep"` (the first latent frame as made; the default) or `"reencode"`
+        (Krea: re-encoded from the last chunk's decoded pixels; needs the VAE).
+    prompt_blend_chunks (`int`, *optional*):
+        A prompt switch blends the embeddings over this many chunks (Krea: 4; 1 switches at once).
+"""
