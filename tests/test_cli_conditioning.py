@@ -86,7 +86,7 @@ def test_image_to_video_resumes_to_the_uninterrupted_video(tmp_path, monkeypatch
         (["--image", "missing.png"], "--image"),
         (["--video", "missing.mp4"], "--video"),
         (["--strength", "0.5"], "strength"),
-        (["--image-mode", "frame"], "--image-mode applies to --image"),
+        (["--image-mode", "frame"], "--image-mode (`image_mode`) applies to"),
         (["--image-mode", "tile"], "--image-mode"),
     ],
 )
@@ -100,7 +100,7 @@ def test_generate_takes_a_recipe_and_refuses_one_of_another_pipeline(tmp_path, c
     assert main([*BASE, "--recipe", "longlive", "--out", str(out)]) == 0
     assert _read(out).shape[0] > 0
     assert main([*BASE, "--recipe", "longsana", "--out", str(out)]) == 2  # the embedded model is Krea-like
-    assert "`recipe` must be one of" in capsys.readouterr().err
+    assert "--recipe (`recipe`) must be one of" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -34,7 +34,9 @@ VAE_CONFIGS = {
     ),
 }
 # fp32 rounding: the per-chunk quant_conv rounds differently from the whole clip's (measured <= 5e-7).
-TOLERANCE = dict(atol=2e-6, rtol=0)
+# float32 reordering between the chunked and whole-clip convolutions: up to 2.8e-6 seen on some CPUs (the
+# embedded VAE's latents, |x| up to ~3); a streaming bug shows as 1e-2 or more.
+TOLERANCE = dict(atol=5e-6, rtol=0)
 
 
 def make_vae(name: str = "temporal_4x") -> AutoencoderKLWan:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ...caching.layout import ChunkLayout
-from ...checks import ArgumentKindError, check_choice, check_int, check_number
+from ...checks import ArgumentKindError, check_choice, check_int, check_number, is_int
 from .prompt_schedule import PromptSchedule
 
 if TYPE_CHECKING:
@@ -186,11 +186,12 @@ def check_num_frames(num_frames: Any) -> int:
 
 def check_size(name: str, size: Any, multiple: int, why: str) -> int:
     """A pixel side: a positive multiple of `multiple` (`why` says where the multiple comes from)."""
-    allowed = f"a positive multiple of {multiple} ({why})"
-    size = check_int(name, size, 1, hint=allowed)
-    if size % multiple:
-        raise ValueError(f"`{name}` must be {allowed}, got {size!r}.")
-    return size
+    message = f"`{name}` must be a positive multiple of {multiple} ({why}), got {size!r}."
+    if not is_int(size):
+        raise ArgumentKindError(message)
+    if size < 1 or size % multiple:
+        raise ValueError(message)
+    return int(size)
 
 
 CONTEXT_POLICIES = ("rolling", "recompute")
