@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from . import __version__ as rolldiff_version
+from .caching.layout import ALL_FRAMES
 from .defaults import DTYPES, ModelNotFoundError, default_device, default_dtype, load_pipeline, native_size
 from .pipelines.io.resume import ResumeError, load_state, state_path_for, write_video
 from .pipelines.io.video_writer import check_output_path, check_quality, count_frames, partial_path_for
@@ -121,6 +122,19 @@ def _positive(kind, maximum: float = math.inf):
     return parse
 
 
+def _window_frames(text: str) -> int | str:
+    """A number of latent frames, or the one spelling of an unbounded window (`ALL_FRAMES`)."""
+    if text == ALL_FRAMES:
+        return ALL_FRAMES
+    try:
+        return _positive(int)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an int > 0 or {ALL_FRAMES!r}, got {text!r}") from None
+
+
+_window_frames.__name__ = "window"  # argparse names the type in its messages
+
+
 def _quality(text: str) -> float:
     try:
         return check_quality(float(text))  # the writer's own range
@@ -211,7 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--steps", type=_steps, help="denoising steps, e.g. 1000,750,500,250 (default: the model's)")
     generate.add_argument("--chunk-frames", type=_positive(int), help="latent frames per chunk (default: the model's)")
     generate.add_argument("--sink-frames", type=int, help="latent frames kept forever at the start of the cache")
-    generate.add_argument("--window-frames", type=_positive(int), help="latent frames of the rolling window")
+    generate.add_argument(
+        "--window-frames",
+        type=_window_frames,
+        help="latent frames of the rolling window, or 'all' (every earlier frame stays visible)",
+    )
     generate.add_argument("--position-mode", help="RoPE positions: absolute or relative (default: the model's)")
     generate.add_argument(
         "--kv-quantization", choices=["int8", "fp8"], help="store the K/V window quantized (about half of bf16)"

@@ -29,18 +29,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..checks import check_int
+
 EXTRA_STATE_KEY = "_extra_state"  # torch's state-dict name for what `get_extra_state` returns
 
 
 def check_positive(name: str, value: int, allow_zero: bool = False) -> int:
-    """Validate a size argument, naming it in the error."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"`{name}` must be an int, got {type(value).__name__}.")
-    lowest = 0 if allow_zero else 1
-    if value < lowest:
-        allowed = "an int >= 0" if allow_zero else "a positive int"
-        raise ValueError(f"`{name}` must be {allowed}, got {value}.")
-    return value
+    """A size argument: a positive int (or >= 0), named in the error (`rolldiff.checks.check_int`)."""
+    return check_int(name, value, 0 if allow_zero else 1)
 
 
 def check_allocation_sizes(batch_size: int, num_heads: int, head_dim: int) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_int
 from .base import CacheLayer, check_allocation_sizes, check_positive
 
 # committed, pending and previous frames; `frame_count`: committed frames, on the state's device
@@ -146,10 +147,7 @@ class ConvStateLayer(CacheLayer):
     def shift_frames(self, num_frames: int) -> None:
         """Move the committed frame count by `num_frames` (negative: back), as when a model rebases its
         positions; the frames held are unchanged. The count stays >= 0."""
-        if isinstance(num_frames, bool) or not isinstance(num_frames, int) or self.committed_frames + num_frames < 0:
-            raise ValueError(
-                f"`num_frames` must be an int >= {-self.committed_frames} (the committed frames), got {num_frames!r}."
-            )
+        check_int("num_frames", num_frames, -self.committed_frames, hint="the committed frames")
         if self.frame_count is not None:
             self.frame_count.add_(num_frames)
         self.committed_frames += num_frames

@@ -5,17 +5,24 @@
 The window counts the pending chunk (Self-Forcing's `local_attn_size`) and excludes the sink, so a
 chunk attends to `sink + window` at most. `window_start` is the one formula every user calls: the
 `SlidingWindowLayer` (in tokens, on device tensors), `ChunkLayout` (in frames) and the re-cache.
-`ChunkLayout` is the frame geometry every video family shares.
+`ChunkLayout` is the frame geometry every video family shares, and the one home of the window rules: the
+window is larger than the chunk (it counts the chunk and must leave room for recent context), or it is
+`ALL_FRAMES` ("all"), the one spelling of an unbounded window (every earlier frame stays visible: LongSANA's
+state over every chunk, Self-Forcing's `local_attn_size: -1`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_choice, check_int
+
 POSITION_MODES = ("absolute", "relative")
+ALL_FRAMES = "all"  # `window_frames` of an unbounded window: every earlier frame stays visible
 
 
 def window_start(committed, sink: int, window: int, chunk: int, out: torch.Tensor | None = None):
@@ -30,12 +37,6 @@ def window_start(committed, sink: int, window: int, chunk: int, out: torch.Tenso
     return max(sink, committed - recent)
 
 
-def _check_int(name: str, value, lowest: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lowest:
-        kind = "a positive int" if lowest == 1 else f"an int >= {lowest}"
-        raise ValueError(f"`{name}` must be {kind}, got {value!r}.")
-
-
 @dataclass(frozen=True)
 class ChunkLayout:
     """Cache geometry in latent frames, and its token equivalents.
@@ -47,26 +48,37 @@ class ChunkLayout:
     tokens_per_frame: int
     chunk_frames: int = 3
     sink_frames: int = 3
-    window_frames: int = 9
+    window_frames: int | str = 9  # or ALL_FRAMES
     position_mode: str = "absolute"
 
     def __post_init__(self) -> None:
-        for name in ("tokens_per_frame", "chunk_frames", "window_frames"):
-            _check_int(name, getattr(self, name), 1)
-        _check_int("sink_frames", self.sink_frames, 0)
-        if self.chunk_frames >= self.window_frames:
-            raise ValueError(
-                f"`window_frames`={self.window_frames} must be larger than `chunk_frames`={self.chunk_frames}: "
-                "the window counts the chunk being generated, and must leave room for recent context."
-            )
-        if self.position_mode not in POSITION_MODES:
-            raise ValueError(f"`position_mode` must be one of {POSITION_MODES}, got {self.position_mode!r}.")
+        for name in ("tokens_per_frame", "chunk_frames"):
+            check_int(name, getattr(self, name), 1)
+        check_int("sink_frames", self.sink_frames, 0)
+        if not self.unbounded:
+            check_int("window_frames", self.window_frames, 1, hint=f"or {ALL_FRAMES!r}: every earlier frame")
+            if self.chunk_frames >= self.window_frames:
+                raise ValueError(
+                    f"`window_frames`={self.window_frames} must be larger than `chunk_frames`={self.chunk_frames} (or "
+                    f"{ALL_FRAMES!r}): the window counts the chunk being generated, and must leave room for recent "
+                    "context."
+                )
+        check_choice("position_mode", self.position_mode, POSITION_MODES)
+
+    @property
+    def unbounded(self) -> bool:
+        """Every earlier frame stays visible (`window_frames == ALL_FRAMES`): sizes below are then infinite."""
+        return self.window_frames == ALL_FRAMES
+
+    @property
+    def _window(self) -> float:
+        return math.inf if self.unbounded else self.window_frames
 
     # ---------------------------------------------------------------------------------------- sizes
     @property
     def context_frames(self) -> int:
         """Frames attended to at most (sink + window)."""
-        return self.sink_frames + self.window_frames
+        return self.sink_frames + self._window
 
     @property
     def chunk_tokens(self) -> int:
@@ -78,16 +90,18 @@ class ChunkLayout:
 
     @property
     def window_tokens(self) -> int:
-        return self.window_frames * self.tokens_per_frame
+        return self._window * self.tokens_per_frame
 
     @property
     def full_window_frames(self) -> int:
         """Committed frames after which every slot holds a visible token (attention needs no mask)."""
-        return self.sink_frames + self.window_frames - self.chunk_frames
+        return self.sink_frames + self._window - self.chunk_frames
 
     # ---------------------------------------------------------------------------------------- the window
     def window_start(self, committed_frames: int) -> int:
         """First frame after the sink that a chunk starting at `committed_frames` still sees."""
+        if self.unbounded:
+            return self.sink_frames
         return window_start(committed_frames, self.sink_frames, self.window_frames, self.chunk_frames)
 
     def visible_frames(self, chunk_start: int) -> list[int]:
@@ -119,9 +133,9 @@ class ChunkLayout:
         A window longer than the video evicts nothing, so shortening it to the frames left after the sink
         changes no visible frame, no position (relative positions start right after the sink either way) and
         no re-cache (the sink is kept, clipped to the video). The window stays one frame longer than a chunk at
-        least, as every layout's must.
+        least, as every layout's must. An unbounded window becomes the one that holds the whole video.
         """
-        if self.context_frames <= num_frames:
+        if not self.unbounded and self.context_frames <= num_frames:
             return self
         sink = min(self.sink_frames, num_frames)
         window = max(num_frames - sink, self.chunk_frames + 1)

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..checks import check_flag
 from .base import (
     CacheLayer,
     check_dtype_device,
@@ -81,8 +82,7 @@ class SlidingWindowLayer(CacheLayer):
         if chunk_tokens is not None:
             self._set_chunk_tokens(chunk_tokens)
         self.quantization = check_quantization(quantization)
-        if not isinstance(offload, bool):
-            raise TypeError(f"`offload` must be a bool, got {type(offload).__name__}.")
+        check_flag("offload", offload)
         self.offload = offload
         self.is_compileable = not offload
         self.capacity = self.sink_tokens + self.window_tokens

@@ -284,7 +284,7 @@ class ChunkSettings:
 
     @classmethod
     def of_model(cls, pipe) -> ChunkSettings:
-        """The model's own values, from its registered config (`None`: it has no such option, or it is unbounded)."""
+        """The model's own values, from its registered config (`None`: it has no such option; `"all"`: an unbounded window)."""
         own = {name: pipe.config[name] for name in (*CACHE_FIELDS, "position_mode") if name in pipe.cache_options}
         return cls(denoising_steps=list(pipe.config.denoising_steps), **own)
 

@@ -21,7 +21,7 @@ from typing import Any
 import gradio as gr
 from gradio.utils import get_upload_folder
 
-from ..caching.layout import POSITION_MODES
+from ..caching.layout import ALL_FRAMES, POSITION_MODES
 from ..pipelines.request.conditioning import DEFAULT_STRENGTH
 from .fields import (
     CACHE_FIELDS,
@@ -223,7 +223,7 @@ def _advanced_fields(pipe) -> dict[str, dict[str, Any]]:
 
     def shown(name: str) -> str:
         value = getattr(own, name)
-        return f"{'every earlier frame' if value is None else value} (the model's)"  # None: an unbounded window
+        return f"{'every earlier frame' if value == ALL_FRAMES else value} (the model's)"
 
     fields = {name: dict(placeholder=shown(name), visible=name in pipe.cache_options) for name in CACHE_FIELDS}
     fields["denoising_steps"] = dict(placeholder=", ".join(map(str, own.denoising_steps)) + " (the model's)")

@@ -41,12 +41,12 @@ from diffusers.models.transformers.transformer_sana_video import (
 from einops import rearrange
 
 from ..caching import ConvStateLayer, CrossAttentionLayer, RewindableLinearAttentionLayer, RollingKVCache
-from ..caching.layout import ChunkLayout
+from ..caching.layout import ALL_FRAMES, ChunkLayout
+from ..checks import check_int
 from .call_context import CallContextSlot, bind_call_context
 from .patch_grid import tokens_per_latent_frame
 from .placement import block_devices
 
-ALL_CHUNKS = 2**31 - 1  # `ChunkLayout.window_frames` meaning "every committed chunk" (LongSANA's default)
 LINEAR_ATTENTION_EPS = 1e-15  # diffusers' SanaLinearAttnProcessor3_0
 
 
@@ -57,7 +57,7 @@ def sana_layout(
 
     The window counts the chunk itself, as for every family: `window_frames = chunk_frames * (context_chunks + 1)`.
     """
-    window = ALL_CHUNKS if context_chunks is None else chunk_frames * (context_chunks + 1)
+    window = ALL_FRAMES if context_chunks is None else chunk_frames * (context_chunks + 1)
     return ChunkLayout(
         tokens_per_frame, chunk_frames=chunk_frames, sink_frames=0, window_frames=window, position_mode=position_mode
     )
@@ -67,7 +67,7 @@ def context_chunks(layout: ChunkLayout) -> int | None:
     """Earlier chunks a chunk sees under `layout` (None: all); the window must be whole chunks, with no sink."""
     if layout.sink_frames:
         raise ValueError(f"LongSANA has no attention sink: `layout.sink_frames` must be 0, got {layout.sink_frames}.")
-    if layout.window_frames >= ALL_CHUNKS:
+    if layout.unbounded:
         return None
     if layout.window_frames % layout.chunk_frames:
         raise ValueError(
@@ -415,10 +415,7 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
         """
         conv_layers = kv_cache.slots["conv_state"]
         committed = self.committed_frames(kv_cache)
-        if isinstance(num_frames, bool) or not isinstance(num_frames, int) or not 0 < num_frames <= committed:
-            raise ValueError(
-                f"`num_frames` must be an int in [1, {committed}] (the committed frames), got {num_frames!r}."
-            )
+        check_int("num_frames", num_frames, 1, committed, hint="the committed frames")
         split = [self.rope.t_dim, self.rope.h_dim, self.rope.w_dim]
         t_cos, h_cos, w_cos = self.rope.freqs_cos.split(split, dim=1)
         t_sin, h_sin, w_sin = self.rope.freqs_sin.split(split, dim=1)

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
+from ..checks import check_flag, check_int
 from .weights import (
     preview_keys,
     read_checkpoint_file,
@@ -146,8 +147,7 @@ def convert_original_sana_video_state_dict(
     """
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"`state_dict` must be a mapping of names to tensors, got {type(state_dict).__name__}.")
-    if not isinstance(use_ema, bool):
-        raise ValueError(f"`use_ema` must be True or False, got {use_ema!r}.")
+    check_flag("use_ema", use_ema)
     weights = select_generator_weights(state_dict, use_ema)
     stripped = unwrapped_tensors(weights, _SANA_ROOTS, _LEADING_PREFIXES, _REQUIRED_KEYS, "SANA-Video")
     converted, unexpected = _convert_keys(stripped)
@@ -182,8 +182,7 @@ def infer_sana_video_config(
         ("attention_head_dim", attention_head_dim),
         ("cross_attention_head_dim", cross_attention_head_dim),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"`{name}` must be a positive int, got {value!r}.")
+        check_int(name, value, 1)
     patch_weight = state_dict["patch_embedding.weight"]  # (width, in_channels, p_t, p_h, p_w)
     width, in_channels = patch_weight.shape[:2]
     patch_size = list(patch_weight.shape[2:])

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 from torch import Tensor
 
+from ..checks import check_flag, check_int
 from .weights import (
     GENERATOR_ENTRIES,
     preview_keys,
@@ -137,8 +138,7 @@ def convert_original_wan_state_dict(state_dict: Mapping[str, Tensor], use_ema: b
     """
     if not isinstance(state_dict, Mapping):
         raise ValueError(f"`state_dict` must be a mapping of names to tensors, got {type(state_dict).__name__}.")
-    if not isinstance(use_ema, bool):
-        raise ValueError(f"`use_ema` must be True or False, got {use_ema!r}.")
+    check_flag("use_ema", use_ema)
     weights = _select_generator(state_dict, use_ema)
 
     lora_keys = [key for key in weights if "lora_A" in key or "lora_B" in key or ".base_layer." in key]
@@ -182,8 +182,7 @@ def infer_wan_config(state_dict: Mapping[str, Tensor], attention_head_dim: int =
     if "scale_shift_table" not in state_dict:
         state_dict = convert_original_wan_state_dict(state_dict)
 
-    if isinstance(attention_head_dim, bool) or not isinstance(attention_head_dim, int) or attention_head_dim < 1:
-        raise ValueError(f"`attention_head_dim` must be a positive int, got {attention_head_dim!r}.")
+    check_int("attention_head_dim", attention_head_dim, 1)
     patch_weight = state_dict["patch_embedding.weight"]  # (dim, in_channels, p_t, p_h, p_w)
     dim, in_channels = patch_weight.shape[:2]
     patch_size = tuple(patch_weight.shape[2:])

@@ -22,6 +22,7 @@ from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import patchify
 from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 
+from ...checks import check_int
 from .feature_cache import WanFeatureCacheStream, checked_latent_stats
 
 
@@ -90,14 +91,12 @@ class StreamingWanEncoder(WanFeatureCacheStream):
 
     def num_pixel_frames(self, latent_frames: int) -> int:
         """Pixel frames the next `encode` needs to return `latent_frames` latent frames (9, then 12, for 3)."""
-        if isinstance(latent_frames, bool) or not isinstance(latent_frames, int) or latent_frames < 1:
-            raise ValueError(f"`latent_frames` must be an int >= 1, got {latent_frames!r}.")
+        check_int("latent_frames", latent_frames, 1)
         first = 1 if self._position == 0 else 0
         return first + (latent_frames - first) * self.temporal_downsample
 
     def _check_pixel_frames(self, pixel_frames: int) -> None:
-        if isinstance(pixel_frames, bool) or not isinstance(pixel_frames, int):
-            raise ValueError(f"`pixel_frames` must be an int, got {pixel_frames!r}.")
+        check_int("pixel_frames", pixel_frames, None)
         t = self.temporal_downsample
         if self._position == 0:
             offset, smallest = 1, 1

@@ -33,6 +33,7 @@ from diffusers.pipelines.glm_image.pipeline_output import GlmImagePipelineOutput
 from einops import rearrange
 
 from ...caching.condition import ConditionKVCache
+from ...checks import check_choice, check_int
 from ...models.glm_image import GlmImageCachedTransformer2DModel
 
 __all__ = ["GlmImageCachedPipeline", "GlmImagePipelineOutput"]
@@ -195,14 +196,9 @@ class GlmImageCachedPipeline(GlmImagePipeline):
                     f"decoder patch {self.transformer.config.patch_size} x 2 for the prior's grid), got {size!r}; "
                     f"nearest valid: {nearest}."
                 )
-        if output_type not in OUTPUT_TYPES:
-            raise ValueError(f"`output_type` must be one of {OUTPUT_TYPES}, got {output_type!r}.")
-        for name, value in (
-            ("num_images_per_prompt", num_images_per_prompt),
-            ("num_inference_steps", num_inference_steps),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
+        check_choice("output_type", output_type, OUTPUT_TYPES)
+        check_int("num_images_per_prompt", num_images_per_prompt, 1)
+        check_int("num_inference_steps", num_inference_steps, 1)
         prior_token_ids, prior_token_image_ids, source_image_grid_thw = prior_inputs
         if images is not None and prior_token_ids is not None and prior_token_image_ids is None:
             raise ValueError(

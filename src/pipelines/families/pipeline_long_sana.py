@@ -29,9 +29,9 @@ import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
 from ...caching import RollingKVCache
-from ...caching.layout import POSITION_MODES, ChunkLayout
+from ...caching.layout import ALL_FRAMES, POSITION_MODES, ChunkLayout
 from ...checks import check_choice, check_int, is_int
-from ...models.long_sana import ALL_CHUNKS, LongSanaTransformer3DModel
+from ...models.long_sana import LongSanaTransformer3DModel
 from ..request.request import CacheOptions, VideoRequest
 from .chunked_video import ChunkedVideoPipeline, ChunkedVideoPipelineOutput
 
@@ -44,30 +44,24 @@ class LongSanaVideoPipelineOutput(ChunkedVideoPipelineOutput):
     torch, or latents `(batch, channels, latent_frames, h, w)` for `output_type="latent"`."""
 
 
-EVERY_CHUNK = "all"  # `window_frames` meaning "every earlier chunk", explicitly (a call's None is the config's)
-
-
 @dataclass(frozen=True)
 class LongSanaCacheOptions(CacheOptions):
     """The SANA-like family's cache options (see `LongSanaVideoPipeline`), checked here."""
 
     chunk_frames: int
     sink_frames: int
-    window_frames: int | str | None
+    window_frames: int | str
     position_mode: str
 
     def __post_init__(self) -> None:
         chunk, window = self.chunk_frames, self.window_frames
-        if window == EVERY_CHUNK:
-            window = None
         check_int("chunk_frames", chunk, 1)
         if self.sink_frames != 0:
             raise ValueError(f"`sink_frames` must be 0: LongSANA has no attention sink, got {self.sink_frames!r}.")
-        if window is not None and not (is_int(window) and window >= 2 * chunk and window % chunk == 0):
+        if window != ALL_FRAMES and is_int(window) and window % chunk:  # the rest is `ChunkLayout`'s rule
             raise ValueError(
-                f"`window_frames` must be None (the config's), {EVERY_CHUNK!r} (every earlier chunk) or a multiple of "
-                f"`chunk_frames`={chunk} "
-                f"of at least {2 * chunk} (it counts the chunk itself), got {window!r}."
+                f"`window_frames` must be whole chunks for LongSANA (a multiple of `chunk_frames`={chunk}: the state "
+                f"is kept per chunk) or {ALL_FRAMES!r} (every earlier chunk), got {window!r}."
             )
         check_choice("position_mode", self.position_mode, POSITION_MODES)
 
@@ -89,7 +83,7 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
         sink_frames: must be 0 (LongSANA has no attention sink).
         window_frames: latent frames a chunk sees, counting itself, in whole chunks; `"all"`: every earlier chunk
             (LongSANA's default; the state is a running sum, so memory stays constant either way); `None` in a
-            call: the config's value (`None` in the config: every earlier chunk).
+            call: the config's value.
         position_mode: "absolute" (frame positions as trained, refused past the RoPE table) or "relative"
             (the committed state is re-based in place when the table would run out: unbounded length).
     """
@@ -108,7 +102,7 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
         scheduler: FlowMatchEulerDiscreteScheduler,
         chunk_frames: int = 10,
         sink_frames: int = 0,
-        window_frames: int | None = None,
+        window_frames: int | str = ALL_FRAMES,
         position_mode: str = "absolute",
         denoising_steps: list[int] | tuple[int, ...] = (1000, 750, 500, 250),
         max_sequence_length: int = 300,
@@ -123,7 +117,7 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
         self.register_to_config(
             chunk_frames=chunk_frames,
             sink_frames=sink_frames,
-            window_frames=window_frames,
+            window_frames=ALL_FRAMES if window_frames is None else window_frames,  # None: folders saved before "all"
             position_mode=position_mode,
             denoising_steps=list(denoising_steps),
             max_sequence_length=max_sequence_length,
@@ -148,14 +142,13 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
                 f"`position_mode='relative'` re-bases positions to the middle of the RoPE table ({table} frames): "
                 f"`chunk_frames` must be at most {table // 2}, got {chunk}."
             )
-        window = None if window in (None, EVERY_CHUNK) else window
-        if window is not None:  # a window past the video keeps no more state than the video makes (whole chunks)
+        if is_int(window):  # a window past the video keeps no more state than the video makes (whole chunks)
             window = min(window, chunk * max(2, math.ceil(num_latent_frames / chunk)))
         return ChunkLayout(
             tokens_per_frame,
             chunk_frames=chunk,
             sink_frames=0,
-            window_frames=ALL_CHUNKS if window is None else window,
+            window_frames=window,
             position_mode=mode,
         )
 

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ...checks import check_number
 from ..request.fingerprint import request_fingerprint
 from ..stream import ChunkStream
 from .video_writer import StreamingVideoWriter, check_output_path, check_quality, count_frames, partial_path_for
@@ -133,12 +134,6 @@ def _differences(saved: Any, current: Any, name: str) -> list[str]:
     return []
 
 
-def _check_state_every(state_every_s: Any) -> float:
-    if isinstance(state_every_s, bool) or not isinstance(state_every_s, (int, float)) or not state_every_s >= 0:
-        raise ValueError(f"`state_every_s` must be a number of seconds >= 0 (0: every chunk), got {state_every_s!r}.")
-    return float(state_every_s)
-
-
 def _continue_from(stream: ChunkStream, state_path: Path, partial: Path, fingerprint: dict) -> int:
     """Load the saved state into `stream` after checking it against this run and the partial; frames kept."""
     saved = load_state(state_path)
@@ -185,7 +180,7 @@ def write_video(
 def _write(stream: ChunkStream, path, fps: float, resume: bool, state_every_s: float, quality: float) -> int:
     path = check_output_path(path)
     quality = check_quality(quality)
-    state_every_s = _check_state_every(state_every_s)
+    state_every_s = check_number("state_every_s", state_every_s, 0, hint="seconds; 0: every chunk")
     request = stream.request
     if request.output_type != "np":
         raise ValueError("`output_type`: writing a video takes a stream of `output_type='np'`.")

@@ -12,7 +12,6 @@ a time as chunks are asked for.
 """
 
 import itertools
-import numbers
 import os
 from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from diffusers.video_processor import VideoProcessor
 from einops import rearrange, repeat
 
+from ...checks import check_int
 from .video_writer import count_frames
 
 Picture = PIL.Image.Image | np.ndarray | torch.Tensor
@@ -36,15 +36,10 @@ _PROCESSOR = VideoProcessor(vae_scale_factor=1)
 _END = object()  # what `next(frames, _END)` returns when a source is exhausted
 
 
-def _check_int(name: str, value: int, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"`{name}` must be an int >= {minimum}, got {value!r}.")
-
-
 def _check_output_args(batch_size: int, height: int, width: int, resize_mode: str) -> None:
-    _check_int("batch_size", batch_size)
-    _check_int("height", height)
-    _check_int("width", width)
+    check_int("batch_size", batch_size)
+    check_int("height", height)
+    check_int("width", width)
     if resize_mode not in RESIZE_MODES:
         raise ValueError(f"`resize_mode` must be one of {RESIZE_MODES}, got {resize_mode!r}.")
 
@@ -284,7 +279,7 @@ class VideoInput:
         short chunk is usable); None once the input has ended.
         """
         self._check_open()
-        _check_int("num_frames", num_frames)
+        check_int("num_frames", num_frames)
         pictures = []
         while len(pictures) < num_frames and (picture := self._next_picture()) is not None:
             pictures.append(picture)
@@ -300,7 +295,7 @@ class VideoInput:
             ValueError: the input ended before `num_frames` frames (`frames_read` is then at its end).
         """
         self._check_open()
-        _check_int("num_frames", num_frames, minimum=0)
+        check_int("num_frames", num_frames, minimum=0)
         skipped = sum(1 for _ in itertools.islice(self._frames, num_frames))
         self.frames_read += skipped
         if skipped < num_frames:

@@ -9,8 +9,6 @@ exception carries a note that names it. `continue_from` prepends an earlier part
 re-encoding), which is how a resumed generation ends as one file.
 """
 
-import math
-import numbers
 import os
 import re
 import secrets
@@ -24,6 +22,8 @@ from types import TracebackType
 import imageio_ffmpeg
 import numpy as np
 
+from ...checks import check_int, check_number
+
 
 def partial_path_for(path: str | os.PathLike) -> Path:
     """Where the frames of a failed or interrupted run to `path` are kept: `video.mp4` -> `video.partial.mp4`."""
@@ -33,9 +33,7 @@ def partial_path_for(path: str | os.PathLike) -> Path:
 
 def check_quality(quality: float) -> float:
     """imageio's encoder quality: a number from 1 (smallest file) to 10 (lossless with libx264)."""
-    if isinstance(quality, bool) or not isinstance(quality, numbers.Real) or not 1 <= quality <= 10:
-        raise ValueError(f"`quality` must be a number from 1 to 10, got {quality!r}.")
-    return float(quality)
+    return check_number("quality", quality, 1, 10, hint="1: smallest file, 10: lossless")
 
 
 def check_output_path(path: str | os.PathLike, name: str = "path") -> Path:
@@ -153,15 +151,12 @@ class StreamingVideoWriter:
         path = check_output_path(path)
         if continue_from is not None and not Path(continue_from).is_file():
             raise ValueError(f"`continue_from` {str(continue_from)!r} is not a file.")
-        if continue_frames is not None and (
-            continue_from is None
-            or isinstance(continue_frames, bool)
-            or not isinstance(continue_frames, int)
-            or continue_frames < 0
-        ):
-            raise ValueError(f"`continue_frames` must be an int >= 0 with `continue_from`, got {continue_frames!r}.")
-        if isinstance(fps, bool) or not isinstance(fps, numbers.Real) or not (math.isfinite(fps) and fps > 0):
-            raise ValueError(f"`fps` must be a finite number > 0, got {fps!r}.")
+        if continue_frames is not None:
+            if continue_from is None:
+                raise ValueError("`continue_frames` comes with `continue_from` (the file whose frames it counts).")
+            check_int("continue_frames", continue_frames, 0)
+        if not isinstance(fps, Fraction):
+            check_number("fps", fps, 0, above=True)
         check_quality(quality)
         self.path = path
         self.continue_from = None if continue_from is None else Path(continue_from)

@@ -10,9 +10,10 @@ integer type (numpy's too); strings and floats are refused as what they are, not
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ...checks import is_int
 
 
 def as_prompt_list(name: str, prompt) -> list[str]:
@@ -27,7 +28,7 @@ def as_prompt_list(name: str, prompt) -> list[str]:
 
 def _check_frame(frame, num_frames: int, last_chunk_start: int | None, previous: int) -> int:
     """One switch frame: an int in [0, num_frames), after the previous one, no later than the last chunk's start."""
-    if isinstance(frame, bool) or not isinstance(frame, numbers.Integral):
+    if not is_int(frame):
         raise ValueError(
             f"`prompt_schedule` frame {frame!r} is a {type(frame).__name__}; frames must be ints "
             f"(pixel frame numbers in [0, {num_frames}))."

@@ -12,13 +12,14 @@ punctuation themselves (`normalize_word_level`).
 
 from __future__ import annotations
 
-import numbers
 import threading
 import warnings
 from collections.abc import Sequence
 
 import torch
 from tokenizers import Tokenizer, normalizers, pre_tokenizers
+
+from ...checks import check_int
 
 # UMT5 was trained at 512 tokens; the encoder's attention grows with the square of the length, so lengths far
 # past this are refused rather than allocated (10**6 tokens would ask for terabytes).
@@ -51,15 +52,7 @@ def normalize_word_level(backend: Tokenizer) -> Tokenizer:
 
 def check_max_sequence_length(value) -> int:
     """`max_sequence_length` as an int in [1, MAX_SEQUENCE_LENGTH_LIMIT]; raises ValueError naming it otherwise."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Integral)
-        or not 1 <= value <= MAX_SEQUENCE_LENGTH_LIMIT
-    ):
-        raise ValueError(
-            f"`max_sequence_length` must be an int in [1, {MAX_SEQUENCE_LENGTH_LIMIT}] (UMT5 uses 512), got {value!r}."
-        )
-    return int(value)
+    return check_int("max_sequence_length", value, 1, MAX_SEQUENCE_LENGTH_LIMIT, hint="UMT5 uses 512")
 
 
 def _known_words_hint(tokenizer) -> str:
