@@ -71,6 +71,53 @@ def test_the_transformer_methods_are_the_protocols_own_methods():
     assert all(callable(getattr(VideoTransformer, name)) for name in TRANSFORMER_METHODS)
 
 
+def test_the_pipeline_implements_what_the_stream_needs_with_its_exact_signatures(pipe):
+    """`StreamPipeline` is every pipeline member `ChunkStream` calls; each family's pipeline has them all, with the
+    Protocol's parameters (names and kinds) first."""
+    from rolldiff.pipelines.stream import StreamPipeline
+
+    assert isinstance(pipe, StreamPipeline)
+    attributes = list(StreamPipeline.__annotations__)  # components: `transformer`, `scheduler`
+    members = [name for name in vars(StreamPipeline) if not name.startswith("_")]
+    assert len(attributes) + len(members) >= 20
+    assert all(getattr(pipe, name) is not None for name in attributes)
+    for name in members:
+        declared = getattr(StreamPipeline, name)
+        if not callable(declared):
+            continue
+        expected = list(inspect.signature(declared).parameters.values())
+        got = list(inspect.signature(getattr(type(pipe), name)).parameters.values())
+        assert [p.name for p in got[: len(expected)]] == [p.name for p in expected], name
+
+
+def test_the_stream_calls_nothing_on_its_pipeline_that_the_protocol_does_not_declare():
+    import ast
+    from pathlib import Path
+
+    import rolldiff.pipelines.stream as stream_module
+
+    tree = ast.parse(Path(stream_module.__file__).read_text())
+    called = {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute) is False
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "pipe"
+    } | {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and isinstance(node.value.value, ast.Name)
+        and node.value.value.id == "self"
+        and node.value.attr == "_pipe"
+    }
+    declared = {name for name in dir(stream_module.StreamPipeline) if not name.startswith("_")}
+    declared |= set(getattr(stream_module.StreamPipeline, "__annotations__", {}))
+    assert called and called <= declared, called - declared
+
+
 def test_the_pipeline_provides_every_required_hook(pipe):
     for name, required in PIPELINE_HOOKS.items():
         assert callable(getattr(pipe, name)), name
