@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import signal
 import sys
 import threading
@@ -314,7 +315,54 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=7860, help="port, 1 to 65535 (default 7860)")
     demo.add_argument("--max-concurrency", type=_positive(int), default=2, help="generations at once (default 2)")
     demo.set_defaults(run=run_demo)
+    _add_serve_command(commands)
     return parser
+
+
+def _add_serve_command(commands) -> None:
+    serve = commands.add_parser(
+        "serve",
+        help="serve real-time sessions over WebSocket (rolldiff-stream/1)",
+        description="Serve live generation sessions at ws://HOST:PORT/v1/stream (docs/serving.md).",
+    )
+    _add_model_arguments(serve)
+    serve.add_argument("--recipe", choices=list_recipes(), help="the recipe sessions use unless they name one")
+    serve.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        type=_compile_backend,
+        metavar="BACKEND",
+        help="torch.compile the transformer (fullgraph; default backend inductor)",
+    )
+    serve.add_argument("--tiny-vae", type=Path, metavar="PATH", help="decode with a tiny autoencoder (TAEHV)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="port, 1 to 65535 (default 8000)")
+    serve.add_argument("--max-sessions", type=_positive(int), default=4, help="sessions at once (default 4)")
+    serve.add_argument(
+        "--token", default=os.environ.get("ROLLDIFF_TOKEN"), help="clients must send it (default: $ROLLDIFF_TOKEN)"
+    )
+    serve.add_argument(
+        "--insecure-no-token",
+        action="store_true",
+        help="allow binding an address other than loopback without a token (anyone who reaches it may use the GPU)",
+    )
+    serve.add_argument("--state-dir", type=Path, help="folder for suspended sessions (suspend/restore, restarts)")
+    serve.add_argument(
+        "--idle-timeout", type=_positive(float), default=300.0, help="end a session idle this many seconds (300)"
+    )
+    serve.add_argument(
+        "--max-frames", type=_positive(int), default=100_000, help="frames a session may make (default 100000)"
+    )
+    serve.add_argument(
+        "--state-every",
+        type=int,
+        default=0,
+        metavar="CHUNKS",
+        help="save each session every N chunks (needs --state-dir)",
+    )
+    serve.add_argument("--fps", type=_positive(int), default=16, help="frames per second clients play at (16)")
+    serve.set_defaults(run=run_serve, fp8=False, attention_backend=None, cuda_graphs=False, kv_offload=None)
 
 
 def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -491,6 +539,49 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _check_serve_arguments(args: argparse.Namespace) -> None:
+    from .demo import check_address
+
+    try:
+        check_address(args.host, args.port)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("`host`", "--host").replace("`port`", "--port")) from None
+    loopback = args.host in ("127.0.0.1", "localhost", "::1") or args.host.startswith("127.")
+    if not loopback and not args.token and not args.insecure_no_token:
+        raise UsageError(
+            f"--host {args.host} lets other machines in; give --token (or ROLLDIFF_TOKEN), or --insecure-no-token to "
+            "serve without one"
+        )
+    if args.state_every < 0 or (args.state_every and args.state_dir is None):
+        raise UsageError("--state-every: a number of chunks >= 0, with --state-dir to save into")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    missing = [name for name in ("fastapi", "uvicorn", "websockets") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UsageError(f"serving needs {', '.join(missing)}, which is not installed: pip install 'rolldiff[serve]'")
+    _check_serve_arguments(args)
+    from .serving.app import ServeSettings
+    from .serving.server import serve
+
+    device = args.device or default_device()
+    pipe = _load(args, device)
+    settings = ServeSettings(
+        model=str(args.model or "tiny-bouncing-shapes"),
+        recipe=args.recipe,
+        max_sessions=args.max_sessions,
+        token=args.token or None,
+        state_dir=None if args.state_dir is None else str(args.state_dir),
+        idle_timeout=args.idle_timeout,
+        max_frames=args.max_frames,
+        state_every=args.state_every,
+        fps=args.fps,
+    )
+    print(f"rolldiff serve: ws://{args.host}:{args.port}/v1/stream ({type(pipe).__name__}, {device})", flush=True)
+    serve(pipe, settings, args.host, args.port)
+    return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -30,6 +30,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
+from ..checks import check_int
 from .codecs.overlap import OverlappedDecoder, decode_ahead
 from .request.conditioning import ConditioningInput, strength_steps
 from .request.prompt_schedule import as_prompt_list
@@ -129,6 +130,7 @@ class ChunkStream(Iterator[Any]):
         self._frames_emitted = 0
         self._active_prompt = 0  # index into the prompt schedule
         self._pending: torch.Tensor | None = None  # embeddings of a `switch_prompt` not applied yet
+        self._pending_blend: int | None = None  # that switch's own blend length (None: the request's)
         self._blend: list[torch.Tensor] = []  # the coming chunks' embeddings of a prompt blend in progress
         self._first_pixels: torch.Tensor | None = None  # the pixel frames a re-encoded first frame comes from
         self._caches: list = []
@@ -207,15 +209,26 @@ class ChunkStream(Iterator[Any]):
         return sum(cache.memory_bytes() for cache in self._caches)
 
     # ---------------------------------------------------------------------------------------- prompts
-    def switch_prompt(self, prompt: str | list[str] | None = None, *, prompt_embeds: torch.Tensor | None = None):
-        """Switch to `prompt` (or precomputed `prompt_embeds`) at the next chunk boundary.
+    def switch_prompt(
+        self,
+        prompt: str | list[str] | None = None,
+        *,
+        prompt_embeds: torch.Tensor | None = None,
+        blend_chunks: int | None = None,
+    ) -> int:
+        """Switch to `prompt` (or precomputed `prompt_embeds`) at the next chunk boundary; returns the index of the
+        first chunk made under it (`next_chunk`).
 
         The text is checked now (unknown words warned about, a prompt with no known word refused) and encoded
         now, so the loop never waits on it; the next chunk then re-caches the recent context under it (the
-        family's re-cache). A later call before that boundary replaces an earlier one.
+        family's re-cache). `blend_chunks` blends into it over that many chunks (default: the request's
+        `prompt_blend_chunks`). A later call before that boundary replaces an earlier one. Call it between
+        chunks (from the thread that iterates, or while no chunk is being made).
         """
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("`switch_prompt` takes either `prompt` or `prompt_embeds`.")
+        if blend_chunks is not None:
+            blend_chunks = check_int("blend_chunks", blend_chunks, 1, hint="1: switch at once")
         if self._closed or self._next_chunk >= self.num_chunks:
             raise RuntimeError(
                 "`switch_prompt`: this stream has made its last chunk, so the switch would never apply."
@@ -234,6 +247,8 @@ class ChunkStream(Iterator[Any]):
             self._pipe.check_prompt_text(prompts, self._request.max_sequence_length, "prompt")
             embeds = self._pipe.encode_prompt(prompts, self._request.max_sequence_length)
         self._pending = embeds.to(device=self._pipe.execution_device, dtype=self._pipe.transformer.dtype)
+        self._pending_blend = blend_chunks
+        return self._next_chunk
 
     def _switch_to(self, embeds: torch.Tensor) -> None:
         """New cross-attention K/V for the conditional branch, then the family's re-cache of recent context."""
@@ -254,10 +269,12 @@ class ChunkStream(Iterator[Any]):
         if now_active != self._active_prompt:
             self._active_prompt = now_active
             target = self._pipe.branch_embeds(request, now_active)
+        blend_chunks = request.prompt_blend_chunks
         if self._pending is not None:
             target, self._pending = self._pending, None
+            blend_chunks, self._pending_blend = self._pending_blend or blend_chunks, None
         if target is not None:
-            weights = torch.linspace(0, 1, request.prompt_blend_chunks) if request.prompt_blend_chunks > 1 else [1.0]
+            weights = torch.linspace(0, 1, blend_chunks) if blend_chunks > 1 else [1.0]
             current = self._embeds[0]
             self._blend = [torch.lerp(current, target, float(w)) for w in weights]
         if self._blend:
@@ -526,6 +543,8 @@ class ChunkStream(Iterator[Any]):
         state.update({f"embeds.{branch}": embeds for branch, embeds in enumerate(self._embeds)})
         if self._pending is not None:
             state["pending_embeds"] = self._pending
+            if self._pending_blend is not None:
+                state["pending_blend"] = torch.tensor(self._pending_blend, dtype=torch.int64)
         state["recent"] = self._recent
         if self._first_frame is not None:
             state["first_frame"] = self._first_frame
@@ -563,6 +582,8 @@ class ChunkStream(Iterator[Any]):
         )
         pending = state.get("pending_embeds")
         self._pending = None if pending is None else pending.to(device=device, dtype=dtype)
+        pending_blend = state.get("pending_blend")
+        self._pending_blend = None if pending_blend is None else int(pending_blend)
         self._recent = state["recent"].to(device=device, dtype=dtype)
         first_frame = state.get("first_frame")
         self._first_frame = None if first_frame is None else first_frame.to(device=device, dtype=dtype)

@@ -1,0 +1,365 @@
+"""The `rolldiff serve` application: one loaded pipeline, many sessions, the `rolldiff-stream/1` WebSocket at
+`/v1/stream`, and `GET /healthz`, `GET /v1/model`, `GET /` (the browser page) beside it. FastAPI + uvicorn
+(`pip install "rolldiff[serve]"`).
+
+A connection's coroutine reads the client's messages and sends what its session's outbox holds; the chunks are
+made by the one scheduler thread (`rolldiff.serving.scheduler`). A session is built from its `start` message by
+the library's own `build_request` (through `pipe.stream`), so its errors are the library's, relabelled with the
+message's field, and a seeded session alone on the server sends exactly the frames `pipe.stream` gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+from fastapi import FastAPI, WebSocket
+from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from ..pipelines.request.text_encoding import PromptWarning
+from .frames import decode_frame, decode_image
+from .protocol import (
+    CLOSE_GOING_AWAY,
+    CLOSE_POLICY,
+    CLOSE_TRY_LATER,
+    PROTOCOL,
+    ProtocolError,
+    decode,
+    parse_prompt,
+    parse_start,
+    parse_token,
+)
+from .scheduler import Scheduler
+from .session import InputFrames, Session
+from .store import SessionStore
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What `rolldiff serve`'s flags set (docs/serving.md)."""
+
+    model: str = "tiny-bouncing-shapes"
+    recipe: str | None = None
+    max_sessions: int = 4
+    token: str | None = None
+    state_dir: str | None = None
+    idle_timeout: float = 300.0
+    max_frames: int = 100_000  # a session's length when `num_frames` is null (until stopped)
+    state_every: int = 0  # save each session every N chunks (survives SIGKILL); 0: only on suspend
+    max_message_bytes: int = 8 * 2**20
+    max_input_pixels: int = 4096 * 4096
+    fps: int = 16
+    max_outbox: int = 2  # chunks made ahead of a slow client
+    input_frames: int = 256  # input frames held for a video session
+
+
+# ---------------------------------------------------------------------------------------- the hub
+class Hub:
+    """The loaded pipeline, the settings, the scheduler and the store, shared by every connection."""
+
+    def __init__(self, pipe, settings: ServeSettings) -> None:
+        self.pipe = pipe
+        self.settings = settings
+        self.store = None if settings.state_dir is None else SessionStore(settings.state_dir, settings.model)
+        self.scheduler = Scheduler(
+            self.frames_needed, self.store, settings.state_every, settings.idle_timeout, settings.max_frames
+        )
+        self.admission = asyncio.Lock()
+
+    def frames_needed(self, chunk: int) -> int:
+        """Input pixel frames chunk `chunk` reads (the VAE's causal rule: 1 + t(c - 1), then t c)."""
+        temporal, frames = self.pipe.vae_scale_factor_temporal, self.pipe.config.chunk_frames
+        return 1 + temporal * (frames - 1) if chunk == 0 else temporal * frames
+
+    def describe(self) -> dict[str, Any]:
+        config = self.pipe.config
+        return {
+            "model": self.settings.model,
+            "pipeline": type(self.pipe).__name__,
+            "recipe": self.settings.recipe or config.get("recipe"),
+            "height": int(config.height),
+            "width": int(config.width),
+            "chunk_frames": self.pipe.vae_scale_factor_temporal * int(config.chunk_frames),  # pixel frames
+            "latent_chunk_frames": int(config.chunk_frames),
+            "fps": self.settings.fps,
+            "protocol": PROTOCOL,
+            "max_sessions": self.settings.max_sessions,
+        }
+
+    def build(self, start: dict[str, Any], inputs: InputFrames | None):
+        """The session's stream from its `start` fields; the library's refusal becomes a `bad_request` naming the
+        field (the argument in backticks)."""
+        call: dict[str, Any] = {
+            "prompt": start["prompt"],
+            "height": start["height"],
+            "width": start["width"],
+            "recipe": start["recipe"] or self.settings.recipe,
+            "generator": torch.Generator().manual_seed(start["seed"]),
+        }
+        if start["guidance_scale"] is not None:
+            call["guidance_scale"] = start["guidance_scale"]
+        if start["image"] is not None:
+            call["image"] = decode_image(start["image"], self.settings.max_input_pixels)
+        if inputs is not None:
+            call["video"], call["strength"] = inputs, start["strength"]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PromptWarning)
+                num_frames = start["num_frames"]
+                if num_frames is None:  # until stopped: the longest video the server allows, in whole chunks
+                    num_frames = self.pipe.valid_num_frames(self.settings.max_frames)[0]
+                elif num_frames > self.settings.max_frames:
+                    raise ProtocolError(
+                        "too_large", f"`num_frames` is at most {self.settings.max_frames} here", "num_frames"
+                    )
+                return self.pipe.stream(num_frames=num_frames, **call)
+        except ValueError as error:
+            names = re.findall(r"`(\w+)`", str(error))
+            raise ProtocolError("bad_request", str(error), names[0] if names else None) from None
+
+    def cache_bytes(self, stream) -> int:
+        """What the session's caches will take, measured on the meta device (nothing allocated)."""
+        request = stream.request
+        cache = self.pipe.transformer.make_cache(
+            request.layout, request.batch_size, self.pipe.transformer.dtype, "meta"
+        )
+        return cache.memory_bytes() * (1 + request.uses_guidance)
+
+    def memory_free(self) -> int:
+        device = self.pipe.execution_device
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---------------------------------------------------------------------------------------- the app
+def create_app(pipe, settings: ServeSettings) -> FastAPI:
+    app = FastAPI(title="rolldiff serve", version=PROTOCOL)
+    hub = None
+
+    def get_hub() -> Hub:
+        nonlocal hub
+        if hub is None:  # made in the server's event loop (its lock belongs there)
+            hub = Hub(pipe, settings)
+            app.state.hub = hub
+        return hub
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "sessions": get_hub().scheduler.sessions, "max_sessions": settings.max_sessions}
+
+    @app.get("/v1/model")
+    async def model() -> dict[str, Any]:
+        return get_hub().describe()
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> str:
+        return resources.files("rolldiff.serving").joinpath("static/index.html").read_text()
+
+    @app.websocket("/v1/stream")
+    async def stream(websocket: WebSocket) -> None:
+        await websocket.accept()
+        if not _authorized(websocket, settings.token):
+            error = ProtocolError("unauthorized", "a token is required: Authorization: Bearer TOKEN or ?token=TOKEN")
+            await _refuse(websocket, error, CLOSE_POLICY)
+            return
+        await Connection(get_hub(), websocket).run()
+
+    @app.exception_handler(ProtocolError)
+    async def protocol_error(request, error: ProtocolError) -> JSONResponse:
+        return JSONResponse(error.as_message(), status_code=400)
+
+    app.state.get_hub = get_hub
+    return app
+
+
+def _authorized(websocket: WebSocket, token: str | None) -> bool:
+    """The token from `Authorization: Bearer` or `?token=`, compared in constant time."""
+    if token is None:
+        return True
+    header = websocket.headers.get("authorization", "")
+    given = header[7:] if header.lower().startswith("bearer ") else websocket.query_params.get("token", "")
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
+async def _refuse(websocket: WebSocket, error: ProtocolError, code: int) -> None:
+    try:
+        await websocket.send_json(error.as_message())
+        await websocket.close(code=code)
+    except (WebSocketDisconnect, RuntimeError):
+        pass
+
+
+class Connection:
+    """One client: its first message starts (or restores) a session; then controls in, chunks out."""
+
+    def __init__(self, hub: Hub, websocket: WebSocket) -> None:
+        self.hub = hub
+        self.websocket = websocket
+        self.session: Session | None = None
+
+    async def run(self) -> None:
+        try:
+            if not await self._open():
+                return
+            sender = asyncio.create_task(self._send())
+            receiver = asyncio.create_task(self._receive())
+            done, pending = await asyncio.wait({sender, receiver}, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+            for task in done:
+                if task.exception() and not isinstance(task.exception(), WebSocketDisconnect):
+                    raise task.exception()
+        except WebSocketDisconnect:
+            pass
+        finally:
+            if self.session is not None:
+                self.hub.scheduler.remove(self.session)  # a gone client frees its session at once
+            if self.websocket.client_state == WebSocketState.CONNECTED:
+                try:
+                    await self.websocket.close(code=CLOSE_GOING_AWAY)
+                except RuntimeError:
+                    pass
+
+    async def _open(self) -> bool:
+        """The `start` or `restore` message; a refusal closes with 1008 (1013 when the server is full)."""
+        message = await self.websocket.receive()
+        if message["type"] == "websocket.disconnect":
+            return False
+        try:
+            if "text" not in message or message["text"] is None:
+                raise ProtocolError("bad_request", "send a JSON `start` (or `restore`) message before any binary one")
+            request = decode(message["text"])
+            if request["type"] not in ("start", "restore"):
+                raise ProtocolError(
+                    "bad_request", f"the first message is `start` or `restore`, got {request['type']!r}"
+                )
+            async with self.hub.admission:
+                if self.hub.scheduler.sessions >= self.hub.settings.max_sessions:
+                    raise ProtocolError("busy", f"all {self.hub.settings.max_sessions} sessions are taken; try later")
+                self._event_loop, self._outbox = asyncio.get_running_loop(), asyncio.Queue()
+                self.session = await asyncio.to_thread(self._make_session, request)
+                self.hub.scheduler.add(self.session)
+        except ProtocolError as error:
+            await _refuse(self.websocket, error, CLOSE_TRY_LATER if error.code == "busy" else CLOSE_POLICY)
+            return False
+        await self.websocket.send_json(self._ready())
+        return True
+
+    def _make_session(self, request: dict[str, Any]) -> Session:
+        restored = request["type"] == "restore"
+        if restored:
+            if self.hub.store is None:
+                raise ProtocolError("not_found", "this server keeps no sessions (no --state-dir)", "token")
+            token = parse_token(request)
+            start, frames_made, state = self.hub.store.load(token)
+        else:
+            start, token, frames_made, state = parse_start(request), None, 0, None
+        inputs = InputFrames(self.hub.settings.input_frames) if start["input"] == "video" else None
+        stream = self.hub.build(start, inputs)
+        needed = self.hub.cache_bytes(stream)
+        if needed > 0.9 * self.hub.memory_free():
+            stream.close()
+            raise ProtocolError("busy", f"a new session's cache needs {needed} bytes; the device has less free")
+        if state is not None:
+            try:
+                stream.load_state_dict(state)
+            except (KeyError, ValueError, RuntimeError) as error:
+                stream.close()
+                raise ProtocolError(
+                    "not_found", f"the saved session does not fit this model: {error}", "token"
+                ) from None
+        session = Session(
+            stream, start, self._event_loop, self._outbox, inputs=inputs, max_outbox=self.hub.settings.max_outbox
+        )
+        if token is not None:
+            session.token = token
+        session.frames_made = frames_made
+        return session
+
+    def _ready(self) -> dict[str, Any]:
+        stream, session = self.session.stream, self.session
+        geometry = stream.request.geometry
+        return {
+            "type": "ready",
+            "session": session.id,
+            "protocol": PROTOCOL,
+            "chunk_frames": self.hub.pipe.vae_scale_factor_temporal * geometry.chunk_frames,  # pixel frames a chunk
+            "fps": self.hub.settings.fps,
+            "height": geometry.height,
+            "width": geometry.width,
+            "num_frames": geometry.num_frames,
+            "next_chunk": stream.next_chunk,
+            "first_frame": stream.frames_emitted,
+            "token": session.token if self.hub.store is not None else None,
+        }
+
+    async def _send(self) -> None:
+        session = self.session
+        while True:
+            item = await session.outbox.get()
+            if item is None:  # the session ended: `done` / `suspended` went first
+                await self.websocket.close(code=1000)
+                return
+            if isinstance(item, dict):
+                await self.websocket.send_json(item)
+                continue
+            header, frames = item
+            await self.websocket.send_json(header)
+            for frame in frames:
+                await self.websocket.send_bytes(frame)
+            session.sent_one()
+            self.hub.scheduler.wake()
+
+    async def _receive(self) -> None:
+        session = self.session
+        while True:
+            message = await self.websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                raise WebSocketDisconnect(message.get("code", 1000))
+            session.touch()
+            try:
+                if message.get("bytes") is not None:
+                    await self._input_frame(message["bytes"])
+                else:
+                    self._control(decode(message["text"]))
+            except ProtocolError as error:  # a bad message mid-session: said, and the session goes on
+                await self.websocket.send_json(error.as_message())
+
+    async def _input_frame(self, data: bytes) -> None:
+        inputs = self.session.inputs
+        if inputs is None or inputs.ended:
+            raise ProtocolError("bad_request", "binary frames are input video: send them after `input`: 'video'")
+        frame = await asyncio.to_thread(decode_frame, data, self.hub.settings.max_input_pixels)
+        while not inputs.room():  # the client sends faster than the model reads: wait (constant memory)
+            await asyncio.sleep(0.01)
+            if self.session.closed:
+                return
+        inputs.push(frame)
+        self.hub.scheduler.wake()
+
+    def _control(self, message: dict[str, Any]) -> None:
+        session, kind = self.session, message["type"]
+        if kind == "ping":
+            session.post({"type": "pong"})
+        elif kind == "prompt":
+            session.control("prompt", parse_prompt(message))
+        elif kind in ("pause", "resume"):
+            session.paused = kind == "pause"
+        elif kind == "input.end":
+            if session.inputs is None:
+                raise ProtocolError("bad_request", "`input.end` ends an input video; this session has none")
+            session.inputs.end()
+        elif kind in ("stop", "suspend"):
+            session.control(kind, "client")
+        else:  # start / restore again
+            raise ProtocolError("bad_request", f"`{kind}` opens a session; this connection has one already", "type")
+        self.hub.scheduler.wake()

@@ -1,0 +1,163 @@
+"""A Python client of `rolldiff serve`: a remote stream that iterates chunks as the library's stream does.
+
+    >>> from rolldiff.serving import connect
+    >>> with connect("ws://127.0.0.1:8000/v1/stream", prompt="a red circle moving left", seed=0, num_frames=48) as live:
+    ...     for frames in live:                  # (frames, H, W, 3) uint8, one chunk at a time
+    ...         live.switch_prompt("a blue square moving up")   # from the next chunk boundary
+    ...         token = live.suspend()           # saved on the server; `restore(url, token)` continues it
+
+Blocking (websockets' sync client); messages that are not chunks (`prompt.accepted`, `pong`, `error`) are kept
+in `events` as they come.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections import deque
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import PIL.Image
+from websockets.sync.client import connect as ws_connect
+
+from .protocol import PROTOCOL, ProtocolError
+
+
+class RemoteStream(Iterator[np.ndarray]):
+    """A session on a server: iterate it for each chunk's frames `(frames, H, W, 3)` uint8."""
+
+    def __init__(self, url: str, first: dict[str, Any], token: str | None = None, timeout: float = 120.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._socket = ws_connect(url, additional_headers=headers, max_size=None, open_timeout=timeout)
+        self._timeout = timeout
+        self.events: list[dict[str, Any]] = []
+        self._chunks: deque[np.ndarray] = deque()
+        self.done: dict[str, Any] | None = None
+        self._send(first)
+        self.ready = self._expect("ready")
+        self.chunk_headers: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------------------------ reading
+    def _send(self, message: dict[str, Any]) -> None:
+        self._socket.send(json.dumps(message))
+
+    def _read(self) -> dict[str, Any] | None:
+        """One control message, or a whole chunk (queued in `_chunks`); None once the server closed."""
+        try:
+            text = self._socket.recv(timeout=self._timeout)
+        except Exception:  # noqa: BLE001 (closed: websockets raises ConnectionClosed*)
+            return None
+        if isinstance(text, bytes):
+            raise ProtocolError("internal", "a binary message came outside a chunk")
+        message = json.loads(text)
+        if message.get("type") == "chunk":
+            frames = [self._socket.recv(timeout=self._timeout) for _ in range(message["frames"])]
+            self._chunks.append(self._decode(frames, message["format"]))
+            self.chunk_headers.append(message)
+        elif message.get("type") in ("done", "suspended"):
+            self.done = message
+        else:
+            self.events.append(message)
+        return message
+
+    def _decode(self, frames: list[bytes], output: str) -> np.ndarray:
+        height, width = self.ready["height"], self.ready["width"]
+        if output == "raw":
+            return np.stack([np.frombuffer(f, dtype=np.uint8).reshape(height, width, 3) for f in frames])
+        return np.stack([np.asarray(PIL.Image.open(io.BytesIO(f)).convert("RGB")) for f in frames])
+
+    def _expect(self, kind: str) -> dict[str, Any]:
+        """Read until a `kind` message (chunks meanwhile are kept); an `error` raises it."""
+        while True:
+            message = self._read()
+            if message is None:
+                raise ConnectionError(f"the server closed the connection before {kind!r}")
+            if message.get("type") == kind:
+                return message
+            if message.get("type") == "error":
+                self.events.remove(message)
+                raise ProtocolError(message["code"], message["message"], message.get("field"))
+
+    def __iter__(self) -> RemoteStream:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        while not self._chunks:
+            if self.done is not None or self._read() is None:
+                raise StopIteration
+        return self._chunks.popleft()
+
+    # ------------------------------------------------------------------------------------ controls
+    def switch_prompt(self, prompt: str, blend_chunks: int | None = None) -> int:
+        """Switch at the next chunk boundary; returns the first chunk made under `prompt`."""
+        self._send({"type": "prompt", "prompt": prompt, "blend_chunks": blend_chunks})
+        return self._expect("prompt.accepted")["chunk"]
+
+    def send_frames(self, frames: Iterable[np.ndarray], image_format: str = "PNG") -> None:
+        """Input video frames `(H, W, 3)` uint8, each sent as one PNG (or JPEG) message."""
+        for frame in frames:
+            buffer = io.BytesIO()
+            PIL.Image.fromarray(np.asarray(frame, dtype=np.uint8)).save(buffer, format=image_format)
+            self._socket.send(buffer.getvalue())
+
+    def end_input(self) -> None:
+        self._send({"type": "input.end"})
+
+    def pause(self) -> None:
+        self._send({"type": "pause"})
+
+    def resume(self) -> None:
+        self._send({"type": "resume"})
+
+    def ping(self) -> None:
+        self._send({"type": "ping"})
+        self._expect("pong")
+
+    def suspend(self) -> str:
+        """Save the session on the server (at the next chunk boundary) and end this connection; the token
+        `restore` takes. Chunks made before the cut stay readable by iterating."""
+        self._send({"type": "suspend"})
+        while self.done is None:
+            if self._read() is None:
+                raise ConnectionError("the server closed the connection before `suspended`")
+        if self.done.get("type") != "suspended":
+            raise ProtocolError("bad_request", f"the session ended before it could be suspended: {self.done}")
+        return self.done["token"]
+
+    def stop(self) -> dict[str, Any]:
+        self._send({"type": "stop"})
+        while self.done is None and self._read() is not None:
+            pass
+        return self.done or {}
+
+    def close(self) -> None:
+        self._socket.close()
+
+    def __enter__(self) -> RemoteStream:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def connect(url: str, prompt: str, *, token: str | None = None, image=None, **start: Any) -> RemoteStream:
+    """Start a session: `start`'s fields as keywords (`seed`, `num_frames`, `height`, `width`, `format`,
+    `input`, `strength`, `recipe`, `guidance_scale`); `image` a PIL image or `(H, W, 3)` array (image-to-video)."""
+    message = {"type": "start", "prompt": prompt, **start}
+    if image is not None:
+        buffer = io.BytesIO()
+        picture = image if isinstance(image, PIL.Image.Image) else PIL.Image.fromarray(np.asarray(image))
+        picture.save(buffer, format="PNG")
+        message.update(input="image", image=base64.b64encode(buffer.getvalue()).decode())
+    return RemoteStream(url, message, token)
+
+
+def restore(url: str, session_token: str, *, token: str | None = None) -> RemoteStream:
+    """Continue a suspended session (also on a restarted server, or another one sharing `--state-dir`)."""
+    return RemoteStream(url, {"type": "restore", "token": session_token}, token)
+
+
+__all__ = ["PROTOCOL", "RemoteStream", "connect", "restore"]

@@ -1,0 +1,203 @@
+"""The scheduler of `rolldiff serve`: one worker thread advances every session, one chunk at a time, in turn.
+
+Fair by construction: each pass over the sessions gives every ready session one chunk, in a fixed rotation, so
+no session waits for more than one chunk of each other session (a session whose client is slow, paused, or
+whose input frames have not come is simply not ready, and costs the others nothing). Between two chunks of a
+session the worker carries out its queued controls (a prompt switch, named by the chunk it applies to; a
+suspend; a stop), so every control lands on a chunk boundary.
+
+Sessions take turns on the model; they are not yet batched into one forward (one transformer call per step for
+several sessions needs per-row cache positions: docs/serving.md says what is missing).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+
+from ..pipelines.io.video_writer import frames_to_uint8
+from .frames import encode_frame
+from .protocol import ProtocolError
+from .session import Control, Session
+from .store import SessionStore
+
+
+class Scheduler:
+    """The worker thread and the sessions it serves."""
+
+    def __init__(
+        self,
+        frames_needed: Callable[[int], int],
+        store: SessionStore | None,
+        state_every: int = 0,
+        idle_timeout: float = 300.0,
+        max_frames: int | None = None,
+    ) -> None:
+        self.frames_needed = frames_needed
+        self.store = store
+        self.state_every = state_every
+        self.idle_timeout = idle_timeout
+        self.max_frames = max_frames
+        self._sessions: list[Session] = []
+        self._turn = 0
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="rolldiff-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------ from the connections
+    @property
+    def sessions(self) -> int:
+        with self._wake:
+            return len(self._sessions)
+
+    def add(self, session: Session) -> None:
+        with self._wake:
+            self._sessions.append(session)
+            self._wake.notify_all()
+
+    def remove(self, session: Session) -> None:
+        """The client is gone: the session ends at once (mid-chunk, the chunk is finished and dropped)."""
+        session.closed = True
+        self.wake()
+
+    def wake(self) -> None:
+        with self._wake:
+            self._wake.notify_all()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+        self._thread.join(timeout=30)
+
+    def suspend_all(self, reason: str, timeout: float = 60.0) -> None:
+        """Ask every session to suspend at its next chunk boundary; returns when all are done (or `timeout`)."""
+        with self._wake:
+            sessions = list(self._sessions)
+        for session in sessions:
+            session.control("suspend", reason)
+        self.wake()
+        deadline = time.monotonic() + timeout
+        while self.sessions and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------------------------ the worker
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                self._drop_closed()
+                while not self._stopping and not self._work_to_do():
+                    self._wake.wait(timeout=1.0)
+                    self._drop_closed()
+                    self._end_idle()
+                if self._stopping:
+                    return
+                sessions = self._rotation()
+            for session in sessions:
+                self._serve(session)
+
+    def _rotation(self) -> list[Session]:
+        """The sessions in this pass's order: the rotation starts one later each pass (round robin)."""
+        self._turn = (self._turn + 1) % max(1, len(self._sessions))
+        return self._sessions[self._turn :] + self._sessions[: self._turn]
+
+    def _work_to_do(self) -> bool:
+        return any(s.has_controls() or s.ready(self.frames_needed) for s in self._sessions)
+
+    def _drop_closed(self) -> None:
+        for session in [s for s in self._sessions if s.closed]:
+            self._sessions.remove(session)
+            session.stream.close()  # caches, decoder and input reader go with the stream
+
+    def _end_idle(self) -> None:
+        now = time.monotonic()
+        for session in self._sessions:
+            if not session.closed and now - session.last_activity > self.idle_timeout:
+                self._finish(session, "idle")
+
+    def _serve(self, session: Session) -> None:
+        for control in session.take_controls():
+            if session.closed:
+                return
+            self._carry_out(session, control)
+        if session.ready(self.frames_needed):
+            self._make_chunk(session)
+
+    def _carry_out(self, session: Session, control: Control) -> None:
+        if control.kind == "stop":
+            self._finish(session, "stopped")
+        elif control.kind == "suspend":
+            self._suspend(session, control.payload)
+        elif control.kind == "prompt":
+            prompt, blend = control.payload
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # unknown words: the video shows it; a prompt with none is refused
+                    chunk = session.stream.switch_prompt(prompt, blend_chunks=blend)
+            except (ValueError, RuntimeError) as error:
+                session.post(ProtocolError("bad_request", str(error), "prompt").as_message())
+                return
+            session.post({"type": "prompt.accepted", "chunk": chunk})
+
+    def _make_chunk(self, session: Session) -> None:
+        stream = session.stream
+        index, first_frame = stream.next_chunk, stream.frames_emitted
+        started = time.perf_counter()
+        try:
+            frames = next(stream, None)
+        except Exception as error:  # noqa: BLE001 (one session's failure must not stop the others)
+            session.post(ProtocolError("internal", f"chunk {index} failed: {error}").as_message())
+            session.closed = True
+            return
+        if frames is None:  # the input video ended (or the stream was interrupted)
+            self._finish(session, "ended")
+            return
+        milliseconds = (time.perf_counter() - started) * 1000.0
+        pixels = frames_to_uint8(frames[0])  # (frames, H, W, 3)
+        output = session.start["format"]
+        header = {
+            "type": "chunk",
+            "index": index,
+            "first_frame": first_frame,
+            "frames": int(pixels.shape[0]),
+            "format": output,
+            "ms": round(milliseconds, 2),
+        }
+        session.post((header, [encode_frame(frame, output) for frame in pixels]), counts_as_chunk=True)
+        session.frames_made += int(pixels.shape[0])
+        if self.store is not None and self.state_every and (index + 1) % self.state_every == 0:
+            self._save(session)
+        last = stream.next_chunk >= stream.num_chunks
+        if last or (self.max_frames is not None and session.frames_made >= self.max_frames):
+            self._finish(session, "complete" if last else "max_frames")
+
+    def _save(self, session: Session) -> bool:
+        if session.inputs is not None:
+            return False  # the input video lives in the client: a restore could not continue it
+        state = session.stream.state_dict()
+        self.store.save(session.token, session.start, session.frames_made, state)
+        return True
+
+    def _suspend(self, session: Session, reason: str | None) -> None:
+        if self.store is None:
+            session.post(ProtocolError("bad_request", "this server keeps no sessions (no --state-dir)").as_message())
+            return
+        if session.inputs is not None:
+            session.post(
+                ProtocolError("bad_request", "a session fed with input video cannot be suspended").as_message()
+            )
+            return
+        self._save(session)
+        session.post({"type": "suspended", "token": session.token, "frames": session.frames_made, "reason": reason})
+        session.post(None)  # the connection closes after it
+        session.closed = True
+
+    def _finish(self, session: Session, reason: str) -> None:
+        session.post({"type": "done", "frames": session.frames_made, "reason": reason})
+        session.post(None)
+        session.closed = True
+        if self.store is not None and self.state_every:
+            self.store.delete(session.token)  # a finished session has nothing to restore

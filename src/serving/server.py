@@ -1,0 +1,49 @@
+"""Run the app under uvicorn, with a shutdown that keeps every session: on SIGTERM (or Ctrl-C) each running
+session is suspended to `--state-dir` at its next chunk boundary and its client is told so (`suspended`, with
+the token, `"reason": "shutdown"`) before the server stops; without a state dir they end with `done`."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import uvicorn
+
+from .app import ServeSettings, create_app
+
+
+class SuspendingServer(uvicorn.Server):
+    """uvicorn's server, whose exit first suspends the sessions (uvicorn would drop their connections)."""
+
+    def __init__(self, config: uvicorn.Config, hub_of) -> None:
+        super().__init__(config)
+        self._hub_of = hub_of
+        self._draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._draining:  # a second signal: stop now
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        hub = self._hub_of()
+
+        def drain() -> None:
+            hub.scheduler.suspend_all("shutdown")  # without a state dir: each ends with `done`
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0.5), self._loop).result(timeout=5)  # flush the messages
+            self._loop.call_soon_threadsafe(super(SuspendingServer, self).handle_exit, sig, frame)
+
+        threading.Thread(target=drain, name="rolldiff-drain", daemon=True).start()
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+
+def serve(pipe, settings: ServeSettings, host: str, port: int) -> None:
+    """Serve `pipe` on `host:port` until SIGTERM / Ctrl-C."""
+    app = create_app(pipe, settings)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="warning", ws_max_size=settings.max_message_bytes, lifespan="off"
+    )
+    server = SuspendingServer(config, app.state.get_hub)
+    server.run()
