@@ -544,10 +544,6 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 def _check_serve_arguments(args: argparse.Namespace) -> None:
     from .demo import check_address
 
-    try:
-        check_address(args.host, args.port)
-    except ValueError as exc:
-        raise UsageError(str(exc).replace("`host`", "--host").replace("`port`", "--port")) from None
     loopback = args.host in ("127.0.0.1", "localhost", "::1") or args.host.startswith("127.")
     if not loopback and not args.token and not args.insecure_no_token:
         raise UsageError(
@@ -556,6 +552,10 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
         )
     if args.state_every < 0 or (args.state_every and args.state_dir is None):
         raise UsageError("--state-every: a number of chunks >= 0, with --state-dir to save into")
+    try:
+        check_address(args.host, args.port)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("`host`", "--host").replace("`port`", "--port")) from None
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import PIL.Image
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from .protocol import PROTOCOL, ProtocolError
@@ -31,12 +32,16 @@ class RemoteStream(Iterator[np.ndarray]):
 
     def __init__(self, url: str, first: dict[str, Any], token: str | None = None, timeout: float = 120.0) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else None
-        self._socket = ws_connect(url, additional_headers=headers, max_size=None, open_timeout=timeout)
+        # entered here and left in `close`: this object is the context the connection lives in
+        self._socket = ws_connect(url, additional_headers=headers, max_size=None, open_timeout=timeout).__enter__()
         self._timeout = timeout
         self.events: list[dict[str, Any]] = []
         self._chunks: deque[np.ndarray] = deque()
         self.done: dict[str, Any] | None = None
-        self._send(first)
+        try:
+            self._send(first)
+        except ConnectionClosed:
+            pass  # refused on arrival (a missing token): its `error` is read below
         self.ready = self._expect("ready")
         self.chunk_headers: list[dict[str, Any]] = []
 
@@ -48,7 +53,7 @@ class RemoteStream(Iterator[np.ndarray]):
         """One control message, or a whole chunk (queued in `_chunks`); None once the server closed."""
         try:
             text = self._socket.recv(timeout=self._timeout)
-        except Exception:  # noqa: BLE001 (closed: websockets raises ConnectionClosed*)
+        except (ConnectionClosed, TimeoutError):
             return None
         if isinstance(text, bytes):
             raise ProtocolError("internal", "a binary message came outside a chunk")
@@ -134,7 +139,7 @@ class RemoteStream(Iterator[np.ndarray]):
         return self.done or {}
 
     def close(self) -> None:
-        self._socket.close()
+        self._socket.__exit__(None, None, None)
 
     def __enter__(self) -> RemoteStream:
         return self

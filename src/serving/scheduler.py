@@ -166,10 +166,10 @@ class Scheduler:
             "format": output,
             "ms": round(milliseconds, 2),
         }
-        session.post((header, [encode_frame(frame, output) for frame in pixels]), counts_as_chunk=True)
         session.frames_made += int(pixels.shape[0])
         if self.store is not None and self.state_every and (index + 1) % self.state_every == 0:
-            self._save(session)
+            self._save(session)  # before the chunk goes out: whatever a client has seen, a restore continues after
+        session.post((header, [encode_frame(frame, output) for frame in pixels]), counts_as_chunk=True)
         last = stream.next_chunk >= stream.num_chunks
         if last or (self.max_frames is not None and session.frames_made >= self.max_frames):
             self._finish(session, "complete" if last else "max_frames")

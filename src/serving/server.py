@@ -5,6 +5,7 @@ the token, `"reason": "shutdown"`) before the server stops; without a state dir 
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 
 import uvicorn
@@ -46,4 +47,8 @@ def serve(pipe, settings: ServeSettings, host: str, port: int) -> None:
         app, host=host, port=port, log_level="warning", ws_max_size=settings.max_message_bytes, lifespan="off"
     )
     server = SuspendingServer(config, app.state.get_hub)
+    # uvicorn raises the signal it caught again once it has shut down; by then every session is suspended, so the
+    # process ends normally (exit 0) instead of dying of it.
+    for caught in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(caught, lambda signum, frame: None)
     server.run()

@@ -1,0 +1,290 @@
+"""`rolldiff serve` as users meet it: a real process on 127.0.0.1, real WebSocket clients, the protocol
+`rolldiff-stream/1` message by message. Every loop that waits is bounded in count and time."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import numpy as np
+import pytest
+import torch
+from serve_helpers import Server
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect as ws_connect
+
+from rolldiff.cli import main
+from rolldiff.defaults import load_pipeline
+from rolldiff.pipelines.io.video_writer import frames_to_uint8
+from rolldiff.serving import ProtocolError, connect, restore
+
+RED, BLUE = "a red circle moving left", "a blue square moving up"
+FRAMES = 24  # 8 chunks of 3 on the embedded model
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = load_pipeline(None, device="cpu", dtype="float32")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def state_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("sessions")
+
+
+@pytest.fixture(scope="module")
+def server(state_dir):
+    server = Server("--state-dir", str(state_dir), "--max-sessions", "3")
+    yield server
+    server.stop()
+
+
+def library_chunks(pipe, prompt=RED, seed=3, switch: tuple[int, str] | None = None, **call) -> list[np.ndarray]:
+    """What `pipe.stream` gives for a session's arguments, as uint8 chunks (a switch at chunk `switch[0]`)."""
+    stream = pipe.stream(prompt, FRAMES, generator=torch.Generator().manual_seed(seed), **call)
+    chunks = []
+    for index in range(stream.num_chunks):
+        if switch is not None and index == switch[0]:
+            stream.switch_prompt(switch[1])
+        chunks.append(frames_to_uint8(next(stream)[0]))
+    return chunks
+
+
+def _raw(url: str):
+    return ws_connect(url, max_size=None, open_timeout=30)
+
+
+def _messages_until_close(socket, limit: int = 200) -> tuple[list, int | None]:
+    """Every text message until the server closes (at most `limit`), and the close code."""
+    messages = []
+    try:
+        for _ in range(limit):
+            message = socket.recv(timeout=30)
+            if isinstance(message, str):
+                messages.append(json.loads(message))
+    except ConnectionClosed as closed:
+        return messages, closed.rcvd.code if closed.rcvd else None
+    return messages, None
+
+
+# ---------------------------------------------------------------------------------------- a session is the video
+def test_http_beside_the_socket(server):
+    assert server.http("/healthz") == {"status": "ok", "sessions": 0, "max_sessions": 3}
+    model = server.http("/v1/model")
+    assert model["protocol"] == "rolldiff-stream/1" and model["height"] == 32 and model["chunk_frames"] == 3
+
+
+def test_a_seeded_raw_session_sends_exactly_the_librarys_frames(server, pipe):
+    with connect(server.url, prompt=RED, seed=3, num_frames=FRAMES) as live:
+        assert live.ready["protocol"] == "rolldiff-stream/1" and live.ready["num_frames"] == FRAMES
+        chunks = list(live)
+        headers = live.chunk_headers
+    expected = library_chunks(pipe)
+    assert len(chunks) == len(expected) == 8
+    assert all((got == want).all() for got, want in zip(chunks, expected))
+    assert [h["index"] for h in headers] == list(range(8)) and [h["first_frame"] for h in headers][:2] == [0, 3]
+    assert live.done == {"type": "done", "frames": FRAMES, "reason": "complete"}
+
+
+def test_a_prompt_switch_lands_at_the_chunk_it_names(server, pipe):
+    with connect(server.url, prompt=RED, seed=3, num_frames=FRAMES) as live:
+        chunks = [next(live), next(live)]
+        live.pause()  # hold the session so the switch lands where the test then asks the library to switch
+        accepted = live.switch_prompt(BLUE)
+        live.resume()
+        chunks += list(live)
+    assert accepted >= 2
+    expected = library_chunks(pipe, switch=(accepted, BLUE))
+    assert all((got == want).all() for got, want in zip(chunks, expected))
+    assert not all((got == want).all() for got, want in zip(chunks, library_chunks(pipe)))
+
+
+def test_jpeg_and_png_formats_send_decodable_frames(server, pipe):
+    expected = library_chunks(pipe)
+    for output, tolerance in (("png", 0), ("jpeg", 40)):
+        with connect(server.url, prompt=RED, seed=3, num_frames=6, format=output) as live:
+            chunks = list(live)
+        assert len(chunks) == 2 and chunks[0].shape == (3, 32, 32, 3)
+        assert np.abs(chunks[0].astype(int) - expected[0].astype(int)).mean() <= tolerance
+
+
+def test_suspend_then_restore_continues_the_uninterrupted_video(server, pipe):
+    live = connect(server.url, prompt=RED, seed=3, num_frames=FRAMES)
+    chunks = [next(live), next(live)]
+    token = live.suspend()
+    chunks += list(live)  # made before the cut
+    live.close()
+    assert server.sessions_within(0)
+    resumed = restore(server.url, token)
+    assert resumed.ready["next_chunk"] == len(chunks)
+    chunks += list(resumed)
+    expected = library_chunks(pipe)
+    assert len(chunks) == len(expected)
+    assert all((got == want).all() for got, want in zip(chunks, expected))
+
+
+def test_image_to_video_session_is_the_librarys(server, pipe):
+    image = np.zeros((32, 32, 3), dtype=np.uint8)
+    image[8:16, 8:16] = (255, 0, 0)
+    with connect(server.url, prompt=RED, seed=1, num_frames=FRAMES, image=image) as live:
+        chunks = list(live)
+    expected = library_chunks(pipe, seed=1, image=image)
+    assert all((got == want).all() for got, want in zip(chunks, expected))
+
+
+def test_video_input_follows_the_input_chunk_by_chunk(server, pipe):
+    rng = np.random.default_rng(0)
+    video = rng.integers(0, 255, size=(12, 32, 32, 3), dtype=np.uint8)
+    with connect(server.url, prompt=RED, seed=2, num_frames=FRAMES, input="video", strength=0.5) as live:
+        live.send_frames(video)
+        live.end_input()
+        chunks = list(live)
+    assert sum(len(c) for c in chunks) == 12  # the output ends with the input
+    stream = pipe.stream(RED, FRAMES, generator=torch.Generator().manual_seed(2), video=video, strength=0.5)
+    expected = [frames_to_uint8(c[0]) for c in stream]
+    assert all((got == want).all() for got, want in zip(chunks, expected))
+
+
+# ---------------------------------------------------------------------------------------- refusals
+def test_bad_messages_mid_session_are_answered_and_the_session_goes_on(server):
+    with _raw(server.url) as socket:
+        socket.send(json.dumps({"type": "start", "prompt": RED, "seed": 0, "num_frames": 6}))
+        assert json.loads(socket.recv(timeout=30))["type"] == "ready"
+        socket.send(json.dumps({"type": "pause"}))
+        errors = []
+        for bad in ("{not json", json.dumps({"type": "dance"}), json.dumps({"type": "prompt", "prompt": 3}),
+                    json.dumps({"type": "prompt", "prompt": RED, "blend_chunks": 0}), json.dumps([1, 2])):  # fmt: skip
+            socket.send(bad)
+        socket.send(b"\x89PNG not a frame")
+        socket.send(json.dumps({"type": "resume"}))
+        messages, code = _messages_until_close(socket)
+        errors = [m for m in messages if m["type"] == "error"]
+    assert [e["code"] for e in errors] == ["bad_request"] * 6
+    assert [e["field"] for e in errors[1:4]] == ["type", "prompt", "blend_chunks"]
+    assert messages[-1] == {"type": "done", "frames": 6, "reason": "complete"} and code == 1000
+
+
+@pytest.mark.parametrize(
+    "first, field",
+    [
+        (b"binary first", None),
+        (json.dumps({"type": "start", "prompt": RED, "num_frames": 5}), "num_frames"),
+        (json.dumps({"type": "start", "prompt": RED, "height": 33}), "height"),
+        (json.dumps({"type": "start", "prompt": RED, "format": "gif"}), "format"),
+        (json.dumps({"type": "start", "prompt": RED, "seed": "zero"}), "seed"),
+        (json.dumps({"type": "start", "prompt": RED, "recipe": "longsana"}), "recipe"),
+        (json.dumps({"type": "ping"}), None),
+    ],
+)
+def test_a_bad_first_message_closes_with_1008_naming_the_field(server, first, field):
+    with _raw(server.url) as socket:
+        socket.send(first)
+        messages, code = _messages_until_close(socket)
+    assert code == 1008 and messages[0]["type"] == "error" and messages[0]["code"] == "bad_request"
+    assert messages[0]["field"] == field
+    assert server.sessions_within(0)
+
+
+@pytest.mark.parametrize("token", ["../../../etc/passwd", "a" * 31, "A" * 32, "x/" * 16, None, 7])
+def test_a_restore_token_the_server_did_not_issue_is_not_found(server, token):
+    with _raw(server.url) as socket:
+        socket.send(json.dumps({"type": "restore", "token": token}))
+        messages, code = _messages_until_close(socket)
+    assert messages[0]["code"] == "not_found" and code == 1008
+
+
+def test_a_client_that_disconnects_mid_chunk_frees_its_session(server):
+    socket = _raw(server.url)
+    socket.send(json.dumps({"type": "start", "prompt": RED, "num_frames": None}))
+    assert json.loads(socket.recv(timeout=30))["type"] == "ready"
+    socket.recv(timeout=30)  # the first chunk is on its way
+    assert server.http("/healthz")["sessions"] == 1
+    socket.close()
+    assert server.sessions_within(0, seconds=10)
+
+
+def test_too_many_sessions_close_with_1013(state_dir):
+    server = Server("--max-sessions", "1")
+    try:
+        with connect(server.url, prompt=RED, num_frames=None) as first:
+            next(first)
+            with _raw(server.url) as socket:
+                socket.send(json.dumps({"type": "start", "prompt": RED}))
+                messages, code = _messages_until_close(socket)
+            assert messages[0]["code"] == "busy" and code == 1013
+            assert next(first).shape == (3, 32, 32, 3)  # the first session goes on
+    finally:
+        server.stop()
+
+
+def test_an_oversized_message_closes_with_1009(server):
+    with _raw(server.url) as socket:
+        socket.send(json.dumps({"type": "start", "prompt": RED, "input": "video"}))
+        assert json.loads(socket.recv(timeout=30))["type"] == "ready"
+        socket.send(b"\0" * (9 * 2**20))
+        _, code = _messages_until_close(socket)
+    assert code == 1009
+    assert server.sessions_within(0)
+
+
+def test_a_token_is_required_by_header_or_query(state_dir):
+    server = Server(env={"ROLLDIFF_TOKEN": "s3cret"})
+    try:
+        with _raw(server.url) as socket:  # refused at once, before any message
+            messages, code = _messages_until_close(socket)
+        assert messages[0]["code"] == "unauthorized" and code == 1008
+        with connect(server.url, prompt=RED, num_frames=3, token="s3cret") as live:
+            assert len(list(live)) == 1
+        with connect(server.url + "?token=s3cret", prompt=RED, num_frames=3) as live:
+            assert len(list(live)) == 1
+        with pytest.raises((ProtocolError, ConnectionError)):
+            connect(server.url + "?token=wrong", prompt=RED, num_frames=3)
+    finally:
+        server.stop()
+
+
+def test_binding_beyond_loopback_without_a_token_is_refused(capsys, monkeypatch):
+    monkeypatch.delenv("ROLLDIFF_TOKEN", raising=False)
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
+    assert "--token" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------- restarts
+def test_sigterm_suspends_every_session_and_a_new_server_restores_it(tmp_path, pipe):
+    server = Server("--state-dir", str(tmp_path))
+    live = connect(server.url, prompt=RED, seed=3, num_frames=FRAMES)
+    chunks = [next(live), next(live)]
+    live.pause()
+    assert server.stop(signal.SIGTERM) == 0
+    chunks += list(live)  # made before the cut
+    assert live.done["type"] == "suspended" and live.done["reason"] == "shutdown"
+    token = live.done["token"]
+    again = Server("--state-dir", str(tmp_path))
+    try:
+        chunks += list(restore(again.url, token))
+    finally:
+        again.stop()
+    expected = library_chunks(pipe)
+    assert len(chunks) == len(expected) and all((g == w).all() for g, w in zip(chunks, expected))
+
+
+def test_with_state_every_a_session_survives_sigkill_from_its_last_saved_chunk(tmp_path, pipe):
+    server = Server("--state-dir", str(tmp_path), "--state-every", "1")
+    live = connect(server.url, prompt=RED, seed=3, num_frames=FRAMES)
+    token = live.ready["token"]
+    chunks = [next(live), next(live), next(live)]
+    live.pause()
+    server.stop(signal.SIGKILL)
+    again = Server("--state-dir", str(tmp_path))
+    try:
+        resumed = restore(again.url, token)
+        start = resumed.ready["next_chunk"]
+        rest = list(resumed)
+    finally:
+        again.stop()
+    assert 3 <= start <= 8  # every chunk made was saved; the ones in flight may be too
+    expected = library_chunks(pipe)
+    assert all((g == w).all() for g, w in zip(chunks, expected))
+    assert all((g == w).all() for g, w in zip(rest, expected[start:])) and len(rest) == 8 - start
