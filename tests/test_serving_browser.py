@@ -1,0 +1,99 @@
+"""The page `rolldiff serve` ships (`GET /`), in headless Chromium (Debian's) driven by Playwright: a live canvas,
+a prompt switch mid-stream, stop, and webcam video-to-video from Chromium's fake camera."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from serve_helpers import Server
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra) to run it")
+
+CHROMIUM_FLAGS = [
+    "--no-sandbox",  # CI runs as root
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+FAKE_WEBCAM_FLAGS = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]
+SCREENSHOT = Path(__file__).parents[1] / "docs" / "serving_page.png"
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    path = shutil.which("chromium")
+    if path is None:  # .ci/run installs Debian's package; say so loudly where it is missing
+        pytest.skip("CHROMIUM IS MISSING (apt-get install chromium): the browser test of `rolldiff serve` did NOT run")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server():
+    server = Server("--max-sessions", "2")
+    yield server
+    server.stop()
+
+
+def _page(chromium: str, profile: Path, flags: list[str]):
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch_persistent_context(
+            str(profile), executable_path=chromium, headless=True, args=flags, viewport={"width": 900, "height": 800}
+        )
+        try:
+            yield browser.new_page()
+        finally:
+            browser.close()
+
+
+@pytest.fixture
+def page(chromium, tmp_path):
+    yield from _page(chromium, tmp_path / "profile", CHROMIUM_FLAGS)
+
+
+@pytest.fixture
+def webcam_page(chromium, tmp_path):
+    yield from _page(chromium, tmp_path / "profile", CHROMIUM_FLAGS + FAKE_WEBCAM_FLAGS)
+
+
+def _frames(page) -> int:
+    return int(page.inner_text("#frames"))
+
+
+def test_the_page_plays_switches_and_stops(page, server):
+    page.goto(f"http://127.0.0.1:{server.port}/")
+    page.wait_for_function("() => document.querySelector('#model').innerText.includes('KreaRealtimeVideoPipeline')")
+    page.click("#start")
+    page.wait_for_function("() => +document.querySelector('#frames').innerText >= 12", timeout=60_000)
+    painted = page.evaluate(
+        "() => { const c = document.querySelector('#canvas'); const d = c.getContext('2d').getImageData(0, 0, c.width,"
+        " c.height).data; let s = 0; for (let i = 0; i < d.length; i += 4) s += d[i] + d[i + 1] + d[i + 2]; return s; }"
+    )
+    assert painted > 0  # the frames are drawn on the canvas
+    assert float(page.inner_text("#fps")) > 0 and page.inner_text("#latency") != "-"
+    page.click("#switch")
+    page.wait_for_function("() => document.querySelector('#status').innerText.includes('switching at chunk')")
+    before = _frames(page)
+    page.wait_for_function(f"() => +document.querySelector('#frames').innerText >= {before + 12}", timeout=60_000)
+    page.screenshot(path=str(SCREENSHOT), full_page=True)
+    page.click("#stop")
+    page.wait_for_function("() => document.querySelector('#status').innerText.startsWith('done')", timeout=30_000)
+    assert page.is_enabled("#start") and not page.is_enabled("#stop")
+    assert server.sessions_within(0)
+
+
+def test_the_webcam_drives_video_to_video(webcam_page, server):
+    page = webcam_page
+    page.goto(f"http://127.0.0.1:{server.port}/")
+    page.check("#webcam")
+    page.click("#start")
+    page.wait_for_function("() => +document.querySelector('#frames').innerText >= 6", timeout=60_000)
+    assert page.evaluate("() => !!document.querySelector('#camera').srcObject")  # the fake camera feeds the session
+    page.click("#stop")
+    page.wait_for_function("() => document.querySelector('#status').innerText.startsWith('done')", timeout=30_000)
+    assert page.evaluate("() => document.querySelector('#camera').srcObject.getTracks().every(t => t.readyState === 'ended')")
+    assert server.sessions_within(0)
