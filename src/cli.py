@@ -567,6 +567,10 @@ def run_serve(args: argparse.Namespace) -> int:
     from .serving.server import serve
 
     device = args.device or default_device()
+    if torch.device(device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # one core for the event loop and the frame encoding: torch on every core starves them (measured on 2
+        # cores: 26 fps with 2 threads, 46 with 1; docs/serving.md)
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     pipe = _load(args, device)
     settings = ServeSettings(
         model=str(args.model or "tiny-bouncing-shapes"),

@@ -95,5 +95,7 @@ def test_the_webcam_drives_video_to_video(webcam_page, server):
     assert page.evaluate("() => !!document.querySelector('#camera').srcObject")  # the fake camera feeds the session
     page.click("#stop")
     page.wait_for_function("() => document.querySelector('#status').innerText.startsWith('done')", timeout=30_000)
-    assert page.evaluate("() => document.querySelector('#camera').srcObject.getTracks().every(t => t.readyState === 'ended')")
+    assert page.evaluate(
+        "() => document.querySelector('#camera').srcObject.getTracks().every(t => t.readyState === 'ended')"
+    )
     assert server.sessions_within(0)
