@@ -9,6 +9,7 @@ two runs can be compared exactly.
 import re
 import socket
 import time
+import warnings
 from pathlib import Path
 
 import imageio.v3 as iio
@@ -29,8 +30,10 @@ from rolldiff.demo import (
     check_address,
     generate_frames,
     launch,
+    prompt_notes,
     streaming_available,
 )
+from rolldiff.pipelines.request.text_encoding import PromptWarning
 
 FPS = 4
 RED, BLUE, GREEN = "a red circle moving left", "a blue square moving up", "a green triangle moving right"
@@ -185,11 +188,27 @@ def test_streaming_output_sends_one_hls_segment_per_chunk(pipe):
     assert playlist.count("#EXTINF:0.5") == 4 and playlist.rstrip().endswith("#EXT-X-ENDLIST")
 
 
-def test_unknown_words_are_reported_with_the_video(server):
+def test_unknown_words_are_reported_with_the_video(server, recwarn):
     details = _client(server).predict("a red circle moving zigzag", 1, 0, api_name="/generate")[-1]
-    assert details["prompt_notes"] == [
-        "`prompt` 'a red circle moving zigzag': 1 word(s) unknown to the tokenizer are ignored: 'zigzag'."
-    ]
+    note = "`prompt` 'a red circle moving zigzag': 1 word(s) unknown to the tokenizer are ignored: 'zigzag'."
+    assert details["prompt_notes"] == [note]
+    # the pipeline's check, once per Generate (the server log gets it once; the notes are what it said)
+    assert [str(w.message) for w in recwarn if issubclass(w.category, PromptWarning)] == [note]
+
+
+def test_a_live_switch_to_unknown_words_is_noted_now_and_warned_once_as_it_lands(pipe):
+    zigzag = "a red circle moving zigzag"
+    live = LivePrompt(RED)
+    chunks = generate_frames(pipe, live, 8, 16, 16, seed=0)
+    next(chunks)
+    with warnings.catch_warnings(record=True) as issued:
+        warnings.simplefilter("always")
+        notes = prompt_notes(pipe, zigzag, "switch prompt")  # the pipeline's check, recorded, not issued
+        assert live.switch(zigzag, notes)
+        assert len(list(chunks)) == 3
+    assert notes == [f"`switch prompt` {zigzag!r}: 1 word(s) unknown to the tokenizer are ignored: 'zigzag'."]
+    landed = [str(w.message) for w in issued if issubclass(w.category, PromptWarning)]
+    assert landed == [f"`prompt` {zigzag!r}: 1 word(s) unknown to the tokenizer are ignored: 'zigzag'."]
 
 
 def test_a_switch_to_a_prompt_of_unknown_words_is_refused_and_the_video_goes_on(server, slow_chunks):
@@ -266,14 +285,18 @@ BAD_FIELDS = [
     (dict(seed=2**40), "Seed: type a whole number from 0 to 4294967295"),
     (dict(prompt="   "), "Prompt: type a prompt first"),
     (dict(prompt=5), "Prompt: type some words, got 5"),
-    (dict(prompt="xyzzy plugh"), "`prompt` 'xyzzy plugh' has no word the tokenizer knows"),  # the pipeline's words
+    (dict(prompt="xyzzy plugh"), "Prompt: 'xyzzy plugh' has no word the tokenizer knows"),  # the pipeline's rule
     (dict(model="no-such-model"), "Model: choose one of pipeline, got 'no-such-model'"),
     (dict(chunk_frames=0), "Chunk frames: type a whole number from 1 up, got 0"),
     (dict(chunk_frames="two"), "Chunk frames: type a number, got 'two'"),
     (dict(sink_frames=-1), "Sink frames: type a whole number from 0 up, got -1"),
-    (dict(window_frames=2), "`window_frames`=2 must be larger than `chunk_frames`=2"),  # the pipeline's check
-    (dict(denoising_steps="1000, 1000"), "Denoising steps: type strictly decreasing numbers"),
-    (dict(denoising_steps="5000"), "Denoising steps: type a whole number from 1 to 1000, got '5000'"),
+    (dict(window_frames=2), "Window frames: 2 must be larger than Chunk frames=2"),  # the pipeline's check
+    (dict(denoising_steps="1000, 1000"), "Denoising steps: must be strictly decreasing numbers in [0, 1000]"),
+    (
+        dict(denoising_steps="5000"),  # the pipeline's check: what is allowed, and what was typed
+        "Denoising steps: must be strictly decreasing numbers in [0, 1000], the first above 0 (a chunk starts from "
+        "noise; only the last may be 0), e.g. [1000, 750, 500, 250]; got [5000].",
+    ),
     (dict(denoising_steps="fast"), "Denoising steps: type a number, got 'fast'"),
     (dict(position_mode="sideways"), "Position mode: choose one of absolute, relative, got 'sideways'"),
 ]

@@ -1,5 +1,6 @@
-"""The demo's checks, without a server: the Generate form's fields (`rolldiff.demo.fields`) and the one address
-check that the demo's `launch`, its example script and `rolldiff demo` share (`rolldiff.demo.serving`).
+"""The demo's checks, without a server: the Generate form's fields (`rolldiff.demo.fields`), the pipeline's rules
+as a Generate press shows them (relabelled with the fields' labels), and the one address check that the demo's
+`launch`, its example script and `rolldiff demo` share (`rolldiff.demo.serving`).
 
 Every refusal names the field (or argument), says what is allowed and repeats the value received.
 """
@@ -8,20 +9,26 @@ import math
 import socket
 import subprocess
 import sys
+import threading
+import warnings
 
 import numpy as np
 import PIL.Image
 import pytest
+from tiny_components import tiny_pipeline
 
 from rolldiff.cli import main
 from rolldiff.demo import (
+    FIELD_LABELS,
     MAX_SEED,
     ChunkSettings,
     DemoInputError,
     DemoSettings,
     GenerateConfig,
     GenerateFields,
+    Generation,
     InputConfig,
+    ModelShelf,
     check_address,
     parse_image,
     parse_position_mode,
@@ -31,9 +38,33 @@ from rolldiff.demo import (
     parse_strength,
     parse_video,
     parse_whole_number,
+    prompt_warnings,
+    relabel,
 )
+from rolldiff.pipelines.request.call import VideoCall
+from rolldiff.pipelines.request.text_encoding import PromptWarning
 
 RED = "a red circle moving left"
+ZIGZAG = "a red circle moving zigzag"  # "zigzag" is not a word of the tiny tokenizer
+STEPS_RULE = (
+    "Denoising steps: must be strictly decreasing numbers in [0, 1000], the first above 0 (a chunk starts from "
+    "noise; only the last may be 0), e.g. [1000, 750, 500, 250]; got "
+)
+STRENGTH_RULE = "Strength: must be a number in (0, 1] (1: ignore the input's content), got "
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = tiny_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _generation(pipe, **fields) -> Generation:
+    """One Generate press on the tiny pipeline: the form's checks, then the stream made (every pipeline check),
+    and no chunk yet."""
+    config = GenerateFields(**{"prompt": RED, "seconds": 1, **fields}).check(60)
+    return Generation(ModelShelf({"tiny": pipe}), config, DemoSettings(height=16, width=16, fps=4))
 
 
 # ---------------------------------------------------------------------------------------- one field
@@ -107,9 +138,6 @@ def test_empty_denoising_steps_mean_the_models_own(empty):
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ("500, 1000", "Denoising steps: type strictly decreasing numbers in 1..1000"),
-        ("1000, 1000", "Denoising steps: type strictly decreasing numbers in 1..1000"),
-        ("1000, 0", "Denoising steps: type a whole number from 1 to 1000, got '0'."),
         ("fast", "Denoising steps: type a number, got 'fast'."),
         (750, "Denoising steps: type decreasing numbers from 1000 down"),
     ],
@@ -118,6 +146,33 @@ def test_bad_denoising_steps_say_what_to_type(raw, message):
     with pytest.raises(DemoInputError) as refused:
         parse_steps(raw)
     assert str(refused.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("500, 1000", "[500, 1000]"),
+        ("1000, 1000", "[1000, 1000]"),
+        ("0", "[0]"),  # a chunk starts from noise: the first step is above 0
+        ("1000, -5", "[1000, -5]"),
+        ("5000", "[5000]"),
+        (",", "[]"),
+    ],
+)
+def test_a_step_list_the_pipeline_refuses_is_shown_with_the_fields_label(pipe, model_calls, raw, shown):
+    """Which step lists are allowed is the pipeline's rule (`denoising_steps`): the field only reads numbers."""
+    assert isinstance(parse_steps(raw), list)
+    with pytest.raises(DemoInputError) as refused:
+        _generation(pipe, denoising_steps=raw)
+    assert str(refused.value) == f"{STEPS_RULE}{shown}."
+    assert model_calls == []
+
+
+def test_a_step_list_the_pipeline_allows_is_taken_as_typed(pipe):
+    """Krea's lists end at 0, which the pipeline allows (the demo once refused it with a rule of its own)."""
+    assert parse_steps("1000, 937.5, 0") == [1000, 937.5, 0]
+    generation = _generation(pipe, denoising_steps="1000, 500, 0")
+    assert generation.num_frames == 4
 
 
 def test_the_position_mode_is_one_of_the_caches_or_empty():
@@ -215,9 +270,9 @@ def test_strength_is_above_zero_and_at_most_one_empty_is_the_pipelines_default(r
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        (0, "Strength: type a number above 0 and at most 1 (1: ignore the input's content), got 0."),
-        (1.5, "Strength: type a number above 0 and at most 1 (1: ignore the input's content), got 1.5."),
-        (-0.1, "Strength: type a number above 0 and at most 1"),
+        (0, f"{STRENGTH_RULE}0."),  # the pipeline's range (`check_strength`), with the field's label
+        (1.5, f"{STRENGTH_RULE}1.5."),
+        (-0.1, f"{STRENGTH_RULE}-0.1."),
         ("strong", "Strength: type a number, got 'strong'."),
         ("nan", "Strength: type a finite number, got 'nan'."),
     ],
@@ -228,26 +283,47 @@ def test_a_bad_strength_names_the_field_the_range_and_the_value(raw, message):
     assert str(refused.value).startswith(message)
 
 
-@pytest.mark.parametrize(
-    ("given", "message"),
-    [
-        (dict(image=True, video=True), "Start image and Input video: give one of them, not both"),
-        (dict(image=True, webcam=True), "Start image and Webcam: give one of them, not both"),
-        (dict(video=True, webcam=True), "Input video and Webcam: give one of them, not both"),
-        (dict(image=True, video=True, webcam=True), "Start image, Input video and Webcam: give one of them, not all"),
-    ],
-)
-def test_an_image_and_a_video_together_are_refused_naming_both(picture_file, given, message):
+@pytest.mark.parametrize("inputs", [{}, {"webcam": True}])
+def test_a_strength_the_pipeline_refuses_is_refused_at_generate_with_the_fields_label(inputs):
+    """The field is sent with every Generate (an input video or not), so its range is asked when it is read."""
+    with pytest.raises(DemoInputError) as refused:
+        GenerateFields(prompt=RED, seconds=1, strength="2", **inputs).check(60)
+    assert str(refused.value) == f"{STRENGTH_RULE}2.0."
+
+
+ONE_INPUT = [
+    (  # the pipeline's rule (`image` with `video`), relabelled
+        dict(image=True, video=True),
+        "Start image: give either Start image (image-to-video) or Input video (video-to-video), not both.",
+    ),
+    (  # the webcam is the pipeline's `video` then
+        dict(image=True, webcam=True),
+        "Start image: give either Start image (image-to-video) or Webcam (video-to-video), not both.",
+    ),
+    (  # the demo's own rule: two fields feed the one `video`
+        dict(video=True, webcam=True),
+        "Input video and Webcam: give one of them, not both (both are the input video): clear the input video or "
+        "untick Webcam.",
+    ),
+    (  # the demo's rule is asked with the fields, before the stream is made
+        dict(image=True, video=True, webcam=True),
+        "Input video and Webcam: give one of them, not both (both are the input video): clear the input video or "
+        "untick Webcam.",
+    ),
+]
+
+
+@pytest.mark.parametrize(("given", "message"), ONE_INPUT, ids=["image+video", "image+webcam", "video+webcam", "all"])
+def test_an_image_and_a_video_together_are_refused_naming_both(pipe, model_calls, picture_file, given, message):
     raw = dict(
         image=_uploaded(picture_file) if given.get("image") else None,
         video=_uploaded(picture_file) if given.get("video") else None,  # any file: the pipeline reads it
         webcam=given.get("webcam", False),
     )
     with pytest.raises(DemoInputError) as refused:
-        GenerateFields(prompt=RED, seconds=1, **raw).check(60)
-    assert str(refused.value).startswith(message)
-    assert ("clear the start image" in str(refused.value)) == ("image" in given)
-    assert ("untick Webcam" in str(refused.value)) == ("webcam" in given)
+        _generation(pipe, **raw)
+    assert str(refused.value) == message
+    assert model_calls == []
 
 
 def test_the_webcam_field_is_a_checkbox():
@@ -268,6 +344,66 @@ def test_the_inputs_become_the_pipelines_image_or_video_and_strength(picture_fil
     assert webcam.kind == "webcam" and webcam.stream_arguments(frames) == {"video": frames, "strength": 0.8}
     with pytest.raises(ValueError, match="pass its frames as `webcam_frames`"):
         webcam.stream_arguments()
+
+
+# ---------------------------------------------------------------------------------------- the pipeline's words
+def test_relabel_starts_with_the_field_and_names_every_argument_by_its_label():
+    assert str(relabel(ValueError("`strength` must be a number in (0, 1], got 0."))) == (
+        "Strength: must be a number in (0, 1], got 0."
+    )
+    assert str(relabel(ValueError("`window_frames`=2 must be larger than `chunk_frames`=2."))) == (
+        "Window frames: 2 must be larger than Chunk frames=2."
+    )
+    assert str(relabel(ValueError("Give either `image` or `video`, not both."))) == (
+        "Start image: give either Start image or Input video, not both."
+    )
+    webcam = {**FIELD_LABELS, "video": "Webcam"}
+    assert str(relabel(ValueError("`video` has 1 frames."), webcam)) == "Webcam: has 1 frames."
+    assert str(relabel(ValueError("`output_type` is not a field."))) == "`output_type` is not a field."
+    ours = DemoInputError("Seed: type a number, got 'x'.")
+    assert relabel(ours) is ours and isinstance(relabel(ValueError("`prompt` x")), DemoInputError)
+
+
+def test_every_argument_the_demo_sets_has_a_label():
+    brief = {"prompt", "prompt_schedule", "strength", "image", "video", "denoising_steps", "chunk_frames"}
+    brief |= {"sink_frames", "window_frames", "position_mode", "height", "width", "num_frames"}
+    assert brief <= set(FIELD_LABELS)
+    assert set(FIELD_LABELS) - {"seconds"} <= set(VideoCall.names())  # the pipeline's own argument names
+
+
+def test_a_prompt_the_tokenizer_cannot_read_is_refused_with_the_fields_label(pipe, model_calls):
+    with pytest.raises(DemoInputError) as refused:
+        _generation(pipe, prompt="xyzzy plugh")
+    assert str(refused.value).startswith(
+        "Prompt: 'xyzzy plugh' has no word the tokenizer knows (unknown: 'xyzzy', 'plugh'); it would generate"
+    )
+    assert model_calls == []
+
+
+def test_a_prompt_warning_is_issued_once_per_generate(pipe):
+    """The pipeline checks the prompt once, as the stream is made; its warnings are the video's notes."""
+    note = f"`prompt` {ZIGZAG!r}: 1 word(s) unknown to the tokenizer are ignored: 'zigzag'."
+    with warnings.catch_warnings(record=True) as issued:
+        warnings.simplefilter("always")  # every issue counted, none folded into one
+        generation = _generation(pipe, prompt=ZIGZAG)
+    assert [str(w.message) for w in issued if issubclass(w.category, PromptWarning)] == [note]
+    assert generation.notes == [note]
+
+
+def test_another_threads_prompt_warnings_are_not_this_generates_notes():
+    """Sessions make their streams in threads of their own: one session's words never become another's notes."""
+    with warnings.catch_warnings(record=True) as issued:
+        warnings.simplefilter("always")
+        with prompt_warnings() as notes:
+            other = threading.Thread(target=warnings.warn, args=("another session's", PromptWarning))
+            other.start()
+            other.join()
+            warnings.warn("this one's", PromptWarning, stacklevel=1)
+            warnings.warn("not about a prompt", UserWarning, stacklevel=1)
+        with prompt_warnings(show=False) as unshown:
+            warnings.warn("checked again later", PromptWarning, stacklevel=1)
+    assert notes == ["this one's"] and unshown == ["checked again later"]
+    assert sorted(str(w.message) for w in issued) == ["another session's", "not about a prompt", "this one's"]
 
 
 # ---------------------------------------------------------------------------------------- the whole form

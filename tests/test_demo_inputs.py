@@ -225,10 +225,10 @@ def test_an_uploaded_start_image_gives_the_pipelines_image_to_video(server, pipe
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        (dict(image="png", video="mp4"), "Start image and Input video: give one of them, not both"),
+        (dict(image="png", video="mp4"), "Start image: give either Start image (image-to-video) or Input video"),
         (dict(video="mp4", webcam=True), "Input video and Webcam: give one of them, not both"),
-        (dict(video="mp4", strength=0), "Strength: type a number above 0 and at most 1"),
-        (dict(video="one-frame"), "`video` has 1 frames; one chunk needs 2"),  # the pipeline's check
+        (dict(video="mp4", strength=0), "Strength: must be a number in (0, 1]"),
+        (dict(video="one-frame"), "Input video: has 1 frames; one chunk needs 2"),  # the pipeline's check
         (dict(image={"path": "/etc/hostname"}), "'/etc/hostname' is not a file uploaded to this demo"),
     ],
 )

@@ -26,6 +26,8 @@ FRAMES = 24  # 8 chunks of 3 on the embedded model
 def pipe():
     pipe = load_pipeline(None, device="cpu", dtype="float32")
     pipe.set_progress_bar_config(disable=True)
+    # the server's attention (diffusers' default): an earlier test may have left another process-wide default
+    pipe.set_attention_backend("native")
     return pipe
 
 

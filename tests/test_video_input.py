@@ -131,8 +131,8 @@ def test_bad_images_are_refused_with_a_clear_error(image, message):
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [
-        (dict(batch_size=0), r"`batch_size` must be an int >= 1, got 0"),
-        (dict(height=16.0), r"`height` must be an int >= 1, got 16.0"),
+        (dict(batch_size=0), r"`batch_size` must be a positive int, got 0"),
+        (dict(height=16.0), r"`height` must be a positive int, got 16.0"),
         (dict(resize_mode="pad"), r"`resize_mode` must be one of \('default', 'crop', 'fill'\), got 'pad'"),
     ],
 )
@@ -323,7 +323,7 @@ def test_a_bad_frame_mid_stream_is_refused_naming_its_index(frames, message):
 def test_bad_chunk_sizes_are_refused():
     video = VideoInput(frames_uint8(3), height=HEIGHT, width=WIDTH)
 
-    with pytest.raises(ValueError, match=r"`num_frames` must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"`num_frames` must be a positive int, got 0"):
         video.next_chunk(0)
     with pytest.raises(ValueError, match=r"`num_frames` must be an int >= 0, got -1"):
         video.skip(-1)

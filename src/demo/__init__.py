@@ -10,6 +10,7 @@ Gradio is installed); the page's names (`build_demo`) import it when first used.
 from .fields import (
     CACHE_FIELDS,
     EXAMPLE_PROMPTS,
+    FIELD_LABELS,
     MAX_SEED,
     ChunkSettings,
     DemoInputError,
@@ -26,6 +27,8 @@ from .fields import (
     parse_video,
     parse_whole_number,
     prompt_notes,
+    prompt_warnings,
+    relabel,
 )
 from .serving import check_address, launch
 from .session import (
@@ -61,6 +64,7 @@ def __getattr__(name: str):
 __all__ = [
     "CACHE_FIELDS",
     "EXAMPLE_PROMPTS",
+    "FIELD_LABELS",
     "MAX_SEED",
     "Chunk",
     "ChunkSettings",
@@ -91,7 +95,9 @@ __all__ = [
     "parse_video",
     "parse_whole_number",
     "prompt_notes",
+    "prompt_warnings",
     "push_webcam_frame",
+    "relabel",
     "stop_webcam",
     "streaming_available",
     "switch_prompt",

@@ -1,9 +1,17 @@
 """Every value the demo takes, checked before any work: the Generate form's fields and `build_demo`'s settings.
 
 Gradio's own preprocessing is off for the Generate event, so a field arrives raw (a number, the text of one, an
-uploaded file as Gradio's `{"path": ...}` record, or anything a caller of the API sends) and is checked here. A bad field raises `DemoInputError` (a ValueError) whose
-message starts with the field's label, says what to type and repeats what was typed: "Seed: type a whole number
-from 0 to 4294967295, got -1.". A bad `build_demo` setting raises a ValueError naming the argument.
+uploaded file as Gradio's `{"path": ...}` record, or anything a caller of the API sends) and is read here. A bad
+field raises `DemoInputError` (a ValueError) whose message starts with the field's label, says what to type and
+repeats what was typed: "Seed: type a whole number from 0 to 4294967295, got -1.". A bad `build_demo` setting
+raises a ValueError naming the argument.
+
+One home per rule: a rule the pipeline checks (the strength's range, the step list, one input at a time, a prompt
+the tokenizer can read, the cache geometry) is the pipeline's alone. The demo turns a field's text into a value
+and lets the pipeline decide; `relabel` shows the pipeline's message with the field labels
+(`FIELD_LABELS`): "`strength` must be a number in (0, 1] ..." becomes "Strength: must be a number in (0, 1] ...".
+What the pipeline's own prompt check warns about (unknown words, truncation) is recorded as the video's notes
+(`prompt_warnings`), so each warning is issued once.
 """
 
 from __future__ import annotations
@@ -11,6 +19,10 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -19,8 +31,8 @@ import PIL.Image
 
 from ..caching.layout import POSITION_MODES
 from ..pipelines.io.video_input import read_image
-from ..pipelines.request.conditioning import DEFAULT_STRENGTH
-from ..pipelines.request.text_encoding import check_prompts
+from ..pipelines.request.conditioning import DEFAULT_STRENGTH, check_strength
+from ..pipelines.request.text_encoding import PromptWarning
 
 EXAMPLE_PROMPTS = [
     "a red circle moving left",
@@ -36,6 +48,82 @@ CACHE_FIELDS = {"chunk_frames": "Chunk frames", "sink_frames": "Sink frames", "w
 
 class DemoInputError(ValueError):
     """A demo field holds a value the demo cannot use; the message names the field and says what to type."""
+
+
+# ---------------------------------------------------------------------------------------- the pipeline's words
+IMAGE_LABEL, VIDEO_LABEL, WEBCAM_LABEL, STRENGTH_LABEL = "Start image", "Input video", "Webcam", "Strength"
+PROMPT_LABEL, STEPS_LABEL, SWITCH_LABEL = "Prompt", "Denoising steps", "Switch prompt to"
+
+# The pipeline's argument names (as its messages spell them, in backticks) and the field that sets each one.
+FIELD_LABELS: dict[str, str] = {
+    "prompt": PROMPT_LABEL,
+    "prompt_schedule": SWITCH_LABEL,  # the live switches are the video's prompt schedule
+    "strength": STRENGTH_LABEL,
+    "image": IMAGE_LABEL,
+    "video": VIDEO_LABEL,
+    "denoising_steps": STEPS_LABEL,
+    **CACHE_FIELDS,
+    "position_mode": "Position mode",
+    "height": "Frame height",  # a `build_demo` setting: each model's native size unless set
+    "width": "Frame width",
+    "num_frames": "Length (seconds)",  # the frames are the seconds asked for, in whole chunks
+    "seconds": "Length (seconds)",
+}
+_ARGUMENT = re.compile(r"`([A-Za-z_][A-Za-z0-9_]*)`")
+
+
+def relabel(error: Exception, labels: Mapping[str, str] = FIELD_LABELS) -> DemoInputError:
+    """The pipeline's refusal as the page shows it: the message starts with the label of the first field it names
+    and every argument it names (`` `name` ``) is shown as its field's label (`labels`: argument name -> label).
+
+    "`strength` must be a number in (0, 1] ..., got 0." -> "Strength: must be a number in (0, 1] ..., got 0.";
+    "Give either `image` (...) or `video` (...), not both." -> "Start image: give either Start image (...) or
+    Input video (...), not both.". A `DemoInputError` (already the demo's words) is returned as it is; a message
+    naming no field keeps the pipeline's words.
+    """
+    if isinstance(error, DemoInputError):
+        return error
+    message = str(error)
+    named = [match.group(1) for match in _ARGUMENT.finditer(message) if match.group(1) in labels]
+    if not named:
+        return DemoInputError(message)
+    first = named[0]
+    lead = f"`{first}`"
+    if message.startswith(lead):  # "`strength` must be ..." / "`window_frames`=2 must be ...": the field leads
+        rest = message[len(lead) :].removeprefix("=").lstrip()
+    else:  # "Give either `image` ...": the sentence follows the label, in the demo's lower case
+        rest = message[0].lower() + message[1:] if message[1:2].islower() else message
+    rest = _ARGUMENT.sub(lambda match: labels.get(match.group(1), match.group(0)), rest)
+    return DemoInputError(f"{labels[first]}: {rest}")
+
+
+_RECORDING = threading.RLock()  # `warnings`' state is the process's: one recorder at a time
+
+
+@contextmanager
+def prompt_warnings(show: bool = True) -> Iterator[list[str]]:
+    """The `PromptWarning`s this thread issues inside the block (the pipeline's own prompt check: unknown words,
+    truncation), collected as notes in the list yielded; each is issued once, by the pipeline.
+
+    `show`: the warnings are also passed on as usual (the server log); False when the same check issues them again
+    later (a live switch is checked once more by the stream as it lands). Warnings of other threads (other
+    sessions) and of other kinds pass on untouched and are never taken as this block's notes.
+    """
+    notes: list[str] = []
+    thread = threading.get_ident()
+    with _RECORDING, warnings.catch_warnings():
+        passed_on = warnings.showwarning  # restored by `catch_warnings` on the way out
+
+        def showwarning(message, category, filename, lineno, file=None, line=None):
+            ours = threading.get_ident() == thread and issubclass(category, PromptWarning)
+            if ours:
+                notes.append(str(message))
+            if show or not ours:
+                passed_on(message, category, filename, lineno, file, line)
+
+        warnings.showwarning = showwarning
+        warnings.simplefilter("always", PromptWarning)  # a note for every Generate, not once per process
+        yield notes
 
 
 # ---------------------------------------------------------------------------------------- one field
@@ -86,18 +174,17 @@ def parse_prompt(value: Any, label: str = "Prompt") -> str:
     return prompt
 
 
-def parse_steps(value: Any) -> list[int] | None:
-    """Denoising steps typed as "1000, 750, 500, 250" (or sent as a list); empty means the model's own."""
-    label = "Denoising steps"
+def parse_steps(value: Any) -> list[int | float] | None:
+    """Denoising steps typed as "1000, 750, 500, 250" (or sent as a list), as numbers (whole ones as ints); empty
+    means the model's own. Which lists are allowed is the pipeline's rule (`denoising_steps`), checked when the
+    stream is made and shown with this field's label (`relabel`)."""
     if _is_empty(value):
         return None
     parts = re.split(r"[,\s]+", value.strip()) if isinstance(value, str) else value
     if not isinstance(parts, (list, tuple)):
-        raise DemoInputError(f"{label}: type decreasing numbers from 1000 down, such as 1000, 750, 500, 250.")
-    steps = [parse_whole_number(label, part, 1, 1000) for part in parts if part != ""]
-    if not steps or any(a <= b for a, b in zip(steps, steps[1:])):
-        raise DemoInputError(f"{label}: type strictly decreasing numbers in 1..1000, such as 1000, 750, 500, 250.")
-    return steps
+        raise DemoInputError(f"{STEPS_LABEL}: type decreasing numbers from 1000 down, such as 1000, 750, 500, 250.")
+    numbers = [_number(STEPS_LABEL, part) for part in parts if part != ""]
+    return [int(number) if number == int(number) else float(number) for number in numbers]
 
 
 def parse_position_mode(value: Any) -> str | None:
@@ -108,21 +195,19 @@ def parse_position_mode(value: Any) -> str | None:
 
 
 def prompt_notes(pipe, prompt: str, name: str = "prompt") -> list[str]:
-    """What the model's tokenizer will not read in `prompt`, as the pipeline reports it (unknown words, truncation).
+    """What the model's tokenizer will not read in `prompt` (unknown words, truncation), from the pipeline's own
+    check (`check_prompt_text`), for a prompt checked before a stream uses it (a live switch). The warnings are
+    recorded, not issued: the stream's check issues them when it takes the prompt.
 
     Raises:
-        ValueError: the tokenizer knows no word of `prompt` (the pipeline would refuse it too).
+        ValueError: the tokenizer knows no word of `prompt` (the pipeline's refusal, naming `name`).
     """
-    tokenizer = getattr(pipe, "tokenizer", None)
-    if tokenizer is None:
-        return []
-    return check_prompts(tokenizer, [prompt], pipe.config.max_sequence_length, name)
+    with prompt_warnings(show=False) as notes:
+        pipe.check_prompt_text([prompt], pipe.config.max_sequence_length, name)
+    return notes
 
 
 # ---------------------------------------------------------------------------------------- the input pictures
-IMAGE_LABEL, VIDEO_LABEL, WEBCAM_LABEL, STRENGTH_LABEL = "Start image", "Input video", "Webcam", "Strength"
-
-
 def _upload_path(label: str, value: Any, what: str, uploads: str | None) -> str | None:
     """The file path of an upload (Gradio's file record `{"path": ...}`, or a path), or `None` when nothing is given.
 
@@ -170,15 +255,15 @@ def parse_video(value: Any, uploads: str | None = None) -> str | None:
 
 
 def parse_strength(value: Any) -> float:
-    """How much of each input chunk is replaced, in (0, 1]; empty means the pipeline's default (0.8)."""
+    """How much of each input chunk is replaced; empty means the pipeline's default (0.8). Its range is the
+    pipeline's (`check_strength`), asked now: the field is sent with every Generate, an input video or not."""
     if _is_empty(value):
         return DEFAULT_STRENGTH
     strength = _number(STRENGTH_LABEL, value)
-    if not 0 < strength <= 1:
-        raise DemoInputError(
-            f"{STRENGTH_LABEL}: type a number above 0 and at most 1 (1: ignore the input's content), got {value!r}."
-        )
-    return float(strength)
+    try:
+        return check_strength(strength)
+    except ValueError as exc:
+        raise relabel(exc) from None
 
 
 def parse_switch(label: str, value: Any) -> bool:
@@ -190,8 +275,13 @@ def parse_switch(label: str, value: Any) -> bool:
 
 @dataclass(frozen=True)
 class InputConfig:
-    """What the video starts from, checked: nothing (text-to-video), a start image (image-to-video), or an input
-    video (video-to-video): an uploaded clip or this session's webcam, with `strength`."""
+    """What the video starts from: nothing (text-to-video), a start image (image-to-video), or an input video
+    (video-to-video): an uploaded clip or this session's webcam, with `strength`.
+
+    Two fields feed the pipeline's one `video=`, so a clip and the webcam together are refused here (the demo's own
+    rule); a start image with an input video is the pipeline's to refuse (`image` with `video`), when the stream
+    is made, with these fields' labels (`labels`).
+    """
 
     image: PIL.Image.Image | np.ndarray | None = None
     video: str | None = None  # an uploaded clip's path
@@ -199,24 +289,15 @@ class InputConfig:
     strength: float = DEFAULT_STRENGTH
 
     def __post_init__(self) -> None:
-        given = {IMAGE_LABEL: self.image is not None, VIDEO_LABEL: self.video is not None, WEBCAM_LABEL: self.webcam}
-        given = [label for label, on in given.items() if on]
-        if len(given) > 1:
-            fixes = {
-                IMAGE_LABEL: "clear the start image",
-                VIDEO_LABEL: "clear the input video",
-                WEBCAM_LABEL: "untick Webcam",
-            }
-            names = ", ".join(given[:-1]) + " and " + given[-1]
-            fix = " or ".join(fixes[label] for label in given)
+        if self.video is not None and self.webcam:
             raise DemoInputError(
-                f"{names}: give one of them, not {'both' if len(given) == 2 else 'all three'} (a video starts from "
-                f"a picture or from an input video): {fix}."
+                f"{VIDEO_LABEL} and {WEBCAM_LABEL}: give one of them, not both (both are the input video): clear "
+                "the input video or untick Webcam."
             )
 
     @classmethod
     def parse(cls, image: Any, video: Any, webcam: Any, strength: Any, uploads: str | None = None) -> InputConfig:
-        """The raw input fields: each checked, then the combination (one input at most). `uploads`: the folder
+        """The raw input fields, each read, then the combination (one input video at most). `uploads`: the folder
         uploaded files must be in (None: anywhere)."""
         return cls(
             image=parse_image(image, uploads),
@@ -234,15 +315,21 @@ class InputConfig:
             return "clip"
         return "webcam" if self.webcam else "text"
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """`FIELD_LABELS` for these inputs: the pipeline's `video` is the Webcam field when the webcam is the input."""
+        return {**FIELD_LABELS, "video": WEBCAM_LABEL} if self.webcam else dict(FIELD_LABELS)
+
     def stream_arguments(self, webcam_frames: Any = None) -> dict[str, Any]:
-        """`pipe.stream`'s `image=` or `video=` + `strength=`; `webcam_frames` (an iterator of `(H, W, 3)` frames)
-        is the video when the webcam is the input."""
+        """`pipe.stream`'s `image=`, and `video=` + `strength=`, as given (the pipeline refuses both together);
+        `webcam_frames` (an iterator of `(H, W, 3)` frames) is the video when the webcam is the input."""
         if self.webcam and webcam_frames is None:
             raise ValueError("the webcam is the input video: pass its frames as `webcam_frames`.")
-        if self.image is not None:
-            return {"image": self.image}
+        arguments: dict[str, Any] = {} if self.image is None else {"image": self.image}
         video = webcam_frames if self.webcam else self.video
-        return {} if video is None else {"video": video, "strength": self.strength}
+        if video is not None:
+            arguments.update(video=video, strength=self.strength)
+        return arguments
 
 
 # ---------------------------------------------------------------------------------------- the Advanced section
@@ -253,7 +340,7 @@ class ChunkSettings:
     chunk_frames: int | None = None
     sink_frames: int | None = None
     window_frames: int | None = None
-    denoising_steps: list[int] | None = None
+    denoising_steps: list[int | float] | None = None
     position_mode: str | None = None
 
     @classmethod

@@ -183,7 +183,7 @@ def _advanced_section(first) -> dict[str, Any]:
             }
         steps = gr.Textbox(
             label="Denoising steps", elem_id="steps", **fields["denoising_steps"],
-            info="decreasing noise levels in 1..1000: fewer steps, faster chunks",
+            info="decreasing noise levels from 1000 down: fewer steps, faster chunks",
         )  # fmt: skip
         position_mode = gr.Radio(
             value="", label="Position mode", elem_id="position_mode", **fields["position_mode"],
@@ -245,7 +245,7 @@ class _Handlers:
         try:
             config = form.check(self.settings.max_seconds, uploads=get_upload_folder())  # no other files
             generation = Generation(self.shelf, config, self.settings)
-        except ValueError as exc:  # ours and the pipeline's: each names the field or argument
+        except ValueError as exc:  # ours, and the pipeline's relabelled: each starts with the field's label
             raise _refusal(exc) from exc
         for note in generation.notes:  # unknown words are ignored: say so where the person looks
             gr.Warning(note)

@@ -36,7 +36,16 @@ import torch
 
 from ..defaults import embedded_models, load_pipeline, native_size
 from ..pipelines.io.video_writer import frames_to_uint8
-from .fields import WEBCAM_LABEL, ChunkSettings, DemoInputError, DemoSettings, GenerateConfig, prompt_notes
+from .fields import (
+    WEBCAM_LABEL,
+    ChunkSettings,
+    DemoInputError,
+    DemoSettings,
+    GenerateConfig,
+    prompt_notes,
+    prompt_warnings,
+    relabel,
+)
 
 
 # ---------------------------------------------------------------------------------------- the live prompt
@@ -315,25 +324,33 @@ class Generation:
     """One video for one session: its model, its live prompt, its input, its chunks so far and their statistics."""
 
     def __init__(self, shelf: ModelShelf, config: GenerateConfig, settings: DemoSettings) -> None:
-        """Checks everything before any work: a DemoInputError naming the field, or the pipeline's ValueError.
+        """Checks everything before any work: a DemoInputError naming the field (the pipeline's refusals are
+        relabelled with the fields' labels: `relabel`).
 
-        With the webcam as input, `webcam` is the `FrameQueue` the browser's frames go to (`push_webcam_frame`).
+        The pipeline checks the prompt once, as the stream is made: what its tokenizer will not read (unknown
+        words, truncation) becomes `notes`, said with the video, not refused. With the webcam as input, `webcam`
+        is the `FrameQueue` the browser's frames go to (`push_webcam_frame`).
         """
         self.model = config.model or shelf.names[0]
         self.pipe = shelf.get(self.model)
-        self.notes = prompt_notes(self.pipe, config.prompt)  # unknown words: said with the video, not refused
         self.height, self.width = frame_size(self.pipe, settings)
         self.fps = settings.fps
-        self.num_frames = self.pipe.num_frames_for(
-            config.seconds, settings.fps, chunk_frames=config.settings.chunk_frames, image=config.inputs.image
-        )
         self.live = LivePrompt(config.prompt)
         self.inputs = config.inputs
         self.webcam = FrameQueue() if config.inputs.webcam else None
-        self._chunks = generate_frames(
-            self.pipe, self.live, self.num_frames, self.height, self.width, config.seed, config.settings,
-            config.inputs.stream_arguments(self.webcam),
-        )  # fmt: skip
+        try:
+            self.num_frames = self.pipe.num_frames_for(
+                config.seconds, settings.fps, chunk_frames=config.settings.chunk_frames, image=config.inputs.image
+            )
+            with prompt_warnings() as self.notes:  # the stream's own prompt check: each warning issued once
+                self._chunks = generate_frames(
+                    self.pipe, self.live, self.num_frames, self.height, self.width, config.seed, config.settings,
+                    config.inputs.stream_arguments(self.webcam),
+                )  # fmt: skip
+        except DemoInputError:
+            raise
+        except ValueError as exc:  # the pipeline's rule, in the words of the field it is about
+            raise relabel(exc, config.inputs.labels) from exc
         self.chunk_seconds: list[float] = []  # per chunk made so far
         self.chunk_cache_bytes: list[int] = []
         self.frames_written = 0

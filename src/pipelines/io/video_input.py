@@ -295,7 +295,7 @@ class VideoInput:
             ValueError: the input ended before `num_frames` frames (`frames_read` is then at its end).
         """
         self._check_open()
-        check_int("num_frames", num_frames, minimum=0)
+        check_int("num_frames", num_frames, 0)
         skipped = sum(1 for _ in itertools.islice(self._frames, num_frames))
         self.frames_read += skipped
         if skipped < num_frames:
