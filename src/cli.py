@@ -53,6 +53,7 @@ FLAGS = {
     "prompt": "--prompt",
     "prompt_schedule": "--prompt-at",
     "denoising_steps": "--steps",
+    "first_chunk_steps": "--first-chunk-steps",
     "height": "--height",
     "width": "--width",
     "num_frames": "--seconds",
@@ -224,6 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--height", type=_positive(int), help="pixels (default: the model's native size)")
     generate.add_argument("--width", type=_positive(int), help="pixels (default: the model's native size)")
     generate.add_argument("--steps", type=_steps, help="denoising steps, e.g. 1000,750,500,250 (default: the model's)")
+    generate.add_argument(
+        "--first-chunk-steps",
+        type=_steps,
+        help="the first chunk's own steps, e.g. 1000,750,500,250 (Causal Forcing++)",
+    )
     generate.add_argument("--chunk-frames", type=_positive(int), help="latent frames per chunk (default: the model's)")
     generate.add_argument("--sink-frames", type=int, help="latent frames kept forever at the start of the cache")
     generate.add_argument(
@@ -425,6 +431,7 @@ def _call_arguments(args: argparse.Namespace, image) -> dict:
         prompt=args.prompt,
         prompt_schedule=sorted(args.prompt_at) or None,
         denoising_steps=args.steps,
+        first_chunk_steps=args.first_chunk_steps,
         chunk_frames=args.chunk_frames,
         sink_frames=args.sink_frames,
         window_frames=args.window_frames,

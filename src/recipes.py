@@ -46,6 +46,77 @@ RECIPES: dict[str, Recipe] = {
             "chunk (causal_inference.py:136-150).",
         ),
         Recipe(
+            "causal-forcing",
+            "KreaRealtimeVideoPipeline",
+            "thu-ml/Causal-Forcing@1fc7bbc pipeline/causal_inference.py, configs/causal_forcing_dmd_chunkwise.yaml",
+            dict(
+                chunk_frames=3,  # num_frame_per_block: 3
+                sink_frames=0,
+                window_frames=21,  # the model's local_attn_size -1: global over the 21-frame buffer
+                position_mode="absolute",
+                denoising_steps=(1000, 750, 500, 250),  # warp_denoising_step: true (causal_inference.py:29-32)
+                sigma_mapping="shift",
+                timestep_shift=5.0,  # model_kwargs.timestep_shift
+                context_noise=0.0,  # default_config.yaml
+                image_mode="frame",  # inference.py --i2v: initial_latent's one frame cached at t=0 first
+            ),
+            "Self-Forcing's loop (the same architecture and causal_inference.py) on Causal Forcing's chunk-wise "
+            "distilled weights (causal_ode.pt or causal_cd.pt).",
+        ),
+        Recipe(
+            "causal-forcing-framewise",
+            "KreaRealtimeVideoPipeline",
+            "thu-ml/Causal-Forcing@1fc7bbc pipeline/causal_inference.py, configs/causal_forcing_dmd_framewise.yaml",
+            dict(
+                chunk_frames=1,  # num_frame_per_block: 1: a chunk of one latent frame
+                sink_frames=0,
+                window_frames=21,
+                position_mode="absolute",
+                denoising_steps=(1000, 750, 500, 250),
+                sigma_mapping="shift",
+                timestep_shift=5.0,
+                context_noise=0.0,
+                image_mode="frame",  # a start image is the first latent frame: one block, as every block
+            ),
+            "Frame-wise: every block is one latent frame, denoised in 4 warped steps.",
+        ),
+        Recipe(
+            "causal-forcing-2step",
+            "KreaRealtimeVideoPipeline",
+            "thu-ml/Causal-Forcing@1fc7bbc pipeline/causal_inference.py:36-45, configs/causal_forcing_dmd_framewise_2step.yaml",
+            dict(
+                chunk_frames=1,
+                sink_frames=0,
+                window_frames=21,
+                position_mode="absolute",
+                denoising_steps=(1000, 500),
+                first_chunk_steps=(1000, 750, 500, 250),  # denoising_step_list_first_chunk (ASD's first frame)
+                sigma_mapping="shift",
+                timestep_shift=5.0,
+                context_noise=0.0,
+                image_mode="frame",
+            ),
+            "Causal Forcing++ 2-step, frame-wise; the first denoised frame runs its own 4-step list.",
+        ),
+        Recipe(
+            "causal-forcing-1step",
+            "KreaRealtimeVideoPipeline",
+            "thu-ml/Causal-Forcing@1fc7bbc pipeline/causal_inference.py:36-45, configs/causal_forcing_dmd_framewise_1step.yaml",
+            dict(
+                chunk_frames=1,
+                sink_frames=0,
+                window_frames=21,
+                position_mode="absolute",
+                denoising_steps=(1000,),
+                first_chunk_steps=(1000, 750, 500, 250),
+                sigma_mapping="shift",
+                timestep_shift=5.0,
+                context_noise=0.0,
+                image_mode="frame",
+            ),
+            "Causal Forcing++ 1-step, frame-wise; the first denoised frame runs its own 4-step list.",
+        ),
+        Recipe(
             "longlive",
             "KreaRealtimeVideoPipeline",
             "NVlabs/LongLive@2462895 pipeline/causal_inference.py, interactive_causal_inference.py",

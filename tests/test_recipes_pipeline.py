@@ -29,13 +29,21 @@ class InjectedNoise:
     the last step (it would be multiplied by sigma 0), so that draw gets zeros.
     """
 
-    def __init__(self, golden: Golden, steps: int) -> None:
+    def __init__(self, golden: Golden, steps: int, first_chunk_steps: int | None = None) -> None:
         self.noise, self.steps, self.draws = golden.noise(), steps, 0
+        self.first = steps if first_chunk_steps is None else first_chunk_steps  # chunk 0's own step count
+
+    def _chunk_step(self) -> tuple[int, int, int]:
+        """(chunk, step, steps of that chunk) of the current draw: chunk 0 draws `first + 1`, the rest `steps + 1`."""
+        if self.draws <= self.first:
+            return 0, self.draws, self.first
+        chunk, step = divmod(self.draws - self.first - 1, self.steps + 1)
+        return chunk + 1, step, self.steps
 
     def __call__(self, shape, generator=None, device=None, dtype=None, **kwargs) -> torch.Tensor:
-        chunk, step = divmod(self.draws, self.steps + 1)
+        chunk, step, steps = self._chunk_step()
         self.draws += 1
-        if step == self.steps:
+        if step == steps:
             return torch.zeros(shape, device=device, dtype=dtype)
         drawn = self.noise.draw(chunk, step)
         assert tuple(drawn.shape) == tuple(shape), (chunk, step, drawn.shape, shape)
@@ -95,7 +103,10 @@ def test_longsana_recipe_matches_upstream(scenario, monkeypatch):
 
 # ----------------------------------------------------------------------------------------- the registry
 def test_every_recipe_names_its_pipeline_upstream_and_settings():
-    assert set(list_recipes()) == {"self-forcing", "longlive", "krea-realtime", "longsana"}
+    assert set(list_recipes()) == {
+        "self-forcing", "longlive", "krea-realtime", "longsana", "causal-forcing", "causal-forcing-framewise",
+        "causal-forcing-2step", "causal-forcing-1step",
+    }  # fmt: skip
     assert list_recipes("LongSanaVideoPipeline") == ["longsana"]
     for name in list_recipes():
         text = describe_recipe(name)
@@ -182,5 +193,37 @@ def test_krea_like_recipes_match_upstream(case, monkeypatch):
         made.append(next(stream))
     errors = _errors(golden, made)
     print(f"\n{case} through the pipeline: {[f'{e:.1e}' for e in errors]}, floor {golden.floor:.1e}")
+    assert noise.noise.exhausted
+    assert max(errors) <= TOLERANCE, errors
+
+
+# ----------------------------------------------------------------------------------------- Causal Forcing
+CAUSAL_FORCING = ("chunkwise", "framewise", "framewise_2step", "framewise_1step")
+
+
+@pytest.mark.parametrize("scenario", CAUSAL_FORCING)
+@torch.no_grad()
+def test_causal_forcing_recipes_match_upstream(scenario, monkeypatch):
+    """Each Causal Forcing recipe (chunk-wise, frame-wise 4-, 2- and 1-step with the 4-step first frame) against
+    the authors' `CausalInferencePipeline` (tools/record_causal_forcing_goldens.py)."""
+    golden = load_golden("causal-forcing", scenario)
+    recipe = golden.settings["recipe"]
+    pipe = _krea_like_pipeline(golden)
+    first = golden.settings.get("first_timesteps")
+    noise = InjectedNoise(golden, len(golden.settings["timesteps"]), None if first is None else len(first))
+    monkeypatch.setattr(stream_module, "randn_tensor", noise)
+    monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
+    stream = pipe.stream(
+        num_frames=pipe.latent_to_frames(golden.settings["latent_frames"]), prompt_embeds=golden.text["a"],
+        output_type="latent", recipe=recipe,
+    )  # fmt: skip
+    request = stream.request
+    assert request.geometry.chunk_frames == golden.settings["chunk_frames"]
+    assert list(request.step_plan.timesteps) == pytest.approx(golden.settings["timesteps"], abs=1e-3)
+    if first is not None:
+        assert list(request.first_step_plan.timesteps) == pytest.approx(first, abs=1e-3)
+    made = list(stream)
+    errors = _errors(golden, made)
+    print(f"\ncausal-forcing/{scenario} through the pipeline: max {max(errors):.1e}, floor {golden.floor:.1e}")
     assert noise.noise.exhausted
     assert max(errors) <= TOLERANCE, errors

@@ -237,3 +237,30 @@ def test_the_request_is_frozen(pipe):
     request = pipe.stream(RED, 8, **SIZE).request
     with pytest.raises(dataclasses.FrozenInstanceError):
         request.guidance_scale = 3.0
+
+
+# ---------------------------------------------------------------------------------------- first_chunk_steps
+def test_first_chunk_steps_alone_steps_the_first_chunk_only(pipe):
+    steps_seen = []
+
+    def count(pipeline, index, timestep, tensors):
+        steps_seen.append(stream.next_chunk)
+        return tensors
+
+    stream = pipe.stream(RED, 8, **SIZE, denoising_steps=[1000], first_chunk_steps=[1000, 750, 500, 250],
+                         callback_on_step_end=count, generator=_seed())  # fmt: skip
+    list(stream)
+    assert steps_seen == [0, 0, 0, 0, 1, 2, 3]  # 4 steps for chunk 0, then 1 a chunk
+
+
+def test_first_chunk_steps_after_a_start_image_apply_to_the_first_denoised_chunk(pipe):
+    request = pipe.stream(RED, 8, **SIZE, image=torch.zeros(3, 16, 16), first_chunk_steps=[1000, 500]).request
+    assert request.step_plan_for(0) is request.step_plan  # the image's chunk is not denoised
+    assert request.step_plan_for(1).steps == (1000.0, 500.0) and request.step_plan_for(2) is request.step_plan
+
+
+@pytest.mark.parametrize("steps", [[0], [250, 500], "fast"])
+def test_bad_first_chunk_steps_are_refused_before_work(pipe, work_counter, steps):
+    with pytest.raises(ValueError, match="`first_chunk_steps`"):
+        pipe.stream(RED, 8, **SIZE, first_chunk_steps=steps)
+    assert work_counter == {"transformer": 0, "text_encoder": 0}

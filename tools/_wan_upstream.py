@@ -275,22 +275,24 @@ def to_diffusers_layout(latents: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_noise(
-    tape: NoiseTape, num_chunks: int, chunk_frames: int, num_steps: int
+    tape: NoiseTape, num_chunks: int, chunk_frames: int, num_steps: int, first_chunk_steps: int | None = None
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Name a Self-Forcing-family tape: draw 0 is the whole video's noise `(1, frames, C, h, w)`, then one
     `(chunk_frames, C, h, w)` per re-noise, chunk by chunk. Returns `noise.<chunk>.<step>` (diffusers' layout)
-    and the order the loop consumes them in."""
+    and the order the loop consumes them in. `first_chunk_steps`: chunk 0's own step count (Causal Forcing++'s
+    `denoising_step_list_first_chunk`), when it has one."""
     initial, *renoise = tape.draws
-    expected = num_chunks * (num_steps - 1)
+    steps = [num_steps if first_chunk_steps is None or chunk else first_chunk_steps for chunk in range(num_chunks)]
+    expected = sum(count - 1 for count in steps)
     if len(renoise) != expected:
         raise RuntimeError(f"Expected {expected} re-noise draws, upstream made {len(renoise)}.")
-    tensors, order = {}, []
+    tensors, order, used = {}, [], 0
     for chunk in range(num_chunks):
-        for step in range(num_steps):
+        for step in range(steps[chunk]):
             if step == 0:
                 draw = initial[:, chunk_frames * chunk : chunk_frames * (chunk + 1)]
             else:
-                draw = renoise[chunk * (num_steps - 1) + step - 1][None]
+                draw, used = renoise[used][None], used + 1
             order.append(f"noise.{chunk}.{step}")
             tensors[order[-1]] = to_diffusers_layout(draw)
     return tensors, order
@@ -305,7 +307,9 @@ def max_abs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
     return max(float((x.double() - y.double()).abs().max()) for x, y in zip(a, b, strict=True))
 
 
-def record_scenario(run, out: Path, name: str, num_chunks: int, chunk_frames: int, texts: Mapping) -> dict:
+def record_scenario(
+    run, out: Path, name: str, num_chunks: int, chunk_frames: int, texts: Mapping, first_chunk_steps: int | None = None
+) -> dict:
     """Run one scenario (`run(tape, dtype)` -> clean latents, timesteps, sigmas) in fp32 and, replaying the same
     draws, in fp64; save its golden tensors (text, noise per chunk and step, clean latents) to
     `golden.{name}.safetensors`; return what the scenario's meta entry records (timesteps, sigmas, noise order and
@@ -316,7 +320,7 @@ def record_scenario(run, out: Path, name: str, num_chunks: int, chunk_frames: in
     fp32 = run(tape, torch.float32)
     fp64 = run(NoiseTape(NOISE_SEED, replay=tape.draws), torch.float64)
     floor = max_abs(fp32["clean"], fp64["clean"])
-    noise, order = chunk_noise(tape, num_chunks, chunk_frames, len(fp32["timesteps"]))
+    noise, order = chunk_noise(tape, num_chunks, chunk_frames, len(fp32["timesteps"]), first_chunk_steps)
     tensors = {f"text.{key}": value for key, value in texts.items()} | noise
     tensors |= {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
     save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"golden.{name}.safetensors")

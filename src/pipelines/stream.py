@@ -425,7 +425,7 @@ class ChunkStream(Iterator[Any]):
             noisy = randn_tensor(shape, generator=request.generator, device=device, dtype=torch.float32)
         else:
             noisy = request.latents[:, :, start : start + shape[2]].to(device=device, dtype=torch.float32)
-        plan = request.step_plan
+        plan = request.step_plan_for(self._next_chunk)
         if given is not None:
             plan = plan.tail(strength_steps(len(plan.steps), request.conditioning.strength))
         scheduler, fed = self._schedule(plan, device)

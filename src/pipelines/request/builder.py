@@ -170,7 +170,10 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
     check_generator(call.generator, batch_size)
     latent_shape = (*geometry.chunk_shape[:2], geometry.num_latent_frames, *geometry.chunk_shape[3:])
     checked = dict(
-        step_plan=_step_plan(pipe, call),
+        step_plan=_step_plan(pipe, call, call.denoising_steps, call.sigmas),
+        first_step_plan=None
+        if call.first_chunk_steps is None
+        else _step_plan(pipe, call, call.first_chunk_steps, name="first_chunk_steps"),
         latents=check_latents(call.latents, latent_shape),
         callback_tensor_inputs=check_callback(
             call.callback_on_step_end, call.callback_on_step_end_tensor_inputs, pipe.callback_tensor_inputs
@@ -231,15 +234,17 @@ def _check_vae_needs(pipe: RequestPipeline, call: VideoCall, checked: dict[str, 
         )
 
 
-def _step_plan(pipe: RequestPipeline, call: VideoCall) -> StepPlan:
-    steps, shift = call.denoising_steps, call.timestep_shift
+def _step_plan(pipe: RequestPipeline, call: VideoCall, steps, sigmas=None, name: str = "denoising_steps") -> StepPlan:
+    """`steps` (None: the config's) under the call's sigma mapping and shift (`sigmas`: explicit ones)."""
+    shift = call.timestep_shift
     return plan_steps(
         pipe.config.denoising_steps if steps is None else steps,
         call.sigma_mapping,
         pipe.scheduler.config.shift if shift is None else shift,
         call.integer_timesteps,
-        call.sigmas,
+        sigmas,
         scheduler_shift=float(pipe.scheduler.config.shift),
+        name=name,
     )
 
 

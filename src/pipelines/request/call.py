@@ -62,6 +62,7 @@ class VideoCall:
     sigmas: Sequence[float] | None = None
     integer_timesteps: bool | None = None
     timestep_shift: float | None = None
+    first_chunk_steps: Sequence[float] | None = None
     context_noise: float | None = None
     context_policy: str | None = None
     first_chunk: str | None = None
@@ -186,6 +187,11 @@ Args:
         Truncate the timesteps fed to the model to integers (LongSANA).
     timestep_shift (`float`, *optional*):
         The shift of the sigma mapping. Defaults to the recipe's, else the scheduler's.
+    first_chunk_steps (`list[float]`, *optional*):
+        The first denoised chunk's own step list, mapped like `denoising_steps` (Causal Forcing++'s
+        `denoising_step_list_first_chunk`, thu-ml/Causal-Forcing `pipeline/causal_inference.py:36-45`, used at
+        `:203-207`: its 1- and 2-step frame-wise models run their first frame in 4 steps). Explicit `sigmas` apply
+        to `denoising_steps` only.
     context_noise (`float`, *optional*):
         The timestep of the context pass in [0, 1000) (Self-Forcing's `context_noise`; 0: clean).
     context_policy (`str`, *optional*):

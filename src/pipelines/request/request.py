@@ -142,6 +142,15 @@ class VideoRequest:
     prompt_blend_chunks: int = 1  # a prompt switch blends the embeddings over this many chunks (Krea: 4)
     context_noise: float = 0.0  # the timestep of the context pass (Self-Forcing's `context_noise`; 0: clean)
     recipe: str | None = None  # the named recipe these settings came from (`rolldiff.recipes`)
+    first_step_plan: StepPlan | None = None  # the first denoised chunk's own steps (Causal Forcing++)
+
+    def step_plan_for(self, chunk: int) -> StepPlan:
+        """The steps chunk `chunk` is denoised with: the first denoised chunk's own plan, if any (a start image's
+        chunk 0 is not denoised, so that is chunk 1 then), else `step_plan`."""
+        first_denoised = 1 if self.conditioning is not None and self.conditioning.image is not None else 0
+        if self.first_step_plan is not None and chunk == first_denoised:
+            return self.first_step_plan
+        return self.step_plan
 
     @property
     def denoising_steps(self) -> tuple[float, ...]:

@@ -59,7 +59,7 @@ class StepPlan:
         )
 
 
-def check_steps(steps: Sequence) -> tuple[float, ...]:
+def check_steps(steps: Sequence, name: str = "denoising_steps") -> tuple[float, ...]:
     """A step list that starts from noise: strictly decreasing numbers in [0, 1000] whose first is above 0 (a
     list of only t = 0 would denoise nothing); only the last may be 0 (Krea's list ends there)."""
     steps = list(steps) if isinstance(steps, Sequence) and not isinstance(steps, str) else steps
@@ -71,7 +71,7 @@ def check_steps(steps: Sequence) -> tuple[float, ...]:
         or any(a <= b for a, b in zip(steps, steps[1:]))
     ):
         raise ValueError(
-            "`denoising_steps` must be strictly decreasing numbers in [0, 1000], the first above 0 (a chunk starts "
+            f"`{name}` must be strictly decreasing numbers in [0, 1000], the first above 0 (a chunk starts "
             f"from noise; only the last may be 0), e.g. [1000, 750, 500, 250]; got {steps!r}."
         )
     return tuple(float(s) for s in steps)
@@ -84,6 +84,7 @@ def plan_steps(
     integer_timesteps: bool = False,
     sigmas: Sequence[float] | None = None,
     scheduler_shift: float | None = None,
+    name: str = "denoising_steps",
 ) -> StepPlan:
     """Check the step options together and compute the plan (see the module docstring). `scheduler_shift`: the
     pipeline scheduler's own shift; with the default mapping at that shift the scheduler maps the steps itself."""
@@ -91,7 +92,7 @@ def plan_steps(
     check_flag("integer_timesteps", integer_timesteps)
     shift = check_number("timestep_shift", shift, 0, above=True)
     explicit = sigmas is not None
-    steps = check_steps(steps)
+    steps = check_steps(steps, name)
     plain = sigma_mapping == "shift" and not explicit and not integer_timesteps and steps[-1] > 0
     if plain and shift == scheduler_shift:
         return StepPlan(steps)  # the scheduler maps them itself, as it always has
