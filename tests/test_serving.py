@@ -290,3 +290,28 @@ def test_with_state_every_a_session_survives_sigkill_from_its_last_saved_chunk(t
     expected = library_chunks(pipe)
     assert all((g == w).all() for g, w in zip(chunks, expected))
     assert all((g == w).all() for g, w in zip(rest, expected[start:])) and len(rest) == 8 - start
+
+
+def test_limits_idle_time_frame_size_and_length():
+    import io
+
+    import PIL.Image
+
+    server = Server("--idle-timeout", "1", "--max-frames", "30")
+    try:
+        with _raw(server.url) as socket:  # longer than the server allows
+            socket.send(json.dumps({"type": "start", "prompt": RED, "num_frames": 33}))
+            messages, code = _messages_until_close(socket)
+        assert messages[0]["code"] == "too_large" and messages[0]["field"] == "num_frames" and code == 1008
+        huge = io.BytesIO()
+        PIL.Image.new("RGB", (5000, 5000)).save(huge, format="PNG")  # 25 Mpixel, a few KiB of PNG
+        with _raw(server.url) as socket:  # a video session that gets no usable frame, then goes idle
+            socket.send(json.dumps({"type": "start", "prompt": RED, "num_frames": None, "input": "video"}))
+            assert json.loads(socket.recv(timeout=30))["type"] == "ready"
+            socket.send(huge.getvalue())
+            messages, code = _messages_until_close(socket)
+        assert messages[0]["code"] == "too_large" and messages[0]["field"] == "input"
+        assert messages[-1] == {"type": "done", "frames": 0, "reason": "idle"} and code == 1000
+        assert server.sessions_within(0)
+    finally:
+        server.stop()

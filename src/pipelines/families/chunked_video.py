@@ -85,6 +85,11 @@ class ChunkedVideoPipeline(DiffusionPipeline):
     output_class = ChunkedVideoPipelineOutput
     _callback_tensor_inputs = ["latents", "prompt_embeds"]
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._streams_lock = threading.Lock()
+        self._running_streams: weakref.WeakSet = weakref.WeakSet()  # the streams `pipe.interrupt = True` reaches
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.cache_options = cls.options_class.names()
@@ -103,35 +108,26 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         """diffusers' stop switch: `pipe.interrupt = True` (e.g. from a callback) stops every stream of this pipeline
         that is running when it is set, before its next step; streams started later are not affected. Reads True
         while one of the running streams is stopped that way. Each stream also has its own `interrupt()`."""
-        with self._stream_lock():
-            return any(stream.interrupted for stream in self._running())
+        with self._streams_lock:
+            return any(stream.interrupted for stream in self._running_streams)
 
     @interrupt.setter
     def interrupt(self, value: bool) -> None:
         if not value:
             return  # diffusers resets the flag at each call; here each stream starts with its own, cleared
-        with self._stream_lock():
-            running = list(self._running())
+        with self._streams_lock:
+            running = list(self._running_streams)
         for stream in running:
             stream.interrupt()
 
-    def _stream_lock(self) -> threading.Lock:
-        lock = self.__dict__.get("_streams_lock")
-        if lock is None:
-            lock = self.__dict__.setdefault("_streams_lock", threading.Lock())
-        return lock
-
-    def _running(self) -> weakref.WeakSet:
-        return self.__dict__.setdefault("_running_streams", weakref.WeakSet())
-
     def stream_started(self, stream: ChunkStream) -> None:
         """A stream of this pipeline started (`pipe.interrupt = True` reaches it until it ends)."""
-        with self._stream_lock():
-            self._running().add(stream)
+        with self._streams_lock:
+            self._running_streams.add(stream)
 
     def stream_ended(self, stream: ChunkStream) -> None:
-        with self._stream_lock():
-            self._running().discard(stream)
+        with self._streams_lock:
+            self._running_streams.discard(stream)
 
     @property
     def execution_device(self) -> torch.device:
