@@ -269,6 +269,24 @@ def tiny_wrapper(wan_wrapper: types.ModuleType, causal_model: types.ModuleType, 
     return wrapper.to(dtype).eval().requires_grad_(False)
 
 
+def causal_pipeline(pipeline_class, args, generator, embeds: Mapping[str, torch.Tensor], dtype: torch.dtype):
+    """A Self-Forcing-family inference pipeline (`CausalInferencePipeline` or a subclass) as the trees' inference
+    scripts build it, around the tiny model: the text encoder returns the stored embeddings, the VAE zeros, and
+    the sizes hard-coded for Wan-1.3B (`num_transformer_blocks = 30`, `frame_seq_length = 1560`) the tiny model's."""
+
+    def text_encoder(text_prompts):
+        return {"prompt_embeds": embeds[text_prompts[0]].to(dtype).clone()}
+
+    def decode_to_pixel(latents, use_cache=False):
+        return torch.zeros(*latents.shape[:2], 3, 8, 8, dtype=dtype)
+
+    vae = types.SimpleNamespace(decode_to_pixel=decode_to_pixel)
+    pipeline = pipeline_class(args, "cpu", generator=generator, text_encoder=text_encoder, vae=vae)
+    pipeline.num_transformer_blocks = TINY_MODEL["num_layers"]
+    pipeline.frame_seq_length = TOKENS_PER_FRAME
+    return pipeline
+
+
 def to_diffusers_layout(latents: torch.Tensor) -> torch.Tensor:
     """Upstream's `(batch, frames, channels, h, w)` -> diffusers' `(batch, channels, frames, h, w)`, contiguous."""
     return latents.permute(0, 2, 1, 3, 4).contiguous()

@@ -49,6 +49,7 @@ from _wan_upstream import (
     TINY_MODEL,
     TOKENS_PER_FRAME,
     NoiseTape,
+    causal_pipeline,
     kv_buffer_patches,
     load_causal_tree,
     proxied_torch,
@@ -85,25 +86,12 @@ def make_pipeline(up, weights, embeds, interactive: bool, dtype: torch.dtype):
         denoising_step_list=[1000, 750, 500, 250], warp_denoising_step=True, num_frame_per_block=CHUNK_FRAMES,
         model_kwargs=types.SimpleNamespace(timestep_shift=5.0, **MODEL_KWARGS), context_noise=0, global_sink=True,
     )  # fmt: skip
-
-    def text_encoder(text_prompts):
-        return {"prompt_embeds": embeds[text_prompts[0]].to(dtype).clone()}
-
-    def decode_to_pixel(latents, use_cache=False):
-        return torch.zeros(*latents.shape[:2], 3, 8, 8, dtype=dtype)
-
-    vae = types.SimpleNamespace(decode_to_pixel=decode_to_pixel)
-    if interactive:
-        pipeline = up.interactive.InteractiveCausalInferencePipeline(
-            args, "cpu", generator=generator, text_encoder=text_encoder, vae=vae
-        )
-    else:
-        pipeline = up.causal_inference.CausalInferencePipeline(
-            args, "cpu", generator=generator, text_encoder=text_encoder, vae=vae
-        )
-    pipeline.num_transformer_blocks = TINY_MODEL["num_layers"]  # hard-coded 30
-    pipeline.frame_seq_length = TOKENS_PER_FRAME  # hard-coded 1560
-    return pipeline
+    pipeline_class = (
+        up.interactive.InteractiveCausalInferencePipeline
+        if interactive
+        else up.causal_inference.CausalInferencePipeline
+    )
+    return causal_pipeline(pipeline_class, args, generator, embeds, dtype)
 
 
 def run_scenario(up, weights, embeds, scenario: dict, tape: NoiseTape, dtype: torch.dtype) -> dict:

@@ -41,6 +41,7 @@ from _wan_upstream import (
     TINY_MODEL,
     TOKENS_PER_FRAME,
     NoiseTape,
+    causal_pipeline,
     kv_buffer_patches,
     load_causal_tree,
     proxied_torch,
@@ -77,20 +78,7 @@ def make_pipeline(up, weights, embeds, scenario: dict, dtype: torch.dtype):
         denoising_step_list=[1000, 750, 500, 250], num_frame_per_block=CHUNK_FRAMES, independent_first_frame=False,
         **scenario,
     )  # fmt: skip
-
-    def text_encoder(text_prompts):
-        return {"prompt_embeds": embeds[text_prompts[0]].to(dtype).clone()}
-
-    def decode_to_pixel(latents, use_cache=False):
-        return torch.zeros(*latents.shape[:2], 3, 8, 8, dtype=dtype)
-
-    vae = types.SimpleNamespace(decode_to_pixel=decode_to_pixel)
-    pipeline = up.causal_inference.CausalInferencePipeline(
-        args, "cpu", generator=generator, text_encoder=text_encoder, vae=vae
-    )
-    pipeline.num_transformer_blocks = TINY_MODEL["num_layers"]  # hard-coded 30
-    pipeline.frame_seq_length = TOKENS_PER_FRAME  # hard-coded 1560
-    return pipeline
+    return causal_pipeline(up.causal_inference.CausalInferencePipeline, args, generator, embeds, dtype)
 
 
 def run_scenario(up, weights, embeds, scenario: dict, tape: NoiseTape, dtype: torch.dtype) -> dict:
