@@ -1,9 +1,11 @@
-"""What each recipe costs per chunk, next to the rolling policy: transformer forwards, cache memory, ms per chunk.
+"""What each recipe costs per latent frame, next to the rolling policy: transformer forwards, query tokens, cache
+memory, ms per frame (frame-wise and chunk-wise recipes compare per frame).
 
 Each Krea-like recipe runs on the Krea-like pipeline at Wan-1.3B block shapes (1 block by default, random
 weights, fp32, 80x128: 10x16 latents, 40 tokens per frame, as the 80x128 race), with `output_type="latent"` so
-only the chunk loop is timed (the re-encoding row also decodes, which its first frame needs). Rows: forwards per chunk (steps + the context pass, or + the context rebuild),
-the cache's `memory_bytes()`, and the median ms per chunk over the steady-state chunks, all measured in one run.
+only the chunk loop is timed (the re-encoding row also decodes, which its first frame needs). Rows: forwards and query
+tokens per latent frame (steps + the context pass, or + the context rebuild), the cache's `memory_bytes()`, and the
+median ms per chunk over the steady-state chunks divided by the chunk's frames, all measured in one run.
 
     python benchmarks/recipes_cost.py              # about a minute on 2 CPU cores
     python benchmarks/recipes_cost.py --dry-run    # tiny shapes (CI)
@@ -31,6 +33,10 @@ ROWS = (
     ("longlive", "longlive", {}),
     ("krea-realtime (keep first frame)", "krea-realtime", {"recompute_first_frame": "keep"}),
     ("krea-realtime (re-encoded first frame)", "krea-realtime", {}),
+    ("causal-forcing (chunk-wise)", "causal-forcing", {}),
+    ("causal-forcing-framewise", "causal-forcing-framewise", {}),
+    ("causal-forcing-2step", "causal-forcing-2step", {}),
+    ("causal-forcing-1step", "causal-forcing-1step", {}),
 )
 
 
@@ -52,24 +58,37 @@ def _pipeline(dry_run: bool, blocks: int, height: int, width: int) -> KreaRealti
     return pipe
 
 
-def _measure(pipe, recipe, overrides, chunks: int, text: torch.Tensor) -> dict:
-    forwards = []
-    hook = pipe.transformer.register_forward_pre_hook(lambda *args: forwards.append(1))
+def _measure(pipe, recipe, overrides, latent_frames: int, text: torch.Tensor) -> dict:
+    """One row: transformer forwards and query tokens per latent frame, the cache, ms per latent frame (the median of
+    the steady half of the chunks, per frame: frame-wise and chunk-wise recipes compare per frame)."""
+    forwards, tokens = [], []
+    patch = pipe.transformer.config.patch_size
+
+    def count(module, args):
+        _, _, frames, height, width = args[0].shape
+        forwards.append(1)
+        tokens.append(frames * (height // patch[1]) * (width // patch[2]))
+
+    hook = pipe.transformer.register_forward_pre_hook(count)
     stream = pipe.stream(
-        num_frames=pipe.latent_to_frames(3 * chunks), prompt_embeds=text, recipe=recipe, output_type="latent",
+        num_frames=pipe.latent_to_frames(latent_frames), prompt_embeds=text, recipe=recipe, output_type="latent",
         generator=torch.Generator().manual_seed(0), **overrides,
     )  # fmt: skip
     times = []
-    for _ in range(chunks):
+    while True:
         start = time.perf_counter()
-        next(stream)
+        if next(stream, None) is None:
+            break
         times.append(time.perf_counter() - start)
     hook.remove()
+    chunk_frames = stream.request.geometry.chunk_frames
     steady = times[len(times) // 2 :]
     return {
-        "forwards per chunk": f"{len(forwards) / chunks:.1f}",
+        "latent frames per chunk": str(chunk_frames),
+        "forwards per frame": f"{len(forwards) / latent_frames:.2f}",
+        "query tokens per frame": f"{sum(tokens) / latent_frames:.0f}",
         "cache KiB": f"{stream.memory_bytes() / 1024:.0f}",
-        "ms per chunk (median, steady)": f"{1000 * statistics.median(steady):.1f}",
+        "ms per frame (median, steady)": f"{1000 * statistics.median(steady) / chunk_frames:.1f}",
     }
 
 
@@ -87,11 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     text = torch.randn(1, 16 if args.dry_run else 512, pipe.transformer.config.text_dim)
     rows = []
     with torch.no_grad():
-        _measure(pipe, None, {}, 2, text)  # warm-up: first-call allocations and kernel choices
+        _measure(pipe, None, {}, 6, text)  # warm-up: first-call allocations and kernel choices
         for label, recipe, overrides in ROWS:
             if recipe is not None:
                 get_recipe(recipe)  # a clear error if the registry changed
-            rows.append({"recipe": label, **_measure(pipe, recipe, overrides, chunks, text)})
+            rows.append({"recipe": label, **_measure(pipe, recipe, overrides, 3 * chunks, text)})
     print(markdown_table(list(rows[0]), [list(row.values()) for row in rows]))
     return 0
 

@@ -268,8 +268,10 @@ def test_recipes_cost_dry_run_measures_every_recipe(capsys):
     table = capsys.readouterr().out
     for label, _, _ in recipes_cost.ROWS:
         assert label in table
-    # the recompute policy adds its context rebuild to chunks 1 and 2: (5 + 6 + 6) / 3 forwards
-    assert "| krea-realtime (keep first frame) | 5.7 |" in table
+    # per latent frame (9 here): the recompute policy adds its context rebuild to chunks 1 and 2: (5 + 6 + 6) / 9
+    assert "| krea-realtime (keep first frame) | 3 | 1.89 |" in table
+    # frame-wise, one step a frame after a 4-step first frame: (5 + 8 * 2) / 9 forwards per frame
+    assert "| causal-forcing-1step | 1 | 2.33 |" in table
 
 
 def test_gpu_fps_skips_a_refusal_by_its_type_not_its_message():
