@@ -72,3 +72,51 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait(timeout=10)
+
+
+_REFERENCE = r"""
+import json, sys
+import numpy as np, torch
+from rolldiff.defaults import load_pipeline
+from rolldiff.pipelines.io.video_writer import frames_to_uint8
+spec = json.loads(sys.argv[1])
+pipe = load_pipeline(None, device="cpu", dtype="float32")
+pipe.set_progress_bar_config(disable=True)
+call = {k: np.load(spec[k]) for k in ("image", "video") if spec.get(k)}
+if spec.get("strength") is not None:
+    call["strength"] = spec["strength"]
+stream = pipe.stream(spec["prompt"], spec["num_frames"], generator=torch.Generator().manual_seed(spec["seed"]), **call)
+chunks = []
+for index in range(stream.num_chunks):
+    if spec.get("switch") and index == spec["switch"][0]:
+        stream.switch_prompt(spec["switch"][1])
+    frames = next(stream, None)
+    if frames is None:
+        break
+    chunks.append(frames_to_uint8(frames[0]))
+np.savez(spec["out"], *chunks)
+"""
+
+
+def reference_chunks(folder: Path, **spec) -> list:
+    """What `pipe.stream` gives for a session's arguments, made in a process of its own (as the server's is, one
+    torch thread): uint8 chunks. A test process may carry process-wide settings earlier tests left behind."""
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("image", "video"):
+        if spec.get(name) is not None:
+            path = folder / f"{name}-{len(list(folder.iterdir()))}.npy"
+            np.save(path, spec[name])
+            spec[name] = str(path)
+    out = folder / f"reference-{len(list(folder.iterdir()))}.npz"
+    spec["out"] = str(out)
+    subprocess.run(
+        [sys.executable, "-c", _REFERENCE, json.dumps(spec)],
+        check=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+    )
+    with np.load(out) as saved:
+        return [saved[f"arr_{i}"] for i in range(len(saved.files))]

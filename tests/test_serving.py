@@ -8,27 +8,15 @@ import signal
 
 import numpy as np
 import pytest
-import torch
-from serve_helpers import Server
+from serve_helpers import Server, reference_chunks
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from rolldiff.cli import main
-from rolldiff.defaults import load_pipeline
-from rolldiff.pipelines.io.video_writer import frames_to_uint8
 from rolldiff.serving import ProtocolError, connect, restore
 
 RED, BLUE = "a red circle moving left", "a blue square moving up"
 FRAMES = 24  # 8 chunks of 3 on the embedded model
-
-
-@pytest.fixture(scope="module")
-def pipe():
-    pipe = load_pipeline(None, device="cpu", dtype="float32")
-    pipe.set_progress_bar_config(disable=True)
-    # the server's attention (diffusers' default): an earlier test may have left another process-wide default
-    pipe.set_attention_backend("native")
-    return pipe
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +31,21 @@ def server(state_dir):
     server.stop()
 
 
-def library_chunks(pipe, prompt=RED, seed=3, switch: tuple[int, str] | None = None, **call) -> list[np.ndarray]:
-    """What `pipe.stream` gives for a session's arguments, as uint8 chunks (a switch at chunk `switch[0]`)."""
-    stream = pipe.stream(prompt, FRAMES, generator=torch.Generator().manual_seed(seed), **call)
-    chunks = []
-    for index in range(stream.num_chunks):
-        if switch is not None and index == switch[0]:
-            stream.switch_prompt(switch[1])
-        chunks.append(frames_to_uint8(next(stream)[0]))
-    return chunks
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("references")
+    made: dict = {}
+
+    def reference(prompt=RED, seed=3, num_frames=FRAMES, switch=None, **inputs) -> list[np.ndarray]:
+        """What `pipe.stream` gives for a session's arguments (a switch at chunk `switch[0]`), as uint8 chunks."""
+        key = (prompt, seed, num_frames, switch, tuple(sorted(inputs)))
+        if key not in made or inputs:
+            made[key] = reference_chunks(
+                folder, prompt=prompt, seed=seed, num_frames=num_frames, switch=switch, **inputs
+            )
+        return made[key]
+
+    return reference
 
 
 def _raw(url: str):
@@ -78,19 +72,19 @@ def test_http_beside_the_socket(server):
     assert model["protocol"] == "rolldiff-stream/1" and model["height"] == 32 and model["chunk_frames"] == 3
 
 
-def test_a_seeded_raw_session_sends_exactly_the_librarys_frames(server, pipe):
+def test_a_seeded_raw_session_sends_exactly_the_librarys_frames(server, references):
     with connect(server.url, prompt=RED, seed=3, num_frames=FRAMES) as live:
         assert live.ready["protocol"] == "rolldiff-stream/1" and live.ready["num_frames"] == FRAMES
         chunks = list(live)
         headers = live.chunk_headers
-    expected = library_chunks(pipe)
+    expected = references()
     assert len(chunks) == len(expected) == 8
     assert all((got == want).all() for got, want in zip(chunks, expected))
     assert [h["index"] for h in headers] == list(range(8)) and [h["first_frame"] for h in headers][:2] == [0, 3]
     assert live.done == {"type": "done", "frames": FRAMES, "reason": "complete"}
 
 
-def test_a_prompt_switch_lands_at_the_chunk_it_names(server, pipe):
+def test_a_prompt_switch_lands_at_the_chunk_it_names(server, references):
     with connect(server.url, prompt=RED, seed=3, num_frames=FRAMES) as live:
         chunks = [next(live), next(live)]
         live.pause()  # hold the session so the switch lands where the test then asks the library to switch
@@ -98,13 +92,13 @@ def test_a_prompt_switch_lands_at_the_chunk_it_names(server, pipe):
         live.resume()
         chunks += list(live)
     assert accepted >= 2
-    expected = library_chunks(pipe, switch=(accepted, BLUE))
+    expected = references(switch=(accepted, BLUE))
     assert all((got == want).all() for got, want in zip(chunks, expected))
-    assert not all((got == want).all() for got, want in zip(chunks, library_chunks(pipe)))
+    assert not all((got == want).all() for got, want in zip(chunks, references()))
 
 
-def test_jpeg_and_png_formats_send_decodable_frames(server, pipe):
-    expected = library_chunks(pipe)
+def test_jpeg_and_png_formats_send_decodable_frames(server, references):
+    expected = references()
     for output, tolerance in (("png", 0), ("jpeg", 40)):
         with connect(server.url, prompt=RED, seed=3, num_frames=6, format=output) as live:
             chunks = list(live)
@@ -112,7 +106,7 @@ def test_jpeg_and_png_formats_send_decodable_frames(server, pipe):
         assert np.abs(chunks[0].astype(int) - expected[0].astype(int)).mean() <= tolerance
 
 
-def test_suspend_then_restore_continues_the_uninterrupted_video(server, pipe):
+def test_suspend_then_restore_continues_the_uninterrupted_video(server, references):
     live = connect(server.url, prompt=RED, seed=3, num_frames=FRAMES)
     chunks = [next(live), next(live)]
     token = live.suspend()
@@ -122,21 +116,21 @@ def test_suspend_then_restore_continues_the_uninterrupted_video(server, pipe):
     resumed = restore(server.url, token)
     assert resumed.ready["next_chunk"] == len(chunks)
     chunks += list(resumed)
-    expected = library_chunks(pipe)
+    expected = references()
     assert len(chunks) == len(expected)
     assert all((got == want).all() for got, want in zip(chunks, expected))
 
 
-def test_image_to_video_session_is_the_librarys(server, pipe):
+def test_image_to_video_session_is_the_librarys(server, references):
     image = np.zeros((32, 32, 3), dtype=np.uint8)
     image[8:16, 8:16] = (255, 0, 0)
     with connect(server.url, prompt=RED, seed=1, num_frames=FRAMES, image=image) as live:
         chunks = list(live)
-    expected = library_chunks(pipe, seed=1, image=image)
+    expected = references(seed=1, image=image)
     assert all((got == want).all() for got, want in zip(chunks, expected))
 
 
-def test_video_input_follows_the_input_chunk_by_chunk(server, pipe):
+def test_video_input_follows_the_input_chunk_by_chunk(server, references):
     rng = np.random.default_rng(0)
     video = rng.integers(0, 255, size=(12, 32, 32, 3), dtype=np.uint8)
     with connect(server.url, prompt=RED, seed=2, num_frames=FRAMES, input="video", strength=0.5) as live:
@@ -144,8 +138,7 @@ def test_video_input_follows_the_input_chunk_by_chunk(server, pipe):
         live.end_input()
         chunks = list(live)
     assert sum(len(c) for c in chunks) == 12  # the output ends with the input
-    stream = pipe.stream(RED, FRAMES, generator=torch.Generator().manual_seed(2), video=video, strength=0.5)
-    expected = [frames_to_uint8(c[0]) for c in stream]
+    expected = references(seed=2, video=video, strength=0.5)
     assert all((got == want).all() for got, want in zip(chunks, expected))
 
 
@@ -254,7 +247,7 @@ def test_binding_beyond_loopback_without_a_token_is_refused(capsys, monkeypatch)
 
 
 # ---------------------------------------------------------------------------------------- restarts
-def test_sigterm_suspends_every_session_and_a_new_server_restores_it(tmp_path, pipe):
+def test_sigterm_suspends_every_session_and_a_new_server_restores_it(tmp_path, references):
     server = Server("--state-dir", str(tmp_path))
     live = connect(server.url, prompt=RED, seed=3, num_frames=FRAMES)
     chunks = [next(live), next(live)]
@@ -268,11 +261,11 @@ def test_sigterm_suspends_every_session_and_a_new_server_restores_it(tmp_path, p
         chunks += list(restore(again.url, token))
     finally:
         again.stop()
-    expected = library_chunks(pipe)
+    expected = references()
     assert len(chunks) == len(expected) and all((g == w).all() for g, w in zip(chunks, expected))
 
 
-def test_with_state_every_a_session_survives_sigkill_from_its_last_saved_chunk(tmp_path, pipe):
+def test_with_state_every_a_session_survives_sigkill_from_its_last_saved_chunk(tmp_path, references):
     server = Server("--state-dir", str(tmp_path), "--state-every", "1")
     live = connect(server.url, prompt=RED, seed=3, num_frames=FRAMES)
     token = live.ready["token"]
@@ -287,7 +280,7 @@ def test_with_state_every_a_session_survives_sigkill_from_its_last_saved_chunk(t
     finally:
         again.stop()
     assert 3 <= start <= 8  # every chunk made was saved; the ones in flight may be too
-    expected = library_chunks(pipe)
+    expected = references()
     assert all((g == w).all() for g, w in zip(chunks, expected))
     assert all((g == w).all() for g, w in zip(rest, expected[start:])) and len(rest) == 8 - start
 
