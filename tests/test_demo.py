@@ -14,6 +14,7 @@ from pathlib import Path
 
 import imageio.v3 as iio
 import numpy as np
+import PIL.Image
 import pytest
 import torch
 from gradio_client import Client
@@ -21,8 +22,10 @@ from gradio_client.exceptions import AppError
 from test_long_sana_pipeline import tiny_sana_pipeline
 from tiny_components import tiny_pipeline
 
-from rolldiff.defaults import embedded_models, load_pipeline
+from rolldiff.defaults import embedded_models, load_pipeline, native_size
 from rolldiff.demo import (
+    DEFAULT_SEED,
+    EXAMPLE_PROMPTS,
     ChunkSettings,
     GenerateFields,
     LivePrompt,
@@ -33,7 +36,10 @@ from rolldiff.demo import (
     prompt_notes,
     streaming_available,
 )
+from rolldiff.pipelines.io.video_writer import frames_to_uint8
 from rolldiff.pipelines.request.text_encoding import PromptWarning
+from rolldiff.toyworld import parse_prompt as parse_scene
+from rolldiff.toyworld.metrics import COLOUR_INDEX, palette_labels
 
 FPS = 4
 RED, BLUE, GREEN = "a red circle moving left", "a blue square moving up", "a green triangle moving right"
@@ -102,6 +108,18 @@ def _plot_values(plot: dict) -> list[float]:
     return [value for _, value in _plot_data(plot)]
 
 
+def _chunk_outputs(job) -> list:
+    """The outputs sent after each chunk: not the first (the plan, before any chunk) nor the last (the finished
+    video)."""
+    return job.outputs()[1:-1]
+
+
+def _preview_frames(output) -> int:
+    """How many frames the live preview (an animated GIF of the chunk) sent with one chunk's outputs shows."""
+    with PIL.Image.open(output[4]) as picture:
+        return picture.n_frames
+
+
 def _as_uint8(chunks) -> np.ndarray:
     return (np.concatenate([c[0] for c in chunks]) * 255.0).round().clip(0, 255).astype(np.uint8)
 
@@ -109,8 +127,9 @@ def _as_uint8(chunks) -> np.ndarray:
 # ---------------------------------------------------------------------------------------- streaming and switching
 def test_generate_yields_the_video_so_far_after_every_chunk(server):
     job = _client(server).submit(RED, 2, 0, api_name="/generate")  # 2 s at 4 fps: 8 frames, 4 chunks
-    video, summary, _, _, details = job.result()
-    assert [len(_read(output[0])) for output in job.outputs()] == [2, 4, 6, 8]
+    video, summary, *_, details = job.result()
+    assert [_preview_frames(output) for output in _chunk_outputs(job)] == [2, 2, 2, 2]  # each chunk, as it comes
+    assert all(not isinstance(output[0], str) for output in job.outputs()[:-1])  # the player is not re-created
     assert _read(video).shape == (8, 16, 16, 3)
     assert details["frames"] == "8 / 8" and details["prompt_schedule"] == [[0, RED]]
     assert "frames per second" in summary
@@ -184,7 +203,7 @@ def test_streaming_output_sends_one_hls_segment_per_chunk(pipe):
         playlist = Path(job.result()[0]).read_text()
     finally:
         demo.close()
-    assert len(job.outputs()) == 4
+    assert len(job.outputs()) == 5  # the plan, then one segment per chunk
     assert playlist.count("#EXTINF:0.5") == 4 and playlist.rstrip().endswith("#EXT-X-ENDLIST")
 
 
@@ -223,10 +242,12 @@ def test_a_switch_to_a_prompt_of_unknown_words_is_refused_and_the_video_goes_on(
 # ---------------------------------------------------------------------------------------- the live plots
 def test_each_chunk_plots_its_time_and_a_flat_cache_memory(server):
     job = _client(server).submit(RED, 3, 0, api_name="/generate")  # 12 frames: 6 chunks, window full after 2
-    _, summary, times, memory, details = job.result()
-    assert [len(_plot_data(output[2])) for output in job.outputs()] == list(range(1, 7))  # the plots grow live
-    assert [len(_plot_data(output[3])) for output in job.outputs()] == list(range(1, 7))
-    assert [chunk for chunk, _ in _plot_data(times)] == list(range(6))
+    *_, details = job.result()
+    _, summary, times, memory, *_ = _chunk_outputs(job)[-1]
+    assert [len(_plot_data(output[2])) for output in _chunk_outputs(job)] == list(range(1, 7))  # grow live
+    assert [len(_plot_data(output[3])) for output in _chunk_outputs(job)] == list(range(1, 7))
+    assert [chunk for chunk, _ in _plot_data(times)] == list(range(1, 7))  # counted from 1, as the status line
+    assert "chunk 6 of 6 took" in summary
     assert all(ms > 0 for ms in _plot_values(times))
     cache_kib = _plot_values(memory)
     assert cache_kib[0] > 0 and cache_kib == [cache_kib[0]] * 6  # preallocated ring buffers: a flat line
@@ -266,7 +287,7 @@ def test_advanced_fields_reach_the_generation(server):
     client = _client(server)
     job = client.submit(RED, 1, 0, None, 1, 1, 3, "1000, 500", "relative", api_name="/generate")
     video = job.result()[0]
-    assert [len(_read(output[0])) for output in job.outputs()] == [1, 2, 3, 4]  # chunks of one frame
+    assert [_preview_frames(output) for output in _chunk_outputs(job)] == [1, 1, 1, 1]  # chunks of one frame
     assert not np.array_equal(_read(video), _read(client.predict(RED, 1, 0, api_name="/generate")[0]))
 
 
@@ -275,7 +296,6 @@ BAD_FIELDS = [
     (dict(seconds="abc"), "Length (seconds): type a number, got 'abc'"),
     (dict(seconds=-1), "Length (seconds): type a number above 0 and at most 60"),
     (dict(seconds=0), "Length (seconds)"),
-    (dict(seconds=1e9), "at most 60, got 1000000000"),
     (dict(seconds="inf"), "Length (seconds): type a finite number"),
     (dict(seconds="nan"), "Length (seconds): type a finite number"),
     (dict(seconds=True), "Length (seconds): type a number, got True"),
@@ -382,7 +402,7 @@ def test_the_model_menu_switches_between_model_families(pipe, sana_pipe):
     assert info == "LongSanaVideoPipeline, 16x16 pixels"
     assert window["placeholder"] == "every earlier frame (the model's)"  # LongSANA's unbounded window
     assert details["model"] == "sana" and krea[-1]["model"] == "krea"
-    assert [len(_read(output[0])) for output in job.outputs()] == [2, 4]
+    assert [_preview_frames(output) for output in _chunk_outputs(job)] == [2, 2] and len(_read(video)) == 4
     assert not np.array_equal(_read(video), _read(krea[0]))
 
 
@@ -406,3 +426,24 @@ def test_each_embedded_model_can_be_chosen_and_generates(embedded_server, name):
 def test_the_default_model_comes_first_in_the_menu(embedded_server):
     assert list(embedded_models())[0] == "tiny-bouncing-shapes"
     assert _client(embedded_server).predict(RED, 1, 0, api_name="/generate")[-1]["model"] == "tiny-bouncing-shapes"
+
+
+@pytest.mark.parametrize("name", list(embedded_models()))
+def test_every_example_prompt_starts_right_on_the_embedded_models_at_the_default_seed(name):
+    """The tiny models' first frames are their weak spot ("a green triangle moving right" at seed 0 opens with
+    empty frames): each example prompt's first 2 chunks, at the page's default seed, show the prompt's colour."""
+    pipe = load_pipeline(name, device="cpu")
+    pipe.set_progress_bar_config(disable=True)
+    height, width = native_size(pipe)
+    for prompt in EXAMPLE_PROMPTS:
+        stream = iter(pipe.stream(prompt, pipe.num_frames_for(1, 16), height, width, generator=_seeded(DEFAULT_SEED)))
+        frames = frames_to_uint8(np.concatenate([next(stream)[0], next(stream)[0]]))
+        labels, _ = palette_labels(frames)
+        wanted = COLOUR_INDEX[parse_scene(prompt).colour]
+        for index, frame in enumerate(labels):
+            shape = int((frame != 0).sum())
+            assert shape >= 20 and (frame == wanted).sum() >= 0.8 * shape, f"{prompt!r}: frame {index} is off"
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator("cpu").manual_seed(seed)

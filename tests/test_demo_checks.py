@@ -23,6 +23,7 @@ from rolldiff.demo import (
     MAX_SEED,
     ChunkSettings,
     DemoInputError,
+    DemoSession,
     DemoSettings,
     GenerateConfig,
     GenerateFields,
@@ -31,6 +32,7 @@ from rolldiff.demo import (
     ModelShelf,
     check_address,
     parse_image,
+    parse_length,
     parse_position_mode,
     parse_prompt,
     parse_seconds,
@@ -40,6 +42,7 @@ from rolldiff.demo import (
     parse_whole_number,
     prompt_warnings,
     relabel,
+    stop_generation,
 )
 from rolldiff.pipelines.request.call import VideoCall
 from rolldiff.pipelines.request.text_encoding import PromptWarning
@@ -106,6 +109,54 @@ def test_seconds_are_above_zero_and_at_most_the_demos_limit():
             DemoInputError, match=rf"^Length \(seconds\): type a number above 0 and at most 60, got {raw!r}"
         ):
             parse_seconds(raw, 60)
+
+
+@pytest.mark.parametrize(("raw", "typed"), [(100000, "100000"), ("1e9", "1e9"), (1e9, "1000000000.0")])
+def test_a_length_above_the_longest_is_clamped_and_said(raw, typed):
+    assert parse_length(raw, 60) == (
+        60.0,
+        f"Length (seconds): {typed} is more than this demo makes; making the longest, 60 s.",
+    )
+    assert parse_length("2.5", 60) == (2.5, None)
+    config = GenerateFields(prompt=RED, seconds=raw).check(60)
+    assert config.seconds == 60.0 and config.notes == (parse_length(raw, 60)[1],)
+
+
+@pytest.mark.parametrize("raw", [0, -5, "0", "-5"])
+def test_a_length_of_zero_or_less_is_refused_not_made_one_second(raw):
+    with pytest.raises(DemoInputError, match=r"^Length \(seconds\): type a number above 0 and at most 60"):
+        parse_length(raw, 60)
+
+
+def test_the_run_says_what_it_makes_in_whole_chunks(pipe):
+    generation = _generation(pipe, seconds=1.1)  # 5 frames at 4 fps: 3 whole chunks of 2
+    assert generation.plan_note() == (
+        "1.1 s -> 6 frames, whole chunks of 2 latent frames (3 chunks) at 4 fps. Text-to-video: no start image "
+        "or input video (a file the uploader refused is not used)."
+    )
+    assert generation.num_frames == pipe.num_frames_for(1.1, 4)
+    clamped = Generation(
+        ModelShelf({"tiny": pipe}), GenerateFields(prompt=RED, seconds=9).check(2),
+        DemoSettings(height=16, width=16, fps=4),
+    )  # fmt: skip
+    assert clamped.plan_note().endswith("Length (seconds): 9 is more than this demo makes; making the longest, 2 s.")
+
+
+def test_chunks_are_counted_from_one_in_the_plots(pipe):
+    generation = _generation(pipe, seconds=1.5)
+    assert len(list(generation)) == 3
+    times, memory = generation.tables()
+    assert list(times["chunk"]) == list(memory["chunk"]) == [1, 2, 3]
+
+
+def test_stop_ends_the_video_after_the_chunk_being_made(pipe):
+    session, generation = DemoSession(), _generation(pipe, seconds=3)  # 6 chunks planned
+    assert stop_generation(session) == "Nothing is generating."
+    with session.steering(generation):
+        chunks = iter(generation)
+        next(chunks)
+        assert stop_generation(session) == "Stopping after the chunk being made."
+        assert list(chunks) == [] and generation.stopped and generation.frames_written == 2
 
 
 def test_a_prompt_is_stripped_and_an_empty_one_gets_an_example():
@@ -244,8 +295,9 @@ def test_a_file_outside_the_upload_folder_is_refused_unread(picture_file, tmp_pa
 def test_a_start_image_that_is_not_a_picture_is_refused_naming_the_field(tmp_path):
     text = tmp_path / "notes.png"
     text.write_text("not a picture")
-    with pytest.raises(DemoInputError, match=r"^Start image: 'notes.png' is not a picture PIL can read"):
+    with pytest.raises(DemoInputError, match=r"^Start image: 'notes.png' is not a picture PIL can read") as refused:
         parse_image(_uploaded(text))
+    assert str(tmp_path) not in str(refused.value) and "'notes.png'" in str(refused.value)  # its own name only
     with pytest.raises(DemoInputError, match=r"^Start image: there is no file at '/no/such.png'; upload a picture"):
         parse_image("/no/such.png")
     with pytest.raises(DemoInputError, match=r"^Start image: upload a picture \(PNG, JPEG or WebP\), got 5\.$"):

@@ -193,8 +193,8 @@ def _as_shown(chunks) -> np.ndarray:
     """What the page shows for the pipeline's chunks: each chunk its own mp4 segment, joined (as the demo does)."""
     with VideoSoFar(FPS, streaming=False) as video:
         for chunk in chunks:
-            path = video.add(_as_uint8([chunk]))
-        return _read(path)
+            video.add(_as_uint8([chunk]))
+        return _read(video.finished())
 
 
 def test_an_uploaded_clip_gives_the_pipelines_video_to_video_and_ends_with_it(server, pipe, tmp_path):
@@ -205,7 +205,7 @@ def test_an_uploaded_clip_gives_the_pipelines_video_to_video_and_ends_with_it(se
         RED, 2, 0, video=handle_file(str(clip)), strength=0.5, api_name="/generate"
     )
     video, *_, details = job.result()
-    assert [len(_read(output[0])) for output in job.outputs()] == [2, 4, 6]
+    assert len(job.outputs()) == 5  # the plan, 3 chunks (the clip's), the finished video
     expected = _as_shown(pipe.stream(RED, 8, 16, 16, video=str(clip), strength=0.5, generator=_seed()))
     np.testing.assert_array_equal(_read(video), expected)
     assert details["input"] == "clip" and details["strength"] == 0.5 and details["frames"] == "6 / 8"

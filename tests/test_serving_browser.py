@@ -3,33 +3,21 @@ a prompt switch mid-stream, stop, and webcam video-to-video from Chromium's fake
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
+from browser_helpers import CHROMIUM_FLAGS, FAKE_WEBCAM_FLAGS, chromium_or_skip, open_page
 from serve_helpers import Server
 
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra) to run it")
+pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra) to run it")
 
-CHROMIUM_FLAGS = [
-    "--no-sandbox",  # CI runs as root
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-FAKE_WEBCAM_FLAGS = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]
 SCREENSHOT = Path(__file__).parents[1] / "docs" / "serving_page.png"
+VIEWPORT = {"width": 900, "height": 800}
 
 
 @pytest.fixture(scope="module")
 def chromium() -> str:
-    path = shutil.which("chromium")
-    if path is None:  # .ci/run installs Debian's package; say so loudly where it is missing
-        pytest.skip("CHROMIUM IS MISSING (apt-get install chromium): the browser test of `rolldiff serve` did NOT run")
-    return path
+    return chromium_or_skip("`rolldiff serve`")
 
 
 @pytest.fixture(scope="module")
@@ -39,25 +27,14 @@ def server():
     server.stop()
 
 
-def _page(chromium: str, profile: Path, flags: list[str]):
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch_persistent_context(
-            str(profile), executable_path=chromium, headless=True, args=flags, viewport={"width": 900, "height": 800}
-        )
-        try:
-            yield browser.new_page()
-        finally:
-            browser.close()
-
-
 @pytest.fixture
 def page(chromium, tmp_path):
-    yield from _page(chromium, tmp_path / "profile", CHROMIUM_FLAGS)
+    yield from open_page(chromium, tmp_path / "profile", CHROMIUM_FLAGS, VIEWPORT)
 
 
 @pytest.fixture
 def webcam_page(chromium, tmp_path):
-    yield from _page(chromium, tmp_path / "profile", CHROMIUM_FLAGS + FAKE_WEBCAM_FLAGS)
+    yield from open_page(chromium, tmp_path / "profile", CHROMIUM_FLAGS + FAKE_WEBCAM_FLAGS, VIEWPORT)
 
 
 def _frames(page) -> int:

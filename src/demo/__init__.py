@@ -9,6 +9,7 @@ Gradio is installed); the page's names (`build_demo`) import it when first used.
 
 from .fields import (
     CACHE_FIELDS,
+    DEFAULT_SEED,
     EXAMPLE_PROMPTS,
     FIELD_LABELS,
     MAX_SEED,
@@ -19,6 +20,7 @@ from .fields import (
     GenerateFields,
     InputConfig,
     parse_image,
+    parse_length,
     parse_position_mode,
     parse_prompt,
     parse_seconds,
@@ -43,6 +45,7 @@ from .session import (
     frame_size,
     generate_frames,
     push_webcam_frame,
+    stop_generation,
     stop_webcam,
     streaming_available,
     switch_prompt,
@@ -63,6 +66,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CACHE_FIELDS",
+    "DEFAULT_SEED",
     "EXAMPLE_PROMPTS",
     "FIELD_LABELS",
     "MAX_SEED",
@@ -87,6 +91,7 @@ __all__ = [
     "generate_frames",
     "launch",
     "parse_image",
+    "parse_length",
     "parse_position_mode",
     "parse_prompt",
     "parse_seconds",
@@ -98,6 +103,7 @@ __all__ = [
     "prompt_warnings",
     "push_webcam_frame",
     "relabel",
+    "stop_generation",
     "stop_webcam",
     "streaming_available",
     "switch_prompt",

@@ -25,8 +25,10 @@ from ..caching.layout import ALL_FRAMES, POSITION_MODES
 from ..pipelines.request.conditioning import DEFAULT_STRENGTH
 from .fields import (
     CACHE_FIELDS,
+    DEFAULT_SEED,
     EXAMPLE_PROMPTS,
     IMAGE_LABEL,
+    LENGTH_LABEL,
     MAX_SEED,
     STRENGTH_LABEL,
     VIDEO_LABEL,
@@ -42,6 +44,7 @@ from .session import (
     ModelShelf,
     frame_size,
     push_webcam_frame,
+    stop_generation,
     stop_webcam,
     streaming_available,
     switch_prompt,
@@ -50,6 +53,21 @@ from .video import VideoSoFar
 
 # Small webcam frames: the pipeline resizes every frame to the model's size anyway, and small ones upload quickly.
 WEBCAM_CONSTRAINTS = {"video": {"width": {"ideal": 320}, "height": {"ideal": 240}}}
+# The embedded models are tiny: their first frames (the first chunk, made from nothing) are where they err most.
+WEAK_START_NOTE = (
+    "The embedded models are tiny: their first frames are their weak spot (the first chunk can show a wrong "
+    "colour or an empty frame before the prompt's shape settles in)."
+)
+PREVIEW_HEIGHT = 256  # the live preview's box: fixed, so the page never jumps while the video grows
+# Whole-chunk ticks: Vega picks about one x tick per 40 px and a step of 1 or more once the axis spans at least
+# width / 56 units, so an axis of 20+ chunks has whole ticks on plots up to 1100 px wide.
+MIN_PLOT_CHUNKS = 21
+# After a run, however it ended: a webcam still recording is stopped (its own Stop button), so it does not go on
+# sending frames nobody reads.
+STOP_WEBCAM_JS = """() => {
+  const stop = [...document.querySelectorAll('#webcam button')].find((b) => b.innerText.trim() === 'Stop');
+  if (stop) stop.click();
+}"""
 ADVANCED_INFO = {
     "chunk_frames": "made at once",
     "sink_frames": "first frames, kept forever",
@@ -93,7 +111,9 @@ def build_demo(
     with gr.Blocks(title="rolldiff") as demo:
         gr.Markdown(
             "# rolldiff\nLong videos chunk by chunk with a rolling KV cache. "
-            "Change the prompt while it runs: the switch lands at the next chunk."
+            "Change the prompt while it runs: the switch lands at the next chunk.\n\n"
+            f"{WEAK_START_NOTE}",
+            elem_id="intro",
         )
         session = gr.State(DemoSession())
         with gr.Row():
@@ -103,7 +123,7 @@ def build_demo(
                 form |= inputs | _advanced_section(first)
                 controls = _controls()
             with gr.Column():
-                outputs = _outputs(page_settings)
+                outputs = _outputs(page_settings, controls["status"])
         _wire(form, controls, outputs, session, _Handlers(shelf, page_settings))
         _wire_webcam(form["webcam"], webcam, session, page_settings)
         demo.queue(default_concurrency_limit=page_settings.max_concurrency)
@@ -137,8 +157,13 @@ def _prompt_fields(settings: DemoSettings) -> dict[str, Any]:
         for text in EXAMPLE_PROMPTS:
             example = gr.Button(text, size="sm", variant="secondary", min_width=80)
             example.click(None, None, prompt, js=f"() => {json.dumps(text)}", api_visibility="private")
-    seconds = gr.Slider(1, settings.max_seconds, value=5, step=1, label="Length (seconds)", elem_id="seconds")
-    seed = gr.Number(value=0, precision=0, label="Seed", minimum=0, maximum=MAX_SEED, elem_id="seed")
+    seconds = gr.Number(
+        value=5,
+        label=LENGTH_LABEL,
+        elem_id="seconds",
+        info=f"up to {settings.max_seconds} s; made in whole chunks (the run says how many frames)",
+    )  # fmt: skip  (no widget bounds: the browser would clamp a typed value silently; the demo says so instead)
+    seed = gr.Number(value=DEFAULT_SEED, precision=0, label="Seed", minimum=0, maximum=MAX_SEED, elem_id="seed")
     return {"prompt": prompt, "seconds": seconds, "seed": seed}
 
 
@@ -198,19 +223,29 @@ def _controls() -> dict[str, Any]:
         stop = gr.Button("Stop", elem_id="stop")
     new_prompt = gr.Textbox(label="Switch prompt to", value=EXAMPLE_PROMPTS[1], elem_id="new-prompt")
     switch = gr.Button("Switch prompt", elem_id="switch")
-    return {"generate": generate, "stop": stop, "new_prompt": new_prompt, "switch": switch, "status": gr.Markdown()}
+    status = gr.Markdown(elem_id="status")
+    return {"generate": generate, "stop": stop, "new_prompt": new_prompt, "switch": switch, "status": status}
 
 
-def _outputs(settings: DemoSettings) -> list[Any]:
-    """The Generate event's outputs, in the order `_Handlers.generate` yields them."""
-    video = gr.Video(label="Video", streaming=settings.streaming, autoplay=True, elem_id="video")
+def _outputs(settings: DemoSettings, status: gr.Markdown) -> list[Any]:
+    """The Generate event's outputs, in the order `_Handlers.generate` yields them (the video first and the
+    details last, as API callers read them)."""
+    preview = gr.Image(
+        label="Live preview", type="filepath", height=PREVIEW_HEIGHT, interactive=False, elem_id="preview",
+        show_label=True,
+    )  # fmt: skip
+    plan = gr.Markdown(elem_id="plan")
     summary = gr.Markdown(elem_id="summary")
+    # Streaming: each chunk's segment is appended to one player. Otherwise the finished video comes once, at the
+    # end (a player re-created after every chunk would collapse and make the page jump).
+    label = "Video" if settings.streaming else "Finished video (when the run ends)"
+    video = gr.Video(label=label, streaming=settings.streaming, autoplay=settings.streaming, elem_id="video")
     with gr.Row():
-        plot = dict(x="chunk", y_lim=[0, None], height=220, x_title="chunk")
+        plot = dict(x="chunk", y_lim=[0, None], x_lim=[1, MIN_PLOT_CHUNKS], height=220, x_title="chunk")
         time_plot = gr.LinePlot(y="milliseconds", title="Time per chunk", elem_id="time-plot", **plot)
         memory_plot = gr.LinePlot(y="KiB", title="Cache memory", elem_id="memory-plot", **plot)
     details = gr.JSON(label="Run", open=False)
-    return [video, summary, time_plot, memory_plot, details]
+    return [video, summary, time_plot, memory_plot, preview, plan, status, details]
 
 
 def _model_info(pipe, size: tuple[int, int]) -> str:
@@ -241,7 +276,11 @@ class _Handlers:
         self.settings = settings
 
     def generate(self, form: GenerateFields, session: DemoSession) -> Iterator[tuple]:
-        """The Generate event: after every chunk, the video so far, the summary, the two plots and the details."""
+        """The Generate event, yielding the outputs of `_outputs` (video, summary, time plot, memory plot, preview,
+        plan, status, details): first what the run makes (the plan; the last run's video and the status line
+        cleared), then after every chunk the preview (the chunk, updated in place), the summary, the two plots and
+        the details (streaming: the chunk's segment too), and last (not streaming) the finished video; streaming,
+        the player has had every segment and Gradio offers them joined."""
         try:
             config = form.check(self.settings.max_seconds, uploads=get_upload_folder())  # no other files
             generation = Generation(self.shelf, config, self.settings)
@@ -249,13 +288,23 @@ class _Handlers:
             raise _refusal(exc) from exc
         for note in generation.notes:  # unknown words are ignored: say so where the person looks
             gr.Warning(note)
-        with session.steering(generation), VideoSoFar(self.settings.fps, self.settings.streaming) as video:
+        streaming, skip = self.settings.streaming, gr.skip()
+        plan = generation.plan_note()
+        with session.steering(generation), VideoSoFar(self.settings.fps, streaming) as video:
+            starting = f"Making chunk 1 of {generation.num_chunks} ..."
+            yield skip if streaming else None, starting, skip, skip, None, plan, "", skip
             for chunk in _reported(iter(generation)):
-                path = video.add(chunk.frames)
+                segment = video.add(chunk.frames)
                 times, memory = generation.tables()
-                memory = gr.LinePlot(memory, y_lim=[0, 1.5 * float(memory["KiB"].max())])  # the flat line mid-plot
-                yield path, _summary(generation), times, memory, generation.details()
-                video.shown(path)
+                x_lim = [1, max(generation.num_chunks, MIN_PLOT_CHUNKS)]
+                times = gr.LinePlot(times, x_lim=x_lim)
+                memory = gr.LinePlot(memory, x_lim=x_lim, y_lim=[0, 1.5 * float(memory["KiB"].max())])  # mid-plot
+                shown = segment if streaming else skip
+                preview = video.preview(chunk.frames)
+                yield shown, _summary(generation), times, memory, preview, skip, skip, generation.details()
+            if not streaming:  # streaming, the player already has every segment (and Gradio joins them)
+                finished = video.finished()
+                yield finished, _summary(generation, done=True), skip, skip, skip, skip, "", generation.details()
 
     def model_defaults(self, model_name: str) -> tuple:
         """Show the chosen model's own settings as the Advanced fields' placeholders (empty = the model's)."""
@@ -273,11 +322,19 @@ class _Handlers:
         )
 
 
-def _summary(generation: Generation) -> str:
-    return (
-        f"**{generation.frames_per_second:.1f} frames per second** · chunk {len(generation.chunk_seconds)} took "
+def _summary(generation: Generation, done: bool = False) -> str:
+    """The status line; chunks are counted from 1, as the plots' x axis is."""
+    made = len(generation.chunk_seconds)
+    if not made:
+        return "Stopped before the first chunk." if generation.stopped else "No chunk was made."
+    line = (
+        f"**{generation.frames_per_second:.1f} frames per second** · chunk {made} of {generation.num_chunks} took "
         f"{generation.chunk_seconds[-1] * 1000:.0f} ms · cache {generation.chunk_cache_bytes[-1] / 1024:.1f} KiB"
     )
+    if done:
+        ended = "Stopped" if generation.stopped else "Done"
+        line += f" · {ended}: {generation.frames_written} frames in {made} chunks"
+    return line
 
 
 def _form_event(handler: Callable[[GenerateFields, DemoSession], Iterator]) -> Callable:
@@ -305,7 +362,10 @@ def _wire(form: dict, controls: dict, outputs: list, session: gr.State, handlers
     run = controls["generate"].click(
         _form_event(handlers.generate), inputs, outputs, api_name="generate", preprocess=False
     )
-    controls["stop"].click(None, cancels=[run])
+    # Stop ends the video after the chunk being made, so what was made is still shown and downloadable.
+    controls["stop"].click(stop_generation, session, controls["status"], concurrency_limit=None, api_name="stop")
+    # However the run ended: the status line ("Switching to ...") is cleared and a recording webcam is stopped.
+    run.then(_cleared, None, controls["status"], js=STOP_WEBCAM_JS, api_visibility="private")
     advanced = [form[name] for name in ("model_info", *CACHE_FIELDS, "denoising_steps", "position_mode")]
     form["model"].change(handlers.model_defaults, form["model"], advanced, api_name="select_model")
     # Unlimited concurrency: a switch must never wait behind the generations it is meant to steer.
@@ -323,6 +383,10 @@ def _wire_webcam(use_webcam: gr.Checkbox, webcam: gr.Image, session: gr.State, s
         api_visibility="private",
     )  # fmt: skip
     streamed.then(stop_webcam, session, None, api_visibility="private")
+
+
+def _cleared() -> str:
+    return ""
 
 
 def _webcam_frame(frame: Any, session: DemoSession) -> None:

@@ -205,6 +205,16 @@ class LiveStream:
         """What the stream's KV caches (one per guidance branch) hold now, in bytes."""
         return self._stream.memory_bytes()
 
+    @property
+    def num_chunks(self) -> int:
+        """The chunks the stream is planned to make (an input video that ends early ends it sooner)."""
+        return self._stream.num_chunks
+
+    @property
+    def chunk_frames(self) -> int:
+        """Latent frames per chunk, as the stream resolved them (the field's, else the model's)."""
+        return self._stream.request.layout.chunk_frames
+
     @staticmethod
     def check_frame_size(pipe, height: int, width: int) -> None:
         """Refuse a frame size `pipe.stream` would refuse (multiples of VAE factor x patch), with its message."""
@@ -238,12 +248,16 @@ def generate_frames(
     then ends with the input. Checks every argument now (raising the pipeline's ValueError) and returns the
     generator of chunks.
     """
+    return _timed(_live_stream(pipe, live, num_frames, height, width, seed, settings, inputs))
+
+
+def _live_stream(pipe, live, num_frames, height, width, seed, settings=None, inputs=None) -> LiveStream:
     plan = VideoPlan(num_frames, height, width, seed, settings or ChunkSettings(), dict(inputs or {}))
-    return _timed(LiveStream(pipe, live, plan))
+    return LiveStream(pipe, live, plan)
 
 
-def _timed(stream: LiveStream) -> Iterator[Chunk]:
-    while True:
+def _timed(stream: LiveStream, stopped: threading.Event | None = None) -> Iterator[Chunk]:
+    while stopped is None or not stopped.is_set():
         start = time.perf_counter()
         frames = next(stream, None)  # (1, frames, height, width, 3) in [0, 1]
         if frames is None:
@@ -320,6 +334,14 @@ def _loader(name: str | Path, device: str | None, dtype: str | None) -> Callable
 
 
 # ---------------------------------------------------------------------------------------- one Generate press
+INPUT_NOTES = {  # what a run starts from, said with it (an upload the page refused is no input: say so)
+    "text": "Text-to-video: no start image or input video (a file the uploader refused is not used).",
+    "image": "Image-to-video: from the start image.",
+    "clip": "Video-to-video: from the input video.",
+    "webcam": "Video-to-video: from your webcam.",
+}
+
+
 class Generation:
     """One video for one session: its model, its live prompt, its input, its chunks so far and their statistics."""
 
@@ -343,7 +365,7 @@ class Generation:
                 config.seconds, settings.fps, chunk_frames=config.settings.chunk_frames, image=config.inputs.image
             )
             with prompt_warnings() as self.notes:  # the stream's own prompt check: each warning issued once
-                self._chunks = generate_frames(
+                stream = _live_stream(
                     self.pipe, self.live, self.num_frames, self.height, self.width, config.seed, config.settings,
                     config.inputs.stream_arguments(self.webcam),
                 )  # fmt: skip
@@ -351,6 +373,12 @@ class Generation:
             raise
         except ValueError as exc:  # the pipeline's rule, in the words of the field it is about
             raise relabel(exc, config.inputs.labels) from exc
+        self.seconds = config.seconds
+        self.form_notes = list(config.notes)  # what the form changed (a length clamped to the longest)
+        self.num_chunks = stream.num_chunks
+        self.chunk_frames = stream.chunk_frames
+        self._stopped = threading.Event()
+        self._chunks = _timed(stream, self._stopped)
         self.chunk_seconds: list[float] = []  # per chunk made so far
         self.chunk_cache_bytes: list[int] = []
         self.frames_written = 0
@@ -369,7 +397,7 @@ class Generation:
             self.frames_written += len(chunk.frames)
             self.frames_per_second = self.frames_written / (time.perf_counter() - start)
             yield chunk
-        if self.webcam is not None and self.frames_written == 0:
+        if self.webcam is not None and self.frames_written == 0 and not self.stopped:
             raise DemoInputError(
                 f"{WEBCAM_LABEL}: it sent {self.webcam.frames_pushed} frame(s) before it stopped, too few for one "
                 "chunk. Start the webcam (its Record button), then press Generate, and keep it running."
@@ -379,6 +407,26 @@ class Generation:
         """The generation is over (ended, stopped or replaced): its webcam input ends, later frames are dropped."""
         if self.webcam is not None:
             self.webcam.close()
+
+    def stop(self) -> None:
+        """End the video after the chunk being made (what was made is kept, and shown as the finished video); its
+        webcam input ends too."""
+        self._stopped.set()
+        self.close()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def plan_note(self) -> str:
+        """What this run makes, said before its first chunk: "4 s -> 66 frames, whole chunks of 3 latent frames
+        (6 chunks) at 16 fps.", then the input it starts from and what the form changed (a clamped length)."""
+        chunks = f"{self.num_chunks} chunk{'s' if self.num_chunks != 1 else ''}"
+        length = (
+            f"{self.seconds:g} s -> {self.num_frames} frames, whole chunks of {self.chunk_frames} latent frames "
+            f"({chunks}) at {self.fps} fps."
+        )
+        return " ".join([length, INPUT_NOTES[self.inputs.kind], *self.form_notes])
 
     def details(self) -> dict[str, Any]:
         """The run so far, as the page's JSON shows it."""
@@ -402,10 +450,11 @@ class Generation:
         return details
 
     def tables(self):
-        """The two plots' data: chunk index against milliseconds and against cache KiB (pandas DataFrames)."""
+        """The two plots' data: chunk number (1 = the first, as the status line counts) against milliseconds and
+        against cache KiB (pandas DataFrames)."""
         import pandas as pd  # Gradio's plots take DataFrames; pandas comes with Gradio
 
-        index = list(range(len(self.chunk_seconds)))
+        index = list(range(1, len(self.chunk_seconds) + 1))  # chunk 1 is the first, as the status line counts
         times = pd.DataFrame({"chunk": index, "milliseconds": [round(s * 1000.0, 2) for s in self.chunk_seconds]})
         memory = pd.DataFrame({"chunk": index, "KiB": [round(b / 1024.0, 2) for b in self.chunk_cache_bytes]})
         return times, memory
@@ -438,6 +487,15 @@ def push_webcam_frame(frame: Any, session: DemoSession) -> bool:
     if frame is None or generation is None or generation.webcam is None:
         return False
     return generation.webcam.push(frame)
+
+
+def stop_generation(session: DemoSession) -> str:
+    """Stop: the session's running video ends after the chunk being made; returns what to tell the person."""
+    generation = session.generation
+    if generation is None:
+        return "Nothing is generating."
+    generation.stop()
+    return "Stopping after the chunk being made."
 
 
 def stop_webcam(session: DemoSession) -> None:
