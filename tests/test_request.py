@@ -264,3 +264,15 @@ def test_bad_first_chunk_steps_are_refused_before_work(pipe, work_counter, steps
     with pytest.raises(ValueError, match="`first_chunk_steps`"):
         pipe.stream(RED, 8, **SIZE, first_chunk_steps=steps)
     assert work_counter == {"transformer": 0, "text_encoder": 0}
+
+
+def test_next_chunk_frames_follows_the_vaes_causal_rule():
+    pipe = tiny_pipeline(temporal_vae=True)  # chunks of 2 latent frames
+    t = pipe.vae_scale_factor_temporal
+    assert t > 1
+    stream = pipe.stream(RED, pipe.latent_to_frames(6), **SIZE, generator=_seed())
+    assert stream.next_chunk_frames == 1 + t * (2 - 1)  # the first chunk: 1 + t(c - 1)
+    next(stream)
+    assert stream.next_chunk_frames == t * 2  # then t c
+    framewise = pipe.stream(RED, pipe.latent_to_frames(6), **SIZE, chunk_frames=1, window_frames=4)
+    assert framewise.next_chunk_frames == 1

@@ -195,6 +195,13 @@ class ChunkStream(Iterator[Any]):
         return tuple(self._embeds)
 
     @property
+    def next_chunk_frames(self) -> int:
+        """Pixel frames the next chunk spans: what it reads from an input video (1 + t(c - 1) first, then t c)."""
+        geometry, to_pixels = self._request.geometry, self._pipe.latent_to_pixel_start
+        start = geometry.chunk_start(self._next_chunk)
+        return to_pixels(start + geometry.chunk_size(self._next_chunk)) - to_pixels(start)
+
+    @property
     def interrupted(self) -> bool:
         """Whether `interrupt()` (or `pipe.interrupt = True` while this stream ran) asked it to stop."""
         return self._interrupted.is_set()

@@ -69,15 +69,12 @@ class Hub:
         self.pipe = pipe
         self.settings = settings
         self.store = None if settings.state_dir is None else SessionStore(settings.state_dir, settings.model)
-        self.scheduler = Scheduler(
-            self.frames_needed, self.store, settings.state_every, settings.idle_timeout, settings.max_frames
-        )
+        self.scheduler = Scheduler(self.store, settings.state_every, settings.idle_timeout, settings.max_frames)
         self.admission = asyncio.Lock()
 
-    def frames_needed(self, chunk: int) -> int:
-        """Input pixel frames chunk `chunk` reads (the VAE's causal rule: 1 + t(c - 1), then t c)."""
-        temporal, frames = self.pipe.vae_scale_factor_temporal, self.pipe.config.chunk_frames
-        return 1 + temporal * (frames - 1) if chunk == 0 else temporal * frames
+    def chunk_pixel_frames(self, latent_frames: int) -> int:
+        """Pixel frames a chunk of `latent_frames` latent frames decodes to (after the first chunk)."""
+        return self.pipe.vae_scale_factor_temporal * latent_frames
 
     def describe(self) -> dict[str, Any]:
         config = self.pipe.config
@@ -87,7 +84,7 @@ class Hub:
             "recipe": self.settings.recipe or config.get("recipe"),
             "height": int(config.height),
             "width": int(config.width),
-            "chunk_frames": self.pipe.vae_scale_factor_temporal * int(config.chunk_frames),  # pixel frames
+            "chunk_frames": self.chunk_pixel_frames(int(config.chunk_frames)),
             "latent_chunk_frames": int(config.chunk_frames),
             "fps": self.settings.fps,
             "protocol": PROTOCOL,
@@ -292,7 +289,7 @@ class Connection:
             "type": "ready",
             "session": session.id,
             "protocol": PROTOCOL,
-            "chunk_frames": self.hub.pipe.vae_scale_factor_temporal * geometry.chunk_frames,  # pixel frames a chunk
+            "chunk_frames": self.hub.chunk_pixel_frames(geometry.chunk_frames),
             "fps": self.hub.settings.fps,
             "height": geometry.height,
             "width": geometry.width,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Callable
 
 from ..pipelines.io.video_writer import frames_to_uint8
 from .frames import encode_frame
@@ -29,13 +28,11 @@ class Scheduler:
 
     def __init__(
         self,
-        frames_needed: Callable[[int], int],
         store: SessionStore | None,
         state_every: int = 0,
         idle_timeout: float = 300.0,
         max_frames: int | None = None,
     ) -> None:
-        self.frames_needed = frames_needed
         self.store = store
         self.state_every = state_every
         self.idle_timeout = idle_timeout
@@ -88,11 +85,12 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._wake:
+                self._end_idle()  # every pass: a paused session idles while the others keep the worker busy
                 self._drop_closed()
                 while not self._stopping and not self._work_to_do():
                     self._wake.wait(timeout=1.0)
-                    self._drop_closed()
                     self._end_idle()
+                    self._drop_closed()
                 if self._stopping:
                     return
                 sessions = self._rotation()
@@ -105,7 +103,7 @@ class Scheduler:
         return self._sessions[self._turn :] + self._sessions[: self._turn]
 
     def _work_to_do(self) -> bool:
-        return any(s.has_controls() or s.ready(self.frames_needed) for s in self._sessions)
+        return any(s.has_controls() or s.ready() for s in self._sessions)
 
     def _drop_closed(self) -> None:
         for session in [s for s in self._sessions if s.closed]:
@@ -123,7 +121,7 @@ class Scheduler:
             if session.closed:
                 return
             self._carry_out(session, control)
-        if session.ready(self.frames_needed):
+        if session.ready():
             self._make_chunk(session)
 
     def _carry_out(self, session: Session, control: Control) -> None:

@@ -17,7 +17,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +123,7 @@ class Session:
         with self._lock:
             return bool(self._controls)
 
-    def ready(self, frames_needed: Callable[[int], int]) -> bool:
+    def ready(self) -> bool:
         """Whether the worker may make this session's next chunk now."""
         if self.closed or self.paused or self.stream.next_chunk >= self.stream.num_chunks:
             return False
@@ -131,7 +131,7 @@ class Session:
             if self._queued >= self.max_outbox:
                 return False  # a slow client: wait until it has taken what was made
         if self.inputs is not None and not self.inputs.ended:
-            return self.inputs.available() >= frames_needed(self.stream.next_chunk)
+            return self.inputs.available() >= self.stream.next_chunk_frames
         return True
 
     def post(self, item: Any, counts_as_chunk: bool = False) -> None:

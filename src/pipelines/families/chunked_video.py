@@ -73,7 +73,8 @@ def concat_chunks(chunks: list[Any], output_type: str) -> Any:
 
 
 class ChunkedVideoPipeline(DiffusionPipeline):
-    """Base of the autoregressive video pipelines: the explicit call signature, validation, streams, writing.
+    """Base of the autoregressive video pipelines: the call (`VideoCall`'s signature, resolved by `build_request`),
+    streams, writing, and the frame arithmetic and codecs the stream and the builder read.
 
     Subclasses register their components and config (`denoising_steps`, `max_sequence_length`, `height`,
     `width` and every field of `options_class`), call `set_vae_factors(vae)`, and implement the family hooks.

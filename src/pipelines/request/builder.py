@@ -95,7 +95,9 @@ class RequestPipeline(Protocol):
 # ---------------------------------------------------------------------------------------- the recipe
 def resolve_call(pipe: RequestPipeline, call: VideoCall) -> VideoCall:
     """`call` with what it left `None` taken from its recipe (the call's, else the folder's), then from the loop's
-    defaults; `recipe` holds the name used. What is still `None` is the pipeline config's to fill."""
+    defaults; `recipe` holds the name used. What is still `None` is the pipeline config's to fill. The call's own
+    `image_mode` is checked first: a recipe's applies only when the call has an image, the call's must have one."""
+    check_image_mode(call.image_mode, call.image)
     name = call.recipe if call.recipe is not None else pipe.config.get("recipe")
     settings = dict(LOOP_DEFAULTS)
     if name is not None:
@@ -133,6 +135,13 @@ def cache_options(pipe: RequestPipeline, call: VideoCall) -> CacheOptions:
     return pipe.options_class.resolve(pipe.config, given, type(pipe).__name__)
 
 
+def _resolved(pipe: RequestPipeline, call: VideoCall) -> tuple[VideoCall, CacheOptions, str]:
+    """The resolved call, its cache options and its first chunk's rule: what `build_request` and `num_frames_for`
+    both start from."""
+    call = resolve_call(pipe, call)
+    return call, cache_options(pipe, call), first_chunk_rule(call)
+
+
 # ---------------------------------------------------------------------------------------- frame counts
 def num_frames_for(pipe: RequestPipeline, seconds: Any, fps: Any, call: VideoCall) -> int:
     """The fewest frames a `call` makes that last at least `seconds` at `fps`: whole chunks of the call's chunk
@@ -140,12 +149,9 @@ def num_frames_for(pipe: RequestPipeline, seconds: Any, fps: Any, call: VideoCal
     them."""
     seconds = check_number("seconds", seconds, 0, above=True)
     fps = check_number("fps", fps, 0, above=True)
-    call = resolve_call(pipe, call)
-    check_image_mode(call.image_mode if call.image is not None else None, call.image)
-    first_frame_alone = first_chunk_rule(call) == "frame"
-    chunk = cache_options(pipe, call).chunk_frames
+    _, options, first_chunk = _resolved(pipe, call)
     requested = max(1, math.ceil(round(seconds * fps, 6)))  # round first: 0.1 s * 30 fps is 3 frames, not 4
-    below, above = pipe.valid_num_frames(requested, chunk, first_frame_alone)
+    below, above = pipe.valid_num_frames(requested, options.chunk_frames, first_chunk == "frame")
     return below if below >= requested else above
 
 
@@ -154,10 +160,8 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
     """Resolve `call` (recipe, loop defaults, config) and check every argument before any work; the frozen
     request the chunk loop reads."""
     check_output_type(call.output_type)
-    check_image_mode(call.image_mode, call.image)
-    call = resolve_call(pipe, call)
-    options = cache_options(pipe, call)
-    geometry, layout = _geometry(pipe, call, options, first_chunk_rule(call))
+    call, options, first_chunk = _resolved(pipe, call)
+    geometry, layout = _geometry(pipe, call, options, first_chunk)
     schedule = _schedule(pipe, call, geometry)
     guidance_scale = check_guidance_scale(call.guidance_scale)
     max_sequence_length = check_max_sequence_length(

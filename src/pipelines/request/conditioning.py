@@ -62,6 +62,10 @@ class Conditioning:
     strength: float = 1.0
     description: dict = field(default_factory=dict)
 
+    def fingerprint(self) -> dict:
+        """What identifies the input in a resume fingerprint (not its pixels, nor an open reader)."""
+        return self.description
+
 
 def build_conditioning(
     image: Any, video: Any, strength: Any, batch_size: int, height: int, width: int, first_chunk_pixels: int

@@ -24,11 +24,11 @@ NOT_FINGERPRINTED: dict[str, str] = {
 
 
 def fingerprint_value(value: Any) -> Any:
-    """`value` as JSON: dataclasses by their fields, tensors by shape and float64 sum, generators by being given."""
+    """`value` as JSON: its own `fingerprint()` if it has one, dataclasses by their fields, tensors by shape and float64
+    sum, generators by being given."""
+    if callable(getattr(value, "fingerprint", None)):  # a value that says what identifies it (`Conditioning`)
+        return fingerprint_value(value.fingerprint())
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        description = getattr(value, "description", None)  # a `Conditioning` says what identifies its input
-        if isinstance(description, dict):
-            return fingerprint_value(description)
         return {f.name: fingerprint_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, torch.Tensor):  # summed in float64 without a float64 copy
         return {"shape": list(value.shape), "sum": float(value.sum(dtype=torch.float64))}
