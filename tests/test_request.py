@@ -233,6 +233,16 @@ def test_num_frames_for_refuses_bad_lengths_by_name(pipe, seconds, fps, named):
         pipe.num_frames_for(seconds, fps)
 
 
+@pytest.mark.parametrize(
+    "call, named",
+    [(dict(chunk_frames=2.5), "chunk_frames"), (dict(window_frames="everything"), "window_frames"),
+     (dict(window_frames=2), "window_frames"), (dict(recipe="longsana"), "recipe")],
+)  # fmt: skip
+def test_num_frames_for_refuses_a_chunk_or_window_the_stream_would_refuse(pipe, call, named):
+    with pytest.raises(ValueError, match=f"`{named}`"):
+        pipe.num_frames_for(1, 8, **call)
+
+
 def test_the_request_is_frozen(pipe):
     request = pipe.stream(RED, 8, **SIZE).request
     with pytest.raises(dataclasses.FrozenInstanceError):

@@ -151,7 +151,9 @@ def num_frames_for(pipe: RequestPipeline, seconds: Any, fps: Any, call: VideoCal
     fps = check_number("fps", fps, 0, above=True)
     _, options, first_chunk = _resolved(pipe, call)
     requested = max(1, math.ceil(round(seconds * fps, 6)))  # round first: 0.1 s * 30 fps is 3 frames, not 4
-    below, above = pipe.valid_num_frames(requested, options.chunk_frames, first_chunk == "frame")
+    # the family's layout checks the chunk and window (its one home); frames are the same at any frame size
+    layout = pipe.make_layout(1, options, pipe.frames_to_latent(requested))
+    below, above = pipe.valid_num_frames(requested, layout.chunk_frames, first_chunk == "frame")
     return below if below >= requested else above
 
 
