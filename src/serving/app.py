@@ -309,10 +309,13 @@ class Connection:
             if isinstance(item, dict):
                 await self.websocket.send_json(item)
                 continue
-            header, frames = item
+            header, frames, snapshot = item
             await self.websocket.send_json(header)
             for frame in frames:
                 await self.websocket.send_bytes(frame)
+            if snapshot is not None:  # `--state-every`: the state after the last chunk sent, so a restore after a
+                made, state = snapshot  # kill goes on right after what the client has
+                await asyncio.to_thread(self.hub.store.save, session.token, session.start, made, state)
             session.sent_one()
             self.hub.scheduler.wake()
 

@@ -16,6 +16,8 @@ import threading
 import time
 import warnings
 
+import torch
+
 from ..pipelines.io.video_writer import frames_to_uint8
 from .frames import encode_frame
 from .protocol import ProtocolError
@@ -165,30 +167,36 @@ class Scheduler:
             "ms": round(milliseconds, 2),
         }
         session.frames_made += int(pixels.shape[0])
-        if self.store is not None and self.state_every and (index + 1) % self.state_every == 0:
-            self._save(session)  # before the chunk goes out: whatever a client has seen, a restore continues after
-        session.post((header, [encode_frame(frame, output) for frame in pixels]), counts_as_chunk=True)
+        due = self.store is not None and self.state_every and (index + 1) % self.state_every == 0
+        snapshot = self._snapshot(session) if due else None  # saved by the connection once this chunk is sent
+        frames = [encode_frame(frame, output) for frame in pixels]
+        session.post((header, frames, snapshot), counts_as_chunk=True)
         last = stream.next_chunk >= stream.num_chunks
         if last or (self.max_frames is not None and session.frames_made >= self.max_frames):
             self._finish(session, "complete" if last else "max_frames")
 
-    def _save(self, session: Session) -> bool:
+    def _snapshot(self, session: Session) -> tuple[int, dict] | None:
+        """The stream's state now, copied to the host (the live buffers move on while the chunk waits to be sent);
+        None for an input-video session, whose input lives in the client (a restore could not continue it)."""
         if session.inputs is not None:
-            return False  # the input video lives in the client: a restore could not continue it
+            return None
         state = session.stream.state_dict()
-        self.store.save(session.token, session.start, session.frames_made, state)
-        return True
+        return session.frames_made, {k: v.to("cpu", copy=True) if torch.is_tensor(v) else v for k, v in state.items()}
 
     def _suspend(self, session: Session, reason: str | None) -> None:
-        if self.store is None:
-            session.post(ProtocolError("bad_request", "this server keeps no sessions (no --state-dir)").as_message())
-            return
-        if session.inputs is not None:
-            session.post(
-                ProtocolError("bad_request", "a session fed with input video cannot be suspended").as_message()
+        if self.store is None or session.inputs is not None:
+            if reason == "shutdown":  # nothing to keep: the session ends, and says why
+                self._finish(session, "shutdown")
+                return
+            why = (
+                "this server keeps no sessions (no --state-dir)"
+                if self.store is None
+                else ("a session fed with input video cannot be suspended (its input lives in the client)")
             )
+            session.post(ProtocolError("bad_request", why).as_message())
             return
-        self._save(session)
+        frames, state = self._snapshot(session)
+        self.store.save(session.token, session.start, frames, state)
         session.post({"type": "suspended", "token": session.token, "frames": session.frames_made, "reason": reason})
         session.post(None)  # the connection closes after it
         session.closed = True

@@ -135,7 +135,7 @@ class Session:
         return True
 
     def post(self, item: Any, counts_as_chunk: bool = False) -> None:
-        """Hand `item` (a message dict, or a `(header, frames)` chunk) to the connection, thread-safely."""
+        """Hand `item` (a message dict, or a `(header, frames, snapshot)` chunk) to the connection, thread-safely."""
         if counts_as_chunk:
             with self._lock:
                 self._queued += 1

@@ -7,6 +7,7 @@ reach outside the folder. A shared folder lets any server of the same model rest
 from __future__ import annotations
 
 import base64
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,8 @@ class SessionStore:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.model = model
+        self._newest: dict[str, int] = {}  # token -> frames of the newest state written by this process
+        self._lock = threading.Lock()
 
     def path(self, token: str) -> Path:
         if not TOKEN_PATTERN.match(token):
@@ -26,7 +29,12 @@ class SessionStore:
         return self.folder / f"{token}.resume.safetensors"
 
     def save(self, token: str, start: dict[str, Any], frames: int, state: dict[str, Any]) -> None:
-        """Write atomically (a kill during a save keeps the previous state)."""
+        """Write atomically (a kill during a save keeps the previous state). A state older than one already written
+        (`frames` fewer) is dropped: a chunk's snapshot saved after it was sent must not undo a later suspend."""
+        with self._lock:
+            if frames < self._newest.get(token, -1):
+                return
+            self._newest[token] = frames
         start = dict(start)
         if start.get("image") is not None:
             start["image"] = base64.b64encode(start["image"]).decode()
