@@ -54,6 +54,7 @@ FLAGS = {
     "prompt_schedule": "--prompt-at",
     "denoising_steps": "--steps",
     "first_chunk_steps": "--first-chunk-steps",
+    "denoising": "--denoising",
     "height": "--height",
     "width": "--width",
     "num_frames": "--seconds",
@@ -63,6 +64,7 @@ FLAGS = {
     "sink_frames": "--sink-frames",
     "window_frames": "--window-frames",
     "position_mode": "--position-mode",
+    "sink_mode": "--sink-mode",
     "kv_quantization": "--kv-quantization",
     "kv_offload": "--kv-offload",
     "image": "--image",
@@ -230,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_steps,
         help="the first chunk's own steps, e.g. 1000,750,500,250 (Causal Forcing++)",
     )
+    generate.add_argument(
+        "--denoising",
+        help="'sequential' (default) or 'pipelined': every step's chunk in flight, one forward for all (Rolling Forcing)",
+    )
     generate.add_argument("--chunk-frames", type=_positive(int), help="latent frames per chunk (default: the model's)")
     generate.add_argument("--sink-frames", type=int, help="latent frames kept forever at the start of the cache")
     generate.add_argument(
@@ -238,6 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="latent frames of the rolling window, or 'all' (every earlier frame stays visible)",
     )
     generate.add_argument("--position-mode", help="RoPE positions: absolute or relative (default: the model's)")
+    generate.add_argument(
+        "--sink-mode", help="fixed, or rolling (Rolling Sink's sliding sink; needs relative positions)"
+    )
     generate.add_argument(
         "--kv-quantization", choices=["int8", "fp8"], help="store the K/V window quantized (about half of bf16)"
     )
@@ -346,6 +355,13 @@ def _add_serve_command(commands) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port, 1 to 65535 (default 8000)")
     serve.add_argument("--max-sessions", type=_positive(int), default=4, help="sessions at once (default 4)")
     serve.add_argument(
+        "--max-batch",
+        type=_positive(int),
+        default=8,
+        metavar="N",
+        help="sessions denoised together in one forward per step (default 8; 1: sessions take turns)",
+    )
+    serve.add_argument(
         "--token", default=os.environ.get("ROLLDIFF_TOKEN"), help="clients must send it (default: $ROLLDIFF_TOKEN)"
     )
     serve.add_argument(
@@ -432,10 +448,12 @@ def _call_arguments(args: argparse.Namespace, image) -> dict:
         prompt_schedule=sorted(args.prompt_at) or None,
         denoising_steps=args.steps,
         first_chunk_steps=args.first_chunk_steps,
+        denoising=args.denoising,
         chunk_frames=args.chunk_frames,
         sink_frames=args.sink_frames,
         window_frames=args.window_frames,
         position_mode=args.position_mode,
+        sink_mode=args.sink_mode,
         kv_quantization=args.kv_quantization,
         kv_offload=args.kv_offload,
         image=image,
@@ -583,6 +601,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model=str(args.model or "tiny-bouncing-shapes"),
         recipe=args.recipe,
         max_sessions=args.max_sessions,
+        max_batch=1 if args.compile else args.max_batch,  # a compiled step is one cache's graph
         token=args.token or None,
         state_dir=None if args.state_dir is None else str(args.state_dir),
         idle_timeout=args.idle_timeout,

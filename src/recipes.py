@@ -46,6 +46,27 @@ RECIPES: dict[str, Recipe] = {
             "chunk (causal_inference.py:136-150).",
         ),
         Recipe(
+            "rolling-sink",
+            "KreaRealtimeVideoPipeline",
+            "haodong2000/RollingSink@d7fc0d9 wan/modules/causal_model.py:209,232-283, pipeline/causal_inference.py:277-296, "
+            "configs/self_forcing_dmd.yaml",
+            dict(
+                chunk_frames=3,  # num_frame_per_block: 3
+                sink_frames=0,  # the model's sink_size 0
+                window_frames=21,  # the 32760-token buffer (21 frames of 1560), now rolling (:209 drops the -1 guard)
+                position_mode="relative",  # keys kept before RoPE (k_original), rotated at their slots' positions
+                sink_mode="rolling",  # :232-283: past frame 18, each older chunk is replaced by frames 0-17, walked
+                denoising_steps=(1000, 750, 500, 250),
+                sigma_mapping="shift",  # warp_denoising_step: true
+                timestep_shift=5.0,  # model_kwargs.timestep_shift
+                context_noise=0.0,  # default_config.yaml; the roll runs at the t = 0 pass only (:247)
+            ),
+            "Training-free on Self-Forcing (or Causal Forcing chunk-wise) weights for 5-30 minute videos: past the "
+            "first 21 frames, at each commit the previous chunk is overwritten by the first 18 frames' K/V walked "
+            "forward and back, at its own positions (the sink's content and positions slide). Upstream draws one "
+            "chunk of noise and repeats it for every chunk (inference.py:165-170); the stream draws each chunk's.",
+        ),
+        Recipe(
             "causal-forcing",
             "KreaRealtimeVideoPipeline",
             "thu-ml/Causal-Forcing@1fc7bbc pipeline/causal_inference.py, configs/causal_forcing_dmd_chunkwise.yaml",

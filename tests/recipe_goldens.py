@@ -1,12 +1,13 @@
 """Load the recipes' upstream goldens (`tests/goldens/<recipe>/`, written by `tools/record_*_goldens.py`).
 
-A recipe folder holds the tiny transformer in the authors' own key layout (`transformer.safetensors`; Krea also a
-tiny VAE, `vae.safetensors`, keyed as `Wan2.1_VAE.pth`), `meta.json`
+A recipe folder holds the tiny transformer in the authors' own key layout (`transformer.safetensors`; Krea and Causal
+Forcing also a tiny VAE, `vae.safetensors`, keyed as `Wan2.1_VAE.pth`), `meta.json`
 (upstream repo and commit, the tiny config in upstream terms and as our diffusers config, the recipe's settings
 and, per scenario, the exact timesteps / sigmas fed, the order noise is drawn in and the fp32-vs-fp64 floor), and
 one `golden.<scenario>.safetensors` per scenario: the text embeddings fed to the model (`text.<name>`, with
 `text_mask.<name>` where upstream masks padding), every noise tensor upstream drew (`noise.<chunk>.<step>`) and each
-chunk's clean latents (`clean.<chunk>`), all in diffusers' layout `(batch, channels, frames, height, width)`.
+chunk's clean latents (`clean.<chunk>`), all in diffusers' layout `(batch, channels, frames, height, width)`;
+an image-to-video scenario also its start picture (`image`, uint8 `(height, width, 3)`).
 
 `meta["family"]` names the model the weights go into: "wan" (the default: `KreaRealtimeTransformer3DModel` through
 `convert_original_wan_state_dict`) or "sana" (`LongSanaTransformer3DModel` through

@@ -326,12 +326,20 @@ def max_abs(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> float:
 
 
 def record_scenario(
-    run, out: Path, name: str, num_chunks: int, chunk_frames: int, texts: Mapping, first_chunk_steps: int | None = None
+    run,
+    out: Path,
+    name: str,
+    num_chunks: int,
+    chunk_frames: int,
+    texts: Mapping,
+    first_chunk_steps: int | None = None,
+    extra: Mapping[str, torch.Tensor] | None = None,
 ) -> dict:
     """Run one scenario (`run(tape, dtype)` -> clean latents, timesteps, sigmas) in fp32 and, replaying the same
-    draws, in fp64; save its golden tensors (text, noise per chunk and step, clean latents) to
-    `golden.{name}.safetensors`; return what the scenario's meta entry records (timesteps, sigmas, noise order and
-    the fp32-vs-fp64 floor)."""
+    draws, in fp64; save its golden tensors (text, noise per chunk and step, clean latents, and `extra`, e.g. a
+    start image) to `golden.{name}.safetensors`; return what the scenario's meta entry records (timesteps, sigmas,
+    noise order and the fp32-vs-fp64 floor). `num_chunks`: the chunks upstream denoises (a start image's clean
+    chunk, listed first in the clean latents, draws no noise)."""
     from safetensors.torch import save_file
 
     tape = NoiseTape(NOISE_SEED)
@@ -340,7 +348,7 @@ def record_scenario(
     floor = max_abs(fp32["clean"], fp64["clean"])
     noise, order = chunk_noise(tape, num_chunks, chunk_frames, len(fp32["timesteps"]), first_chunk_steps)
     tensors = {f"text.{key}": value for key, value in texts.items()} | noise
-    tensors |= {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
+    tensors |= {f"clean.{i}": c for i, c in enumerate(fp32["clean"])} | dict(extra or {})
     save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"golden.{name}.safetensors")
     print(f"{name}: {num_chunks} chunks, floor (fp32 vs fp64) {floor:.3e}")
     return {"timesteps": fp32["timesteps"], "sigmas": fp32["sigmas"], "noise_order": order, "floor": floor}

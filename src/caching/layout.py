@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_choice, check_int
+from .rolling_sink import SINK_MODES
 
 POSITION_MODES = ("absolute", "relative")
 ALL_FRAMES = "all"  # `window_frames` of an unbounded window: every earlier frame stays visible
@@ -50,6 +51,7 @@ class ChunkLayout:
     sink_frames: int = 3
     window_frames: int | str = 9  # or ALL_FRAMES
     position_mode: str = "absolute"
+    sink_mode: str = "fixed"  # or "rolling": Rolling Sink (`rolling_sink.py`)
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_frame", "chunk_frames"):
@@ -64,6 +66,13 @@ class ChunkLayout:
                     "context."
                 )
         check_choice("position_mode", self.position_mode, POSITION_MODES)
+        check_choice("sink_mode", self.sink_mode, SINK_MODES, hint="'rolling': Rolling Sink's sliding sink")
+        if self.sink_mode == "rolling" and (self.position_mode != "relative" or self.unbounded):
+            raise ValueError(
+                f"`sink_mode='rolling'` re-rotates copied keys at their slots' positions and rolls a bounded window: "
+                f"it needs position_mode='relative' and an integer `window_frames` (got "
+                f"position_mode={self.position_mode!r}, window_frames={self.window_frames!r})."
+            )
 
     @property
     def unbounded(self) -> bool:

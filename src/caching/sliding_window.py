@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..checks import check_flag
+from ..checks import check_choice, check_flag
 from .base import (
     CacheLayer,
     check_dtype_device,
@@ -39,6 +39,7 @@ from .base import (
 )
 from .layout import window_start
 from .quantization import check_quantization
+from .rolling_sink import SINK_MODES, RollingSink
 from .storage import KVStorage, OffloadedKVStorage, QuantizedKVStorage
 from .workspace import CacheWorkspace
 
@@ -61,6 +62,12 @@ class SlidingWindowLayer(CacheLayer):
         quantization: `None` (K/V in the compute dtype), `"int8"` or `"fp8"` (per token-and-head scales).
         offload: keep the committed K/V in CPU memory (pinned with CUDA); they visit the compute device
             when the block runs. Eager only (`is_compileable` is False).
+        sink_mode: `"fixed"` (the sink holds the first tokens; the window the most recent) or `"rolling"`
+            (Rolling Sink, `rolling_sink.py`: at each commit the chunk before the new one, once past the first
+            `window_tokens - chunk_tokens` tokens, is overwritten by a ping-pong walk over a saved copy of them,
+            at its own positions). Rolling needs keys stored before RoPE (the model's `"relative"` positions),
+            `frame_tokens`, `chunk_tokens` and dense storage.
+        frame_tokens: tokens per latent frame (the rolling sink's unit).
     """
 
     is_sliding = True
@@ -74,6 +81,8 @@ class SlidingWindowLayer(CacheLayer):
         *,
         quantization: str | None = None,
         offload: bool = False,
+        sink_mode: str = "fixed",
+        frame_tokens: int | None = None,
     ) -> None:
         super().__init__()
         self.sink_tokens = check_positive("sink_tokens", sink_tokens, allow_zero=True)
@@ -87,6 +96,8 @@ class SlidingWindowLayer(CacheLayer):
         self.is_compileable = not offload
         self.capacity = self.sink_tokens + self.window_tokens
         self.storage = make_storage(self.quantization, offload)
+        self.sink_mode, self.frame_tokens = check_choice("sink_mode", sink_mode, SINK_MODES), frame_tokens
+        self.rolling_sink = None if sink_mode == "fixed" else self._make_rolling_sink()
         for name in ("slot_positions", "committed_tokens"):
             self.register_buffer(name, None)
         # committed_tokens: 0-dim long on the compute device; slot_positions: (capacity,) token index per slot, -1 empty
@@ -99,6 +110,16 @@ class SlidingWindowLayer(CacheLayer):
         # `_frontier`: the ring holds every committed token of [frontier - window, committed), none older;
         # `_window_full_flag` and `_prefix_readable` follow from it and the count (all set in `_set_counters`).
         self._set_counters(0, 0)
+
+    def _make_rolling_sink(self) -> RollingSink:
+        if self.quantization is not None or self.offload or self.chunk_tokens is None or self.frame_tokens is None:
+            raise ValueError(
+                "`sink_mode='rolling'` copies K/V between dense slots at each commit: it needs `chunk_tokens` and "
+                f"`frame_tokens` and no `quantization`/`offload` (got chunk_tokens={self.chunk_tokens}, "
+                f"frame_tokens={self.frame_tokens}, quantization={self.quantization!r}, offload={self.offload})."
+            )
+        source = self.window_tokens - self.chunk_tokens
+        return RollingSink(self.sink_tokens, source, check_positive("frame_tokens", self.frame_tokens))
 
     def _set_chunk_tokens(self, chunk_tokens: int) -> None:
         check_positive("chunk_tokens", chunk_tokens)
@@ -140,6 +161,8 @@ class SlidingWindowLayer(CacheLayer):
     def _allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.storage.allocate((batch, self.capacity, heads, head_dim), self.chunk_tokens, dtype, device)
         self.slot_positions = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
+        if self.rolling_sink is not None:
+            self.rolling_sink.allocate(self.keys)
         self.committed_tokens = torch.zeros((), dtype=torch.long, device=device)
         # Scratch for the per-step index arithmetic, so the steady state allocates nothing.
         scratch = {
@@ -353,6 +376,8 @@ class SlidingWindowLayer(CacheLayer):
             "chunk_tokens": self.chunk_tokens,
             "quantization": self.quantization,
             "offload": self.offload,
+            "sink_mode": self.sink_mode,
+            "frame_tokens": self.frame_tokens,
         }
 
     def host_state(self) -> dict:
@@ -424,9 +449,15 @@ class SlidingWindowLayer(CacheLayer):
         frontier = min(max(self._frontier, start + self.chunk_tokens), start + self.window_tokens)
         self.pending_tokens = 0
         self._set_counters(start + pending, frontier)
+        if self.rolling_sink is not None:
+            self.rolling_sink.after_commit(
+                self.keys, self.values, start, pending, self.chunk_tokens, self.window_tokens
+            )
 
     def reset(self) -> None:
         self.storage.reset()
+        if self.rolling_sink is not None:
+            self.rolling_sink.reset()
         if self.slot_positions is not None:
             self.slot_positions.fill_(-1)
             self._mask.zero_()

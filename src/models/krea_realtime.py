@@ -150,6 +150,7 @@ class CausalAttentionInputs:
     layout: ChunkLayout
     kv_cache: RollingKVCache | None = None
     conditioning: torch.Tensor | None = None  # the raw text embeddings the cross-attention K/V belong to
+    rows: list[CausalAttentionInputs] | None = None  # one per batch row when each row has its own cache
     text_cached: bool = False  # every block holds its text K/V: the text projection is skipped
     attention_bias: float = 1.0
     attention_bias_mode: str = "past"  # "past": every earlier token; "scope": not the first frame (Scope's port)
@@ -194,6 +195,17 @@ class CausalAttentionInputs:
 
 
 ATTENTION_BIAS_MODES = ("past", "scope")
+
+
+def _stacked_rope(
+    inputs: CausalAttentionInputs, kind: str, per_row: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' RoPE tables `(1, tokens, 1, head_dim)` stacked to `(rows, tokens, 1, head_dim)`, once per forward and
+    table shape (the rows' own memos already hold each table: blocks of one geometry share them)."""
+    key = ("rows", kind, *(id(cos) for cos, _ in per_row))
+    if key not in inputs.shared_rope:
+        inputs.shared_rope[key] = (torch.cat([cos for cos, _ in per_row]), torch.cat([sin for _, sin in per_row]))
+    return inputs.shared_rope[key]
 
 
 class CachedTextProjection(PixArtAlphaTextProjection):
@@ -244,7 +256,9 @@ class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
         key = attn.norm_k(attn.to_k(hidden_states)).unflatten(2, (attn.heads, -1))
         value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-        if inputs.kv_cache is not None:
+        if inputs.rows is not None:
+            out = self._cached_rows(query, key, value, inputs)
+        elif inputs.kv_cache is not None:
             out = self._cached(query, key, value, inputs.kv_cache[self.index], inputs)
         else:
             out = self._dense(query, key, value, inputs)
@@ -276,6 +290,38 @@ class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
             mask = layer.attention_mask
         return self._attend(query, keys, values, None if mask is None else mask[None, None, None, :])
 
+    def _cached_rows(self, query, key, value, inputs: CausalAttentionInputs) -> torch.Tensor:
+        """Row `i` `(1, tokens, heads, head_dim)` written to and read from its own cache `inputs.rows[i]` (sessions
+        batched by `rolldiff serve`): each row's RoPE positions, slot map and mask are its own, as in its solo
+        `_cached`, while the rotation and the attention run once for the batch. Every row reads its whole buffer
+        under its own mask (a solo call reads only the filled prefix: the same keys, so the same result up to
+        float reordering)."""
+        rows, num_tokens = inputs.rows, query.shape[1]
+        layers = [row.kv_cache[self.index] for row in rows]
+        absolute = inputs.layout.position_mode == "absolute"
+        pairs = list(zip(rows, layers))
+        if absolute:
+            cos, sin = _stacked_rope(inputs, "query", [row.query_rope(layer, num_tokens) for row, layer in pairs])
+            query, key = apply_rotary(query, cos, sin), apply_rotary(key, cos, sin)
+        written = [layer.update(key[i : i + 1], value[i : i + 1]) for i, layer in enumerate(layers)]
+        if len({keys.shape for keys, _ in written}) != 1:  # buffers of other capacities: one attention per row
+            return torch.cat([
+                self._attend(query[i : i + 1], keys, values, layer.attention_mask[None, None, None, :])
+                for i, ((keys, values), layer) in enumerate(zip(written, layers))
+            ])  # fmt: skip
+        keys, values = torch.cat([keys for keys, _ in written]), torch.cat([values for _, values in written])
+        if not absolute:
+            query_rope = _stacked_rope(inputs, "query", [row.query_rope(layer, num_tokens) for row, layer in pairs])
+            query = apply_rotary(query, *query_rope)
+            keys = apply_rotary(keys, *_stacked_rope(inputs, "keys", [row.key_rope(layer) for row, layer in pairs]))
+        if inputs.attention_bias != 1.0:
+            mask = torch.stack([row.bias_mask(layer, num_tokens, slice(None), query.dtype) for row, layer in pairs])
+        elif all(layer.window_full for layer in layers) and num_tokens == layers[0].chunk_tokens:
+            mask = None  # every key of every row is visible: no mask, so fused (flash) kernels apply
+        else:
+            mask = torch.stack([layer.attention_mask for layer in layers])
+        return self._attend(query, keys, values, None if mask is None else mask[:, None, None, :])
+
     def _dense(self, query, key, value, inputs: CausalAttentionInputs) -> torch.Tensor:
         """Whole sequence, one query chunk at a time so each chunk rotates keys by its own positions."""
         chunks = inputs.block_dense_chunks.get(self.index, inputs.dense_chunks)
@@ -300,6 +346,8 @@ class KreaRealtimeCrossAttnProcessor(WanAttnProcessor):
         self, attn: WanAttention, hidden_states, encoder_hidden_states=None, attention_mask=None, rotary_emb=None
     ):
         inputs = self.call_slot.context
+        if inputs is not None and inputs.rows is not None:
+            return self._rows(attn, hidden_states, encoder_hidden_states, inputs.rows)
         cache = None if inputs is None else inputs.kv_cache
         if cache is None or cache.cross[self.index] is None:
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
@@ -310,6 +358,31 @@ class KreaRealtimeCrossAttnProcessor(WanAttnProcessor):
             key, value = layer.update(*text_key_value(attn, encoder_hidden_states), conditioning=inputs.conditioning)
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         out = dispatch_attention_fn(query, key, value, backend=self._attention_backend)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def _rows(self, attn: WanAttention, hidden_states, encoder_hidden_states, rows: list[CausalAttentionInputs]):
+        """Row `i` reads the text K/V of its own cache (filled now if empty, from its row of the text states); one
+        attention call for the batch when every row's text has the same length."""
+        keys, values = [], []
+        for i, row in enumerate(rows):
+            layer = row.kv_cache.cross[self.index]
+            if layer is not None and layer.is_filled:
+                key, value = layer.keys, layer.values
+            else:
+                key, value = text_key_value(attn, encoder_hidden_states[i : i + 1])
+                if layer is not None:
+                    key, value = layer.update(key, value, conditioning=row.conditioning)
+            keys.append(key)
+            values.append(value)
+        query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
+        if len({key.shape for key in keys}) == 1:
+            out = dispatch_attention_fn(query, torch.cat(keys), torch.cat(values), backend=self._attention_backend)
+        else:  # text lengths differ between rows: one call per row
+            out = torch.cat([
+                dispatch_attention_fn(query[i : i + 1], key, value, backend=self._attention_backend)
+                for i, (key, value) in enumerate(zip(keys, values))
+            ])  # fmt: skip
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -338,6 +411,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
     """
 
     _skip_keys = ["kv_cache"]
+    accepts_row_caches = True  # `kv_cache` may be one cache per batch row (sessions batched by `rolldiff serve`)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -403,11 +477,13 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         chunk), as hybrid local/global attention does; the sink and chunk stay `layout`'s.
         `quantization` ("int8" / "fp8") and `offload` (committed K/V in CPU memory, brought to the
         block's device when it runs) are the `SlidingWindowLayer` options (see docs/cache.md).
+        `layout.sink_mode="rolling"` gives every layer Rolling Sink's sliding sink (`caching/rolling_sink.py`).
         """
         layers = [
             SlidingWindowLayer(
-                block.sink_tokens, block.window_tokens, block.chunk_tokens, quantization=quantization, offload=offload
-            )
+                block.sink_tokens, block.window_tokens, block.chunk_tokens, quantization=quantization, offload=offload,
+                sink_mode=block.sink_mode, frame_tokens=block.tokens_per_frame,
+            )  # fmt: skip
             for block in self.block_layouts(layout, window_frames_per_block)
         ]
         cache = RollingKVCache(layers, [CrossAttentionLayer() for _ in self.blocks])
@@ -454,7 +530,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         encoder_hidden_states_image: torch.Tensor | None = None,
         return_dict: bool = True,
         attention_kwargs: dict[str, Any] | None = None,
-        kv_cache: RollingKVCache | None = None,
+        kv_cache: RollingKVCache | Sequence[RollingKVCache] | None = None,
         layout: ChunkLayout | Sequence[ChunkLayout] | None = None,
         frame_indices: torch.Tensor | None = None,
         frame_mask: torch.Tensor | None = None,
@@ -470,7 +546,10 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
           `(frames, frames)` replace the default positions and mask (teacher forcing: see
           `teacher_forcing_frame_mask`); `layout` may be one layout per block (per-block windows);
         - `kv_cache` and `layout`: one chunk; its K/V are written as pending into the cache (call
-          `kv_cache.commit()` after the clean context pass).
+          `kv_cache.commit()` after the clean context pass). `kv_cache` may be a list of caches, one per batch row
+          (sessions batched by `rolldiff serve`): each row is written to and attends through its own cache, at its
+          own position and window fill, and `timestep` `(batch,)` may differ per row; each row's result is its solo
+          call's up to float reordering.
         `attention_kwargs` are diffusers' (e.g. `{"scale": 0.5}` for LoRA adapters). `attention_bias` < 1 adds
         `log(attention_bias)` to the scores of earlier frames' tokens: every one (`attention_bias_mode="past"`), or
         all but the first frame's (`"scope"`: daydreamlive/scope's port of Krea's bias).
@@ -497,10 +576,12 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
                 f"`layout` has {len(block_layouts)} entries, expected one per block ({len(self.blocks)})."
             )
         layout = block_layouts[0] if block_layouts is not None else layout
-        _, _, num_frames, height, width = hidden_states.shape
+        batch, _, num_frames, height, width = hidden_states.shape
         p_t, p_h, p_w = self.config.patch_size
         grid_frames, grid_h, grid_w = num_frames // p_t, height // p_h, width // p_w
-        self._check_layout(layout, kv_cache, grid_frames, grid_h * grid_w)
+        row_caches = self._row_caches(kv_cache, batch)
+        for cache in row_caches or [kv_cache]:
+            self._check_layout(layout, cache, grid_frames, grid_h * grid_w)
         split = [self.rope.t_dim, self.rope.h_dim, self.rope.w_dim]
         rope = RopeTables(self.rope.freqs_cos.split(split, dim=1), self.rope.freqs_sin.split(split, dim=1), grid_w)
         inputs = CausalAttentionInputs(
@@ -511,6 +592,8 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
             attention_bias=attention_bias,
             attention_bias_mode=attention_bias_mode,
             text_cached=kv_cache is not None and all(layer is not None and layer.is_filled for layer in kv_cache.cross),
+        ) if row_caches is None else self._row_inputs(
+            rope, layout, row_caches, encoder_hidden_states, attention_bias, attention_bias_mode
         )  # fmt: skip
         if kv_cache is None:
             self._add_dense_chunks(inputs, block_layouts, grid_frames, frame_indices, frame_mask, hidden_states.device)
@@ -525,6 +608,53 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
             encoder_hidden_states,
             return_dict=return_dict,
             attention_kwargs=attention_kwargs,
+        )
+
+    @staticmethod
+    def _row_caches(kv_cache, batch: int) -> list[RollingKVCache] | None:
+        """`kv_cache` as one cache per batch row (a list or tuple), checked; None for a single cache (or none)."""
+        if not isinstance(kv_cache, (list, tuple)):
+            return None
+        if len(kv_cache) != batch or not all(isinstance(cache, RollingKVCache) for cache in kv_cache):
+            raise ValueError(
+                f"`kv_cache` as a sequence holds one RollingKVCache per batch row: expected {batch}, got "
+                f"{[type(cache).__name__ for cache in kv_cache]}."
+            )
+        if len({id(cache) for cache in kv_cache}) != batch:
+            raise ValueError("`kv_cache`: each batch row needs a cache of its own; one cache is listed twice.")
+        return list(kv_cache)
+
+    @staticmethod
+    def _row_inputs(
+        rope: RopeTables,
+        layout: ChunkLayout,
+        caches: list[RollingKVCache],
+        encoder_hidden_states: torch.Tensor,
+        attention_bias: float,
+        attention_bias_mode: str,
+    ) -> CausalAttentionInputs:
+        """The call's inputs when each batch row has its own cache: one `CausalAttentionInputs` per row (its RoPE and
+        masks memoized apart, since rows sit at different positions), under one that holds them."""
+        rows = [
+            CausalAttentionInputs(
+                rope=rope,
+                layout=layout,
+                kv_cache=cache,
+                conditioning=encoder_hidden_states[i : i + 1],
+                attention_bias=attention_bias,
+                attention_bias_mode=attention_bias_mode,
+            )
+            for i, cache in enumerate(caches)
+        ]
+        text_cached = all(layer is not None and layer.is_filled for cache in caches for layer in cache.cross)
+        return CausalAttentionInputs(
+            rope=rope,
+            layout=layout,
+            conditioning=encoder_hidden_states,
+            attention_bias=attention_bias,
+            attention_bias_mode=attention_bias_mode,
+            text_cached=text_cached,
+            rows=rows,
         )
 
     def _check_layout(self, layout: ChunkLayout, kv_cache, grid_frames: int, tokens_per_frame: int) -> None:

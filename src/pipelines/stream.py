@@ -32,6 +32,7 @@ from diffusers.utils.torch_utils import randn_tensor
 
 from ..checks import check_int
 from .codecs.overlap import OverlappedDecoder, decode_ahead
+from .pipelined import PipelinedDenoising
 from .request.conditioning import ConditioningInput, strength_steps
 from .request.prompt_schedule import as_prompt_list
 from .request.request import VideoRequest, check_embeds
@@ -107,7 +108,7 @@ def default_generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-class ChunkStream(Iterator[Any]):
+class ChunkStream(PipelinedDenoising, Iterator[Any]):
     """One live generation: iterate it for each chunk's decoded frames (or latents, for `output_type="latent"`).
 
     Made by `pipe.stream(...)`, which validated every argument first. Each item is what `__call__` returns for
@@ -148,6 +149,7 @@ class ChunkStream(Iterator[Any]):
             pipe.scheduler.config, stochastic_sampling=True, use_dynamic_shifting=False, shift=1.0
         )  # for a step plan's own sigmas, which are final (no second shift)
         self._fed: dict[StepPlan, torch.Tensor] = {}  # per step plan: the fed timesteps, (steps, batch), made once
+        self._init_pipelined()  # `denoising="pipelined"`: the chunks in flight (rolldiff.pipelines.pipelined)
 
     # ---------------------------------------------------------------------------------------- properties
     @property
@@ -377,13 +379,16 @@ class ChunkStream(Iterator[Any]):
         if recompute:  # under the embedding the previous chunk was made with, as Krea's server does
             self._rebuild_context()
         self._apply_due_switches()
-        given = None if self._inputs is None else self._inputs.latents(index, chunk_frames)
-        if given is None and self._inputs is not None and self._inputs.is_video:
+        pipelined = request.denoising == "pipelined"
+        # pipelined: a video-to-video chunk's input is read when it enters the window, a few chunks ahead
+        reads_input = self._inputs is not None and not (pipelined and self._inputs.is_video)
+        given = self._inputs.latents(index, chunk_frames) if reads_input else None
+        if given is None and reads_input and self._inputs.is_video:
             return None  # the input ended: the output ends with it, at its last whole chunk
         if given is not None and not self._inputs.is_video:
             clean = given.to(pipe.transformer.dtype)  # the start image's chunk: clean context, nothing to denoise
         else:
-            clean = self._denoise_chunk(start, given)
+            clean = self._pipelined_chunk(index) if pipelined else self._denoise_chunk(start, given)
             if clean is None:
                 return None
         if not torch.isfinite(clean).all():
@@ -562,6 +567,7 @@ class ChunkStream(Iterator[Any]):
             state.update({f"inputs.{key}": value for key, value in self._inputs.state_dict().items()})
         for index, generator in enumerate(self._generators()):
             state[f"generator.{index}"] = generator.get_state()
+        state.update(self._pipelined_state())
         position = [STREAM_STATE_VERSION, self._next_chunk, self._step_index, self._frames_emitted]
         state["position"] = torch.tensor([*position, self._active_prompt], dtype=torch.int64)
         return state
@@ -606,4 +612,5 @@ class ChunkStream(Iterator[Any]):
             raise ValueError(f"The state holds {len(saved)} generator state(s); this stream has {len(generators)}.")
         for index, generator in enumerate(generators):
             generator.set_state(state[f"generator.{index}"])
+        self._load_pipelined_state(state, device)
         _, self._next_chunk, self._step_index, self._frames_emitted, self._active_prompt = map(int, position)

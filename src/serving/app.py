@@ -25,6 +25,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from ..pipelines.request.text_encoding import PromptWarning
+from ..pipelines.stream import ChunkStream
+from .batching import LockstepPipeline, batchable
 from .frames import decode_frame, decode_image
 from .protocol import (
     CLOSE_GOING_AWAY,
@@ -49,6 +51,7 @@ class ServeSettings:
     model: str = "tiny-bouncing-shapes"
     recipe: str | None = None
     max_sessions: int = 4
+    max_batch: int = 8  # sessions denoised together in one forward per step; 1: they take turns
     token: str | None = None
     state_dir: str | None = None
     idle_timeout: float = 300.0
@@ -69,7 +72,11 @@ class Hub:
         self.pipe = pipe
         self.settings = settings
         self.store = None if settings.state_dir is None else SessionStore(settings.state_dir, settings.model)
-        self.scheduler = Scheduler(self.store, settings.state_every, settings.idle_timeout, settings.max_frames)
+        # a transformer that cannot take one cache per row (another family) serves sessions in turns
+        self.max_batch = settings.max_batch if batchable(pipe) else 1
+        self.scheduler = Scheduler(
+            self.store, settings.state_every, settings.idle_timeout, settings.max_frames, self.max_batch
+        )
         self.admission = asyncio.Lock()
 
     def chunk_pixel_frames(self, latent_frames: int) -> int:
@@ -89,6 +96,7 @@ class Hub:
             "fps": self.settings.fps,
             "protocol": PROTOCOL,
             "max_sessions": self.settings.max_sessions,
+            "max_batch": self.max_batch,
         }
 
     def build(self, start: dict[str, Any], inputs: InputFrames | None):
@@ -117,10 +125,13 @@ class Hub:
                     raise ProtocolError(
                         "too_large", f"`num_frames` is at most {self.settings.max_frames} here", "num_frames"
                     )
-                return self.pipe.stream(num_frames=num_frames, **call)
+                stream = self.pipe.stream(num_frames=num_frames, **call)
         except ValueError as error:
             names = re.findall(r"`(\w+)`", str(error))
             raise ProtocolError("bad_request", str(error), names[0] if names else None) from None
+        if self.max_batch > 1:  # the same validated request, its transformer steps open to batching
+            stream = ChunkStream(LockstepPipeline(self.pipe), stream.request)
+        return stream
 
     def cache_bytes(self, stream) -> int:
         """What the session's caches will take, measured on the meta device (nothing allocated)."""
@@ -151,7 +162,13 @@ def create_app(pipe, settings: ServeSettings) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "sessions": get_hub().scheduler.sessions, "max_sessions": settings.max_sessions}
+        scheduler = get_hub().scheduler
+        return {
+            "status": "ok",
+            "sessions": scheduler.sessions,
+            "max_sessions": settings.max_sessions,
+            "batched_rows": scheduler.shared_rows,
+        }
 
     @app.get("/v1/model")
     async def model() -> dict[str, Any]:

@@ -6,8 +6,11 @@ whose input frames have not come is simply not ready, and costs the others nothi
 session the worker carries out its queued controls (a prompt switch, named by the chunk it applies to; a
 suspend; a stop), so every control lands on a chunk boundary.
 
-Sessions take turns on the model; they are not yet batched into one forward (one transformer call per step for
-several sessions needs per-row cache positions: docs/serving.md says what is missing).
+Batched (`max_batch` > 1): in each pass, the ready sessions whose next chunks line up (same chunk shape, cache
+geometry, steps and guidance: `batching.batch_key`) are made together, up to `max_batch` at a time: each member's
+chunk runs in a thread of its own and their transformer steps meet in one forward per step
+(`rolldiff.serving.batching`). Fairness is unchanged: every ready session still gets exactly one chunk per pass,
+whether it shares it or not; a session alone in its group runs as before, in the worker thread.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..pipelines.io.video_writer import frames_to_uint8
+from .batching import Lockstep, LockstepPipeline, batch_key
 from .frames import encode_frame
 from .protocol import ProtocolError
 from .session import Control, Session
@@ -34,8 +39,12 @@ class Scheduler:
         state_every: int = 0,
         idle_timeout: float = 300.0,
         max_frames: int | None = None,
+        max_batch: int = 1,
     ) -> None:
         self.store = store
+        self.max_batch = max_batch
+        self.shared_rows = 0  # session steps made in forwards shared with other sessions (`/healthz`)
+        self._members = ThreadPoolExecutor(max_batch, "rolldiff-member") if max_batch > 1 else None
         self.state_every = state_every
         self.idle_timeout = idle_timeout
         self.max_frames = max_frames
@@ -71,6 +80,8 @@ class Scheduler:
             self._stopping = True
             self._wake.notify_all()
         self._thread.join(timeout=30)
+        if self._members is not None:
+            self._members.shutdown(wait=False)
 
     def suspend_all(self, reason: str, timeout: float = 60.0) -> None:
         """Ask every session to suspend at its next chunk boundary; returns when all are done (or `timeout`)."""
@@ -96,8 +107,11 @@ class Scheduler:
                 if self._stopping:
                     return
                 sessions = self._rotation()
-            for session in sessions:
-                self._serve(session)
+            if self._members is None:
+                for session in sessions:
+                    self._serve(session)
+            else:
+                self._serve_batched(sessions)
 
     def _rotation(self) -> list[Session]:
         """The sessions in this pass's order: the rotation starts one later each pass (round robin)."""
@@ -125,6 +139,51 @@ class Scheduler:
             self._carry_out(session, control)
         if session.ready():
             self._make_chunk(session)
+
+    def _serve_batched(self, sessions: list[Session]) -> None:
+        """One pass: every session's controls, then one chunk for each ready session, in groups that share forwards."""
+        ready = []
+        for session in sessions:
+            for control in session.take_controls():
+                if session.closed:
+                    break
+                self._carry_out(session, control)
+            if session.ready():
+                ready.append(session)
+        for group in self._groups(ready):
+            if len(group) == 1:
+                self._make_chunk(group[0])
+            else:
+                self._make_chunks_together(group)
+
+    def _groups(self, sessions: list[Session]) -> list[list[Session]]:
+        """`sessions` (in rotation order) split by `batch_key`, at most `max_batch` to a group."""
+        groups: list[tuple[tuple | None, list[Session]]] = []
+        for session in sessions:
+            key = batch_key(session.stream)
+            group = next((g for k, g in groups if key is not None and k == key and len(g) < self.max_batch), None)
+            if group is None:
+                groups.append((key, [session]))
+            else:
+                group.append(session)
+        return [group for _, group in groups]
+
+    def _make_chunks_together(self, group: list[Session]) -> None:
+        """Each member's next chunk in a thread of its own, their transformer steps batched by one `Lockstep`."""
+        lockstep = Lockstep(group[0].stream.pipeline.pipe, len(group))
+
+        def member(session: Session) -> None:
+            view: LockstepPipeline = session.stream.pipeline
+            view.lockstep = lockstep
+            try:
+                self._make_chunk(session)
+            finally:
+                view.lockstep = None
+                lockstep.leave()
+
+        for future in [self._members.submit(member, session) for session in group]:
+            future.result()
+        self.shared_rows += lockstep.shared_rows
 
     def _carry_out(self, session: Session, control: Control) -> None:
         if control.kind == "stop":

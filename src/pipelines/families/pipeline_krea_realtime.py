@@ -51,6 +51,7 @@ class KreaCacheOptions(CacheOptions):
     kv_quantization: str | None
     kv_offload: bool
     attention_bias_mode: str
+    sink_mode: str = "fixed"  # the layout checks the value (`ChunkLayout`); here what it cannot be stored with
 
     def __post_init__(self) -> None:
         check_number("attention_bias", self.attention_bias, 0, 1, above=True, hint="1 disables it")
@@ -62,6 +63,11 @@ class KreaCacheOptions(CacheOptions):
         )
         check_choice("kv_quantization", self.kv_quantization, KV_QUANTIZATIONS)
         check_flag("kv_offload", self.kv_offload)
+        if self.sink_mode == "rolling" and (self.kv_quantization is not None or self.kv_offload):
+            raise ValueError(
+                "`sink_mode='rolling'` copies dense K/V between cache slots at each commit: pass kv_quantization=None "
+                f"and kv_offload=False (got kv_quantization={self.kv_quantization!r}, kv_offload={self.kv_offload})."
+            )
 
 
 @dataclass
@@ -90,11 +96,14 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             port: the first frame and the current chunk unbiased).
         kv_quantization: None, "int8" or "fp8": store the K/V window quantized (about 0.52x of bf16).
         kv_offload: keep the committed K/V window in CPU memory; each block's is brought in when it runs.
+        sink_mode: "fixed" or "rolling" (Rolling Sink: past the first window, each older chunk is replaced by the
+            first `window - chunk` frames walked forward and back, at its own positions; needs "relative").
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     options_class = KreaCacheOptions
     recache_modes = ("causal", "longlive")
+    offers_pipelined_denoising = True  # `denoising="pipelined"`: several chunks in one forward (rolldiff.pipelines.pipelined)
     output_class = KreaRealtimeVideoPipelineOutput
 
     def __init__(  # noqa: PLR0913 (the config: components and their registered defaults)
@@ -117,6 +126,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         recipe: str | None = None,
         kv_quantization: str | None = None,
         kv_offload: bool = False,
+        sink_mode: str = "fixed",
     ) -> None:
         super().__init__()
         self.register_modules(
@@ -136,6 +146,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             recipe=recipe,
             kv_quantization=kv_quantization,
             kv_offload=kv_offload,
+            sink_mode=sink_mode,
         )
         self.set_vae_factors(vae)
 
@@ -158,6 +169,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             sink_frames=options.sink_frames,
             window_frames=options.window_frames,
             position_mode=options.position_mode,
+            sink_mode=options.sink_mode,
         )
         return layout.fitted_to(num_latent_frames)
 
@@ -213,7 +225,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         frames = recent[:, :, recent.shape[2] - (frame - start) :]
         count = frames.shape[2]
         # a window of twice the pass: once committed, the whole pass is still what `get()` returns
-        scratch_layout = dataclasses.replace(layout, chunk_frames=count, window_frames=2 * count)
+        scratch_layout = dataclasses.replace(layout, chunk_frames=count, window_frames=2 * count, sink_mode="fixed")
         scratch = self.transformer.make_cache(scratch_layout)
         if start > 0:  # the kept sink at its positions, then the stream position moved to the pass's first frame
             sink = [tuple(t[:, : layout.sink_tokens] for t in layer.get()) for layer in cache]

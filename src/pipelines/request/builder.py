@@ -20,7 +20,7 @@ from ...caching.layout import ChunkLayout
 from ...checks import check_choice, check_flag, check_number
 from ...recipes import get_recipe
 from .call import VideoCall
-from .conditioning import build_conditioning
+from .conditioning import DEFAULT_STRENGTH, build_conditioning, check_strength, strength_steps
 from .prompt_schedule import PromptSchedule
 from .request import (
     CacheOptions,
@@ -52,7 +52,9 @@ LOOP_DEFAULTS: dict[str, Any] = {
     "recompute_first_frame": "keep",
     "recache": "causal",
     "prompt_blend_chunks": 1,
+    "denoising": "sequential",
 }
+DENOISING_MODES = ("sequential", "pipelined")
 IMAGE_MODES = ("chunk", "frame")
 FIRST_CHUNK_RULES = ("whole", "remainder", "frame")
 
@@ -175,8 +177,11 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
     _check_schedule_text(pipe, call, schedule, negatives, max_sequence_length)
     check_generator(call.generator, batch_size)
     latent_shape = (*geometry.chunk_shape[:2], geometry.num_latent_frames, *geometry.chunk_shape[3:])
+    step_plan = _step_plan(pipe, call, call.denoising_steps, call.sigmas)
+    denoising = check_choice("denoising", call.denoising, DENOISING_MODES)
     checked = dict(
-        step_plan=_step_plan(pipe, call, call.denoising_steps, call.sigmas),
+        step_plan=step_plan,
+        denoising=denoising,
         first_step_plan=None
         if call.first_chunk_steps is None
         else _step_plan(pipe, call, call.first_chunk_steps, name="first_chunk_steps"),
@@ -192,6 +197,8 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
         prompt_blend_chunks=check_blend_chunks(call.prompt_blend_chunks),
     )
     _check_vae_needs(pipe, call, checked)
+    if denoising == "pipelined":
+        layout = _pipelined_layout(pipe, call, options, geometry, layout, len(step_plan.steps))
     conditioning = build_conditioning(  # last: an input file's reader opens here, after every other check
         call.image,
         call.video,
@@ -199,7 +206,7 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
         batch_size,
         geometry.height,
         geometry.width,
-        pipe.latent_to_frames(layout.chunk_frames),
+        pipe.latent_to_frames(geometry.chunk_frames),
     )
     return VideoRequest(
         geometry=geometry,
@@ -218,6 +225,45 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
         recipe=call.recipe,
         **checked,
     )
+
+
+def _pipelined_layout(
+    pipe: RequestPipeline,
+    call: VideoCall,
+    options: CacheOptions,
+    geometry: VideoGeometry,
+    layout: ChunkLayout,
+    num_steps: int,
+) -> ChunkLayout:
+    """The cache layout of `denoising="pipelined"`: its pending region holds every in-flight chunk (as many as
+    there are steps, fewer in a shorter video), all written and attended to in one forward. Strength cuts the
+    steps of a video-to-video chunk, and so the chunks in flight."""
+    if not getattr(pipe, "offers_pipelined_denoising", False):
+        raise ValueError(
+            f"`denoising='pipelined'` is offered by the Krea-like pipeline, not by {type(pipe).__name__}; "
+            "use denoising='sequential'."
+        )
+    if call.first_chunk_steps is not None:
+        raise ValueError(
+            "`first_chunk_steps` gives the first chunk more steps than the others, but `denoising='pipelined'` moves "
+            "every in-flight chunk one step per forward; drop one of them."
+        )
+    if geometry.first_chunk_frames != geometry.chunk_frames and call.image is None:
+        raise ValueError("`denoising='pipelined'` needs chunks of one size; give `num_frames` as whole chunks.")
+    if call.video is not None:
+        strength = DEFAULT_STRENGTH if call.strength is None else call.strength
+        num_steps = strength_steps(num_steps, check_strength(strength))
+    in_flight = min(num_steps, geometry.num_chunks) * geometry.chunk_frames
+    pending = dataclasses.replace(options, chunk_frames=in_flight)
+    try:
+        pipelined = pipe.make_layout(layout.tokens_per_frame, pending, geometry.num_latent_frames)
+    except ValueError as error:
+        raise ValueError(
+            f"`denoising='pipelined'` keeps {in_flight // geometry.chunk_frames} chunks of {geometry.chunk_frames} "
+            f"latent frames in flight ({in_flight} frames), and the window counts them: {error}"
+        ) from None
+    pipe.transformer.check_frame_budget(geometry.num_latent_frames, pipelined)
+    return pipelined
 
 
 def _check_vae_needs(pipe: RequestPipeline, call: VideoCall, checked: dict[str, Any]) -> None:

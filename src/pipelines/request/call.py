@@ -52,6 +52,7 @@ class VideoCall:
     kv_quantization: str | None = None
     kv_offload: bool | None = None
     attention_bias_mode: str | None = None
+    sink_mode: str | None = None
     image: Any = None
     video: Any = None
     strength: float | None = None
@@ -69,6 +70,7 @@ class VideoCall:
     recache: str | None = None
     recompute_first_frame: str | None = None
     prompt_blend_chunks: int | None = None
+    denoising: str | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -160,6 +162,12 @@ Args:
         Keep the committed K/V window in CPU memory; each block's comes in when it runs.
     attention_bias_mode (`str`, *optional*):
         `"past"` (every earlier token biased) or `"scope"` (the first frame and the chunk unbiased).
+    sink_mode (`str`, *optional*):
+        `"fixed"` (the sink keeps the first frames; the default) or `"rolling"` (Rolling Sink,
+        haodong2000/RollingSink `wan/modules/causal_model.py:232-283`: once the video passes the first
+        `window_frames - chunk_frames` frames, each chunk, when the next one commits, is replaced by those first
+        frames walked forward and back, at its own positions; needs `position_mode="relative"`, no KV quantization
+        or offload).
     image (`PIL.Image.Image`, `np.ndarray` or `torch.Tensor`, *optional*):
         A start frame (image-to-video), or one per batch element: `(H, W, 3)` arrays, `(3, H, W)` tensors. It is
         encoded and becomes the clean first context: frame 0 of the video is the image.
@@ -208,4 +216,12 @@ Args:
         (Krea: re-encoded from the last chunk's decoded pixels; needs the VAE).
     prompt_blend_chunks (`int`, *optional*):
         A prompt switch blends the embeddings over this many chunks (Krea: 4; 1 switches at once).
+    denoising (`str`, *optional*):
+        `"sequential"` (the default: a chunk runs all its steps, then the next starts) or `"pipelined"` (Rolling
+        Forcing's rolling window, thu-ml/Causal-Forcing `long_video/pipeline/rolling_forcing_inference.py:169-230`):
+        as many chunks as there are steps are in flight at staggered noise levels and denoised in ONE forward, each
+        advancing one step; the cleanest leaves clean (context pass, commit) and a fresh noisy chunk enters, so a
+        chunk costs one forward of a longer sequence instead of one forward per step. The in-flight chunks count in
+        `window_frames` (attention sees the sink, the `window_frames - steps x chunk_frames` latest committed frames
+        and every in-flight chunk); not with `first_chunk_steps`. Krea-like pipelines.
 """

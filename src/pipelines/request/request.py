@@ -48,6 +48,7 @@ class CacheOptions:
         "kv_quantization",
         "kv_offload",
         "attention_bias_mode",
+        "sink_mode",
     )
 
     @classmethod
@@ -143,6 +144,7 @@ class VideoRequest:
     context_noise: float = 0.0  # the timestep of the context pass (Self-Forcing's `context_noise`; 0: clean)
     recipe: str | None = None  # the named recipe these settings came from (`rolldiff.recipes`)
     first_step_plan: StepPlan | None = None  # the first denoised chunk's own steps (Causal Forcing++)
+    denoising: str = "sequential"  # "pipelined": every step's chunk in flight, one forward for all (Rolling Forcing)
 
     def step_plan_for(self, chunk: int) -> StepPlan:
         """The steps chunk `chunk` is denoised with: the first denoised chunk's own plan, if any (a start image's

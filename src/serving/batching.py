@@ -1,0 +1,187 @@
+"""Sessions denoised together: one transformer forward per step for a group of sessions, each through its own cache.
+
+A session's `ChunkStream` is unchanged: it runs its own chunk loop (noise, scheduler steps, context pass, commit,
+decode) in a thread of its own, against a `LockstepPipeline`, a view of the shared pipeline whose
+`transformer_step` hands the call to the group's `Lockstep` instead of running it. The lockstep waits until
+every member of the group has handed in its next call (or has finished its chunk), then runs them as ONE
+forward: latents, timesteps and text stacked along the batch, `kv_cache=[each session's cache]`, so each row is
+written to and attends through its own cache at its own position and window fill
+(`KreaRealtimeTransformer3DModel.forward` with a list of caches), and hands each member its row back.
+
+Members need not be at the same step: a row's timestep is its own, so a session's clean context pass (t = 0)
+may share a forward with another's denoising step. Calls that cannot share a forward (another chunk shape,
+layout or attention setting, or a batch of more than one row) run as separate forwards of the same round.
+Outside a group (`lockstep` None) the view calls the pipeline directly: a session alone runs exactly the
+library's code, so its frames equal `pipe.stream(...)`'s bit for bit. In a group each row differs from its
+solo run only by float reordering in the batched matrix products (docs/serving.md, tests/test_serving.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..pipelines.stream import ChunkStream
+
+
+@dataclass
+class StepCall:
+    """One member's `transformer_step` call, waiting for its round; `result` is its velocity."""
+
+    latents: torch.Tensor
+    timestep: torch.Tensor
+    embeds: torch.Tensor
+    cache: Any
+    request: Any
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+    def forward_settings(self) -> tuple:
+        """What must be equal for two calls to share a forward (besides being one row each)."""
+        request = self.request
+        return (
+            tuple(self.latents.shape[1:]),
+            self.latents.dtype,
+            self.latents.device,
+            tuple(self.embeds.shape[1:]),
+            request.layout,
+            request.options,
+        )
+
+
+class Lockstep:
+    """The rounds of one group: each round, one forward over the calls of every member still making its chunk.
+
+    A member that finishes its chunk (or fails) `leave()`s, so the others never wait for it. The round runs in the
+    thread of the member that completed it (the others are waiting anyway). `forwards` counts the forwards that
+    ran, `shared_rows` the rows of those that served more than one member.
+    """
+
+    def __init__(self, pipe: Any, members: int) -> None:
+        self._pipe = pipe
+        self._live = members
+        self._waiting: list[StepCall] = []
+        self._turn = threading.Condition()
+        self.forwards = 0
+        self.shared_rows = 0
+
+    def submit(self, call: StepCall) -> torch.Tensor:
+        """Hand in `call`; returns its velocity once its round ran (raises what the round raised)."""
+        with self._turn:
+            self._waiting.append(call)
+            while not call.done:
+                if len(self._waiting) >= self._live:  # every member still working is waiting: run the round
+                    calls, self._waiting = self._waiting, []
+                    self._turn.release()
+                    try:
+                        self._run(calls)
+                    finally:
+                        self._turn.acquire()
+                    for done in calls:
+                        done.done = True
+                    self._turn.notify_all()
+                else:
+                    self._turn.wait()
+        if call.error is not None:
+            raise call.error
+        return call.result
+
+    def leave(self) -> None:
+        """A member's chunk is done: the round no longer waits for it."""
+        with self._turn:
+            self._live -= 1
+            self._turn.notify_all()  # if the rest all wait, one of them runs the round
+
+    def _run(self, calls: list[StepCall]) -> None:
+        groups: list[list[StepCall]] = []
+        for call in calls:
+            match = next((group for group in groups if _shares_forward(group[0], call)), None)
+            if match is None:
+                groups.append([call])
+            else:
+                match.append(call)
+        for group in groups:
+            try:
+                results = self._forward(group)
+            except Exception as error:  # noqa: BLE001 (each member reports it as its chunk's failure)
+                for call in group:
+                    call.error = error
+                continue
+            for call, result in zip(group, results):
+                call.result = result
+
+    def _forward(self, calls: list[StepCall]) -> list[torch.Tensor]:
+        self.forwards += 1
+        first = calls[0]
+        if len(calls) == 1:
+            return [
+                self._pipe.transformer_step(first.latents, first.timestep, first.embeds, first.cache, first.request)
+            ]
+        velocity = self._pipe.transformer_step(
+            torch.cat([call.latents for call in calls]),
+            torch.cat([call.timestep for call in calls]),
+            torch.cat([call.embeds for call in calls]),
+            [call.cache for call in calls],  # one cache per row
+            first.request,  # the calls' layout and attention settings are equal (`forward_settings`)
+        )
+        self.shared_rows += len(calls)
+        return list(velocity.split(1))
+
+
+def _shares_forward(first: StepCall, call: StepCall) -> bool:
+    one_row = first.latents.shape[0] == call.latents.shape[0] == 1
+    return one_row and first.forward_settings() == call.forward_settings()
+
+
+class LockstepPipeline:
+    """One session's view of the shared pipeline: everything is the pipeline's, except that while the session is in
+    a group (`lockstep` set by the scheduler) its transformer steps, context passes and re-caches go through the
+    group's `Lockstep`. Holds no state but that link, so a stream's `state_dict` is unchanged."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.pipe = pipe
+        self.lockstep: Lockstep | None = None
+
+    def __getattr__(self, name: str) -> Any:  # only reached for what this view does not define
+        return getattr(self.pipe, name)
+
+    def transformer_step(self, latents, timestep, embeds, cache, request) -> torch.Tensor:
+        lockstep = self.lockstep
+        if lockstep is None:
+            return self.pipe.transformer_step(latents, timestep, embeds, cache, request)
+        return lockstep.submit(StepCall(latents, timestep, embeds, cache, request))
+
+    def context_pass(self, *args: Any, **kwargs: Any) -> None:
+        # the family's own context pass, run on this view so each of its forwards is a `transformer_step` above
+        return type(self.pipe).context_pass(self, *args, **kwargs)
+
+    def recache(self, *args: Any, **kwargs: Any) -> None:
+        return type(self.pipe).recache(self, *args, **kwargs)
+
+
+def batchable(pipe: Any) -> bool:
+    """Whether `pipe`'s transformer takes one cache per batch row (`kv_cache=[...]`), so sessions can be batched."""
+    return bool(getattr(pipe.transformer, "accepts_row_caches", False))
+
+
+def batch_key(stream: ChunkStream) -> tuple | None:
+    """Sessions with equal keys make their next chunks in lockstep: the same chunk shape and cache geometry, the
+    same steps and guidance branches, so their forwards line up call for call. None: the session runs alone."""
+    if not isinstance(stream.pipeline, LockstepPipeline):
+        return None
+    request = stream.request
+    strength = None if request.conditioning is None else request.conditioning.strength
+    return (
+        request.chunk_shape,
+        request.layout,
+        request.options,
+        request.step_plan_for(stream.next_chunk),
+        request.uses_guidance,
+        request.context_policy,
+        request.denoising,
+        strength,
+    )

@@ -1,0 +1,186 @@
+"""`denoising="pipelined"`: every step's chunk in flight, one forward for all (Rolling Forcing's rolling window).
+
+The spec is a plain reference: the same model with NO cache, over the whole sequence [every committed clean
+frame at t = 0; the in-flight chunks at their own timesteps] under the attention mask the pipelined cache
+promises (a committed chunk sees what its context pass saw; the in-flight chunks see the sink, the latest
+`window - steps x chunk` committed frames and each other), driven by a reference loop that draws the same noise
+in the same order. Every chunk the pipeline makes must equal the reference's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from tiny_components import tiny_pipeline
+
+from rolldiff.models import ChunkLayout
+
+PROMPT = "a red circle moving left"
+STEPS = (1000, 750, 500)
+CHUNK, SINK, WINDOW = 1, 1, 5  # 3 chunks in flight + 2 committed frames visible after the sink
+NUM_CHUNKS = 7
+SIZE = dict(height=16, width=16)  # 4 x 4 latents
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_pipeline(chunk_frames=CHUNK, sink_frames=SINK, window_frames=WINDOW, denoising_steps=list(STEPS))
+
+
+def _frames(pipe, chunks: int = NUM_CHUNKS) -> int:
+    return pipe.latent_to_frames(chunks * CHUNK)
+
+
+def _seed(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _run(pipe, **kwargs) -> list[torch.Tensor]:
+    arguments = dict(generator=_seed(), output_type="latent", denoising="pipelined", **SIZE) | kwargs
+    return list(pipe.stream(PROMPT, _frames(pipe), **arguments))
+
+
+def _mask(committed: int, in_flight: int) -> torch.Tensor:
+    """`(frames, frames)` True = attend, over [committed frames; in-flight frames]."""
+    recent = WINDOW - len(STEPS) * CHUNK  # committed frames seen after the sink (the window counts the pending)
+    total = committed + in_flight
+    mask = torch.zeros(total, total, dtype=torch.bool)
+    for start in range(0, committed, CHUNK):  # each committed chunk, as its context pass saw the cache
+        rows = slice(start, start + CHUNK)
+        mask[rows, : min(SINK, start)] = True
+        mask[rows, min(max(SINK, start - recent), start) : start + CHUNK] = True
+    rows = slice(committed, total)
+    mask[rows, : min(SINK, committed)] = True
+    mask[rows, min(max(SINK, committed - recent), committed) :] = True  # the latest committed and every in-flight
+    return mask
+
+
+@torch.no_grad()
+def _reference(pipe) -> list[torch.Tensor]:
+    """Rolling Forcing's loop spelled out over a cache-free dense model (absolute positions)."""
+    model, generator = pipe.transformer, _seed()
+    text = pipe.encode_prompt([PROMPT], pipe.config.max_sequence_length)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(sigmas=[s / 1000 for s in STEPS])
+    sigmas, timesteps = scheduler.sigmas, scheduler.timesteps.float()
+    shape = (1, 4, CHUNK, 4, 4)
+    clean, in_flight, made, entering = [], [], [], 0
+    while len(made) < NUM_CHUNKS:
+        if entering < NUM_CHUNKS:
+            in_flight.append([torch.randn(shape, generator=generator), 0])
+            entering += 1
+        committed = torch.cat(clean, dim=2) if clean else torch.zeros(*shape[:2], 0, *shape[3:])
+        window = torch.cat([latents for latents, _ in in_flight], dim=2)
+        sequence = torch.cat([committed, window], dim=2)
+        step_of_frame = [timesteps[step] for _, step in in_flight for _ in range(CHUNK)]
+        timestep = torch.tensor([[0.0] * committed.shape[2] + step_of_frame])
+        frames = sequence.shape[2]
+        velocity = model(
+            sequence, timestep, text, layout=pipe_layout(pipe), frame_indices=torch.arange(frames),
+            frame_mask=_mask(committed.shape[2], window.shape[2]),
+        ).sample[:, :, committed.shape[2] :]  # fmt: skip
+        going_on = []
+        for position, (latents, step) in enumerate(in_flight):
+            x0 = latents - sigmas[step] * velocity[:, :, position * CHUNK : (position + 1) * CHUNK]
+            if step + 1 == len(STEPS):
+                made.append(x0)
+                clean.append(x0)
+                continue
+            noise = torch.randn(x0.shape, generator=generator)
+            going_on.append([(1 - sigmas[step + 1]) * x0 + sigmas[step + 1] * noise, step + 1])
+        in_flight = going_on
+    return made
+
+
+def pipe_layout(pipe):
+    return ChunkLayout(pipe.transformer.tokens_per_frame(4, 4), chunk_frames=CHUNK, sink_frames=0, window_frames=99)
+
+
+def test_pipelined_chunks_equal_the_dense_reference(pipe):
+    ours, reference = _run(pipe), _reference(pipe)
+    assert len(ours) == NUM_CHUNKS
+    errors = [float((a - b).abs().max()) for a, b in zip(ours, reference)]
+    assert max(errors) < 1e-5, errors
+
+
+def test_pipelined_differs_from_sequential_but_keeps_the_shapes(pipe):
+    pipelined = torch.cat(_run(pipe), dim=2)
+    sequential = torch.cat(_run(pipe, denoising="sequential"), dim=2)
+    assert pipelined.shape == sequential.shape
+    assert not torch.allclose(pipelined, sequential)
+
+
+def test_call_stream_and_file_give_the_same_frames(pipe, tmp_path):
+    streamed = np.concatenate(
+        list(pipe.stream(PROMPT, _frames(pipe), generator=_seed(), denoising="pipelined", **SIZE)), 1
+    )
+    called = pipe(PROMPT, _frames(pipe), generator=_seed(), denoising="pipelined", **SIZE).frames
+    np.testing.assert_array_equal(streamed, called)
+
+
+def test_resume_mid_window_continues_the_same_video(pipe):
+    whole = _run(pipe)
+    first = pipe.stream(PROMPT, _frames(pipe), generator=_seed(), output_type="latent", denoising="pipelined", **SIZE)
+    head = [next(first) for _ in range(3)]  # chunks 3.. are in flight at different steps now
+    state = first.state_dict()
+    second = pipe.stream(
+        PROMPT, _frames(pipe), generator=_seed(7), output_type="latent", denoising="pipelined", **SIZE
+    )
+    second.load_state_dict(state)
+    for mine, theirs in zip(head + list(second), whole):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+def test_a_prompt_switch_changes_only_the_chunks_after_it(pipe):
+    plain = _run(pipe)
+    stream = pipe.stream(PROMPT, _frames(pipe), generator=_seed(), output_type="latent", denoising="pipelined", **SIZE)
+    chunks = [next(stream) for _ in range(3)]
+    assert stream.switch_prompt("a blue square moving up") == 3
+    chunks += list(stream)
+    for before, after in zip(chunks[:3], plain[:3]):
+        torch.testing.assert_close(before, after, rtol=0, atol=0)
+    assert not torch.allclose(chunks[3], plain[3])
+
+
+def test_guidance_image_and_video_inputs_run_pipelined(pipe):
+    guided = _run(pipe, guidance_scale=3.0, negative_prompt="a green square")
+    assert len(guided) == NUM_CHUNKS and all(torch.isfinite(chunk).all() for chunk in guided)
+    image = np.random.default_rng(0).integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
+    with_image = _run(pipe, image=image)
+    assert len(with_image) == NUM_CHUNKS
+    video = np.random.default_rng(1).integers(0, 256, size=(_frames(pipe), 16, 16, 3), dtype=np.uint8)
+    from_video = _run(pipe, video=video, strength=0.7)  # 2 of 3 steps: 2 chunks in flight
+    assert len(from_video) == NUM_CHUNKS
+
+
+def test_cache_memory_is_flat_as_the_video_grows(pipe):
+    stream = pipe.stream(
+        PROMPT, _frames(pipe, 12), generator=_seed(), output_type="latent", denoising="pipelined", **SIZE
+    )
+    next(stream)
+    early = stream.memory_bytes()
+    list(stream)
+    assert stream.memory_bytes() == early
+
+
+@pytest.mark.parametrize(
+    ("arguments", "named"),
+    [
+        (dict(denoising="rolling"), "`denoising`"),
+        (dict(denoising="pipelined", window_frames=3), "window_frames"),
+        (dict(denoising="pipelined", first_chunk_steps=[1000, 750, 500, 250]), "first_chunk_steps"),
+    ],
+)
+def test_bad_pipelined_arguments_are_refused_by_name(pipe, arguments, named):
+    with pytest.raises(ValueError, match=named):
+        pipe.stream(PROMPT, _frames(pipe), **SIZE, **arguments)
+
+
+def test_pipelined_is_refused_where_the_family_does_not_offer_it():
+    from test_long_sana_pipeline import tiny_sana_pipeline
+
+    sana = tiny_sana_pipeline()
+    with pytest.raises(ValueError, match="Krea-like pipeline, not by LongSanaVideoPipeline"):
+        sana.stream(PROMPT, sana.latent_to_frames(4), denoising="pipelined")
