@@ -102,6 +102,7 @@ class Technique:
     attention: bool = False  # the fastest backend instead of the default
     compile: str | None = None  # None | "default" | "cuda-graphs"
     fp8: bool = False
+    chunk_frames: int | None = None  # a frame-wise row (1); None: the setup's chunk
 
 
 BEST = "ours + best decode + fastest attention"
@@ -118,6 +119,28 @@ PLAN = (
         f"{BEST} + CUDA graphs + fp8", vae="best", overlap=True, attention=True, compile="cuda-graphs", fp8=True
     ),
     Technique(f"{BEST} + torch.compile (no CUDA graphs)", vae="best", overlap=True, attention=True, compile="default"),
+    # denoising="pipelined" (Rolling Forcing's window: every step's chunk in one forward) and frame-wise chunks
+    Technique("ours, pipelined denoising", approach="ours-pipelined"),
+    Technique(f"{BEST}, pipelined denoising", approach="ours-pipelined", vae="best", overlap=True, attention=True),
+    Technique(
+        f"{BEST}, pipelined + CUDA graphs",
+        approach="ours-pipelined",
+        vae="best",
+        overlap=True,
+        attention=True,
+        compile="cuda-graphs",
+    ),  # fmt: skip
+    Technique(
+        f"{BEST}, frame-wise (1 latent frame a chunk)", vae="best", overlap=True, attention=True, chunk_frames=1
+    ),
+    Technique(
+        f"{BEST}, frame-wise, pipelined",
+        approach="ours-pipelined",
+        vae="best",
+        overlap=True,
+        attention=True,
+        chunk_frames=1,
+    ),  # fmt: skip
 )
 
 
@@ -332,6 +355,8 @@ def run_row(technique: Technique, setup: Setup, args, decoders: Decoders, flops:
     from torch._dynamo.utils import counters
 
     row, device = Row(technique.name), setup.device
+    if technique.chunk_frames is not None:
+        setup = dataclasses.replace(setup, chunk_frames=technique.chunk_frames)
     decoder = row_decoder(row, technique, args, decoders)
     if row.error:
         return row

@@ -5,7 +5,9 @@ Each Krea-like recipe runs on the Krea-like pipeline at Wan-1.3B block shapes (1
 weights, fp32, 80x128: 10x16 latents, 40 tokens per frame, as the 80x128 race), with `output_type="latent"` so
 only the chunk loop is timed (the re-encoding row also decodes, which its first frame needs). Rows: forwards and query
 tokens per latent frame (steps + the context pass, or + the context rebuild), the cache's `memory_bytes()`, and the
-median ms per chunk over the steady-state chunks divided by the chunk's frames, all measured in one run.
+median ms per chunk over the steady-state chunks divided by the chunk's frames, all measured in one run. The
+"pipelined" rows run `denoising="pipelined"` (one forward of every in-flight chunk per chunk made, then its context
+pass), beside the same settings denoised sequentially.
 
     python benchmarks/recipes_cost.py              # about a minute on 2 CPU cores
     python benchmarks/recipes_cost.py --dry-run    # tiny shapes (CI)
@@ -37,6 +39,15 @@ ROWS = (
     ("causal-forcing-framewise", "causal-forcing-framewise", {}),
     ("causal-forcing-2step", "causal-forcing-2step", {}),
     ("causal-forcing-1step", "causal-forcing-1step", {}),
+    # denoising="pipelined": every step's chunk in flight, one forward for all (the in-flight chunks count in the window)
+    ("rolling, pipelined (sink 3 + window 15)", None, {"denoising": "pipelined", "window_frames": 15}),
+    ("self-forcing, pipelined", "self-forcing", {"denoising": "pipelined"}),
+    ("causal-forcing-framewise, pipelined", "causal-forcing-framewise", {"denoising": "pipelined"}),
+    (
+        "Rolling Forcing's window (sink 3 + 18, relative, pipelined)",
+        None,
+        {"denoising": "pipelined", "sink_frames": 3, "window_frames": 18, "position_mode": "relative"},
+    ),
 )
 
 

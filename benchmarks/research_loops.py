@@ -339,6 +339,62 @@ class OursLoop(ChunkLoop):
         self.prepare()
 
 
+class OursPipelinedLoop(OursLoop):
+    """Ours with `denoising="pipelined"` (Rolling Forcing's rolling window): every step's chunk in flight at its own
+    noise level, ONE forward for all of them per chunk made, then the leaving chunk's context pass. The cache's
+    pending region holds the in-flight chunks; the window grows by them, so the committed context each forward
+    sees is the sequential loop's (`window - chunk` frames)."""
+
+    def __init__(self, setup: Setup) -> None:
+        in_flight = len(DENOISING_STEPS) * setup.chunk_frames
+        self.pipelined_layout = ChunkLayout(
+            tokens_per_frame=1,  # replaced below, once the grid is known
+            chunk_frames=in_flight,
+            sink_frames=setup.sink_frames,
+            window_frames=setup.window_frames + in_flight - setup.chunk_frames,
+        )
+        ChunkLoop.__init__(self, setup)
+        self.pipelined_layout = dataclasses.replace(self.pipelined_layout, tokens_per_frame=self.tokens_per_frame)
+        self.layout = self.pipelined_layout
+        self.cache = self.model.make_cache(self.layout, 1, self.dtype, self.device)
+        self.in_flight: list[list] = []  # [latents, step]
+        self.prepare()
+
+    def _timesteps(self) -> torch.Tensor:
+        frames = [self.sigmas[step] * 1000.0 for _, step in self.in_flight for _ in range(self.setup.chunk_frames)]
+        return torch.tensor([frames], device=self.device, dtype=torch.float32)
+
+    @torch.inference_mode()
+    def chunk(self) -> torch.Tensor:
+        """Forwards until the oldest in-flight chunk leaves clean (as many as steps at the start, then one)."""
+        while True:
+            if len(self.in_flight) < len(self.sigmas):
+                noise = torch.randn(self.chunk_shape, generator=self.noise, device=self.device)
+                self.in_flight.append([noise.to(self.dtype), 0])
+            window = torch.cat([latents for latents, _ in self.in_flight], dim=2)
+            velocity = self.forward(window, self._timesteps(), self.text, kv_cache=self.cache, layout=self.layout)
+            velocity, clean, going_on = velocity.sample.float(), None, []
+            for position, (latents, step) in enumerate(self.in_flight):
+                frames = slice(position * self.setup.chunk_frames, (position + 1) * self.setup.chunk_frames)
+                x0 = latents.float() - self.sigmas[step] * velocity[:, :, frames]
+                if step + 1 == len(self.sigmas):
+                    clean = x0.to(self.dtype)
+                    continue
+                noise = torch.randn(self.chunk_shape, generator=self.noise, device=self.device)
+                sigma_next = self.sigmas[step + 1]
+                going_on.append([((1 - sigma_next) * x0 + sigma_next * noise).to(self.dtype), step + 1])
+            self.in_flight = going_on
+            if clean is not None:
+                self.context_pass(clean)
+                self.frames_done += self.setup.chunk_frames
+                return clean
+
+    @torch.inference_mode()
+    def restart(self) -> None:
+        super().restart()
+        self.in_flight = []
+
+
 class _ResearchLoop(ChunkLoop):
     """A loop on diffusers' `WanTransformer3DModel` with processors that read a `ResearchCall`."""
 
@@ -492,7 +548,13 @@ class CatLoop(_ResearchLoop):
             layer.update(k=keys, v=values, pending=None)
 
 
-LOOPS = {"ours": OursLoop, "self-forcing": SelfForcingLoop, "krea-recompute": KreaRecomputeLoop, "cat": CatLoop}
+LOOPS = {
+    "ours": OursLoop,
+    "ours-pipelined": OursPipelinedLoop,
+    "self-forcing": SelfForcingLoop,
+    "krea-recompute": KreaRecomputeLoop,
+    "cat": CatLoop,
+}
 
 
 def make_loop(approach: str, setup: Setup) -> ChunkLoop:

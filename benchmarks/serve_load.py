@@ -2,11 +2,12 @@
 `pipe.stream` alone in the same run (the server's own overhead).
 
 Per row: aggregate and per-session frames per second (the slowest and the fastest session), time to first frame,
-p50 / p99 time between chunks as a client sees them, and the server's RSS at the start and the end. Sessions
-take turns on the model (the scheduler is fair, not batched yet), so the aggregate rate is bounded by one
-session's; the batched rows are reported as missing until cross-session batching lands.
+p50 / p99 time between chunks as a client sees them, and the server's RSS after the row. Two servers in the same
+run: `--max-batch 1` (unbatched: sessions take turns on the model) and `--max-batch 8` (batched: the sessions'
+transformer steps share one forward per step), each with its RSS at the start and the end, and the share of session
+steps that ran in a shared forward.
 
-    python benchmarks/serve_load.py                # about a minute on 2 CPU cores
+    python benchmarks/serve_load.py                # about three minutes on 2 CPU cores
     python benchmarks/serve_load.py --dry-run      # 1 and 2 sessions, short videos (CI)
 """
 
@@ -101,33 +102,41 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
     alone = library_fps(num_frames)
     threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
-    server = Server("--max-sessions", str(max(counts)), "--max-frames", str(num_frames), env=threads)
-    rows = []
-    try:
-        rss_start = server_rss_mib(server)
-        for sessions in counts:
-            row = run_row(server, sessions, num_frames)
-            rows.append(
-                [
-                    f"{sessions} unbatched",
+    measured: dict[tuple[int, str], list[str]] = {}
+    memory = []
+    for mode, max_batch in (("unbatched", 1), ("batched", max(counts))):
+        server = Server(
+            "--max-sessions", str(max(counts)), "--max-frames", str(num_frames), "--max-batch", str(max_batch),
+            env=threads,
+        )  # fmt: skip
+        try:
+            rss_start = server_rss_mib(server)
+            for sessions in counts:
+                row = run_row(server, sessions, num_frames)
+                measured[sessions, mode] = [
+                    f"{sessions} {mode}",
                     f"{row['aggregate']:.1f}",
                     f"{row['slowest']:.1f} / {row['fastest']:.1f}",
                     f"{row['ttff'] * 1000:.0f}",
                     f"{row['p50'] * 1000:.1f} / {row['p99'] * 1000:.1f}",
                     f"{server_rss_mib(server):.0f}",
                 ]
+            shared = server.http("/healthz")["batched_rows"]
+            memory.append(
+                f"{mode} server RSS: {rss_start:.0f} MiB at the start, {server_rss_mib(server):.0f} MiB at the end"
             )
-            rows.append([f"{sessions} batched", "not implemented", "", "", "", ""])
-        rss_end = server_rss_mib(server)
-    finally:
-        server.stop()
+            memory.append(f"{mode} server: {shared} session steps ran in forwards shared with other sessions")
+        finally:
+            server.stop()
     header = ["sessions", "aggregate fps", "per-session fps (slowest / fastest)", "first frame ms",
               "between chunks p50 / p99 ms", "server RSS MiB"]  # fmt: skip
     print(
         f"pipe.stream alone, same run: {alone:.1f} fps (steady state, {num_frames} frames, {threads['OMP_NUM_THREADS']} torch threads)"
     )
-    print(f"server RSS: {rss_start:.0f} MiB at the start, {rss_end:.0f} MiB at the end")
-    print(markdown_table(header, rows))
+    print("\n".join(memory))
+    print(
+        markdown_table(header, [measured[sessions, mode] for sessions in counts for mode in ("unbatched", "batched")])
+    )
     return 0
 
 

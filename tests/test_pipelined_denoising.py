@@ -14,8 +14,10 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from tiny_components import tiny_pipeline
+from torch._dynamo.testing import CompileCounter
 
 from rolldiff.models import ChunkLayout
+from rolldiff.pipelines.acceleration import compile_cached_step
 
 PROMPT = "a red circle moving left"
 STEPS = (1000, 750, 500)
@@ -37,9 +39,9 @@ def _seed(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _run(pipe, **kwargs) -> list[torch.Tensor]:
+def _run(pipe, chunks: int = NUM_CHUNKS, **kwargs) -> list[torch.Tensor]:
     arguments = dict(generator=_seed(), output_type="latent", denoising="pipelined", **SIZE) | kwargs
-    return list(pipe.stream(PROMPT, _frames(pipe), **arguments))
+    return list(pipe.stream(PROMPT, _frames(pipe, chunks), **arguments))
 
 
 def _mask(committed: int, in_flight: int) -> torch.Tensor:
@@ -171,6 +173,7 @@ def test_cache_memory_is_flat_as_the_video_grows(pipe):
         (dict(denoising="rolling"), "`denoising`"),
         (dict(denoising="pipelined", window_frames=3), "window_frames"),
         (dict(denoising="pipelined", first_chunk_steps=[1000, 750, 500, 250]), "first_chunk_steps"),
+        (dict(recipe="rolling-sink", denoising="pipelined", chunk_frames=1), "sink_mode='rolling'"),
     ],
 )
 def test_bad_pipelined_arguments_are_refused_by_name(pipe, arguments, named):
@@ -184,3 +187,24 @@ def test_pipelined_is_refused_where_the_family_does_not_offer_it():
     sana = tiny_sana_pipeline()
     with pytest.raises(ValueError, match="Krea-like pipeline, not by LongSanaVideoPipeline"):
         sana.stream(PROMPT, sana.latent_to_frames(4), denoising="pipelined")
+
+
+def test_compiled_fullgraph_keeps_a_bounded_number_of_graphs_as_the_video_grows(pipe):
+    eager = _run(pipe)
+    compiled_pipe = tiny_pipeline(
+        chunk_frames=CHUNK, sink_frames=SINK, window_frames=WINDOW, denoising_steps=list(STEPS)
+    )
+    counter = CompileCounter()
+    torch.compiler.reset()
+    try:
+        compile_cached_step(compiled_pipe.transformer, backend=counter)  # fullgraph=True
+        compiled = _run(compiled_pipe)
+        graphs = counter.frame_count
+        longer = _run(compiled_pipe, chunks=3 * NUM_CHUNKS)  # the window slid further
+    finally:
+        torch.compiler.reset()
+    assert counter.frame_count == graphs  # no graph added as the video grows
+    assert graphs <= 2 * len(STEPS) + 2  # window filling/emptying shapes, the context pass, the full window
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert len(longer) == 3 * NUM_CHUNKS

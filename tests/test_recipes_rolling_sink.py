@@ -306,3 +306,12 @@ def test_reset_keeps_the_source_buffers():
     _trace(layer, 1, 9)
     expected = reference_rolling(layer._visible_committed_positions(), 8, 0, 7, 1, 1)  # noqa: SLF001
     assert layer.get()[0].flatten().tolist() == expected
+
+
+def test_a_pipeline_folder_may_name_the_recipe_and_an_argument_still_wins():
+    golden = load_golden(RECIPE, "plain")
+    pipe = _pipeline(golden)
+    pipe.register_to_config(recipe=RECIPE)  # what `"recipe": "rolling-sink"` in model_index.json does
+    call = dict(num_frames=pipe.latent_to_frames(30), prompt_embeds=golden.text["a"], output_type="latent")
+    assert pipe.stream(**call).request.layout.sink_mode == "rolling"
+    assert pipe.stream(**call, window_frames=12).request.layout.window_frames == 12

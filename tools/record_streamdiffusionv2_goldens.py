@@ -201,7 +201,7 @@ def run_scenario(up, weights, vae_weights, embeds, scenario: dict, tape: NoiseTa
     # block once the input is exhausted (`:300`): ask for exactly the 8 input blocks after block 0. The batched
     # pipeline is `num_steps - 1` blocks deep and drains by re-feeding its last block (`inference.py:345`)
     blocks = (pixels - 1) // 4 - 1
-    num_chunks = blocks - (steps - 1) if scenario["driver"] == "wo_batch" else blocks + 1
+    num_chunks = blocks - (steps - 1) if scenario["driver"] == "wo_batch" else blocks
     queues, steps_fed = [], []
     original = manager.pipeline.inference_wo_batch if scenario["driver"] == "wo_batch" else None
 

@@ -175,6 +175,7 @@ class Scheduler:
         def member(session: Session) -> None:
             view: LockstepPipeline = session.stream.pipeline
             view.lockstep = lockstep
+            lockstep.enter()
             try:
                 self._make_chunk(session)
             finally:

@@ -1,8 +1,9 @@
 """One session of `rolldiff serve`: a `ChunkStream` and what stands between it and one WebSocket client.
 
-The stream is only ever advanced by the scheduler's worker thread (`rolldiff.serving.scheduler`), one chunk at a
-time; the connection's coroutine only queues controls (`prompt`, `pause`, `stop`, `suspend`) and input frames,
-and sends what the worker put in the outbox. So a prompt switch always lands on a chunk boundary the worker
+The stream is only ever advanced by the scheduler (`rolldiff.serving.scheduler`), one chunk at a time (by its
+worker thread, or, batched with other sessions, by a member thread the worker waits for); the connection's
+coroutine only queues controls (`prompt`, `pause`, `stop`, `suspend`) and input frames, and sends what the
+worker put in the outbox. So a prompt switch always lands on a chunk boundary the worker
 chose (and names it), and nothing the client does can corrupt a chunk in flight.
 
 Backpressure: the worker makes a chunk only while fewer than `max_outbox` chunks wait to be sent (a slow client

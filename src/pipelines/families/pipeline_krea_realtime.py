@@ -103,7 +103,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     options_class = KreaCacheOptions
     recache_modes = ("causal", "longlive")
-    offers_pipelined_denoising = True  # `denoising="pipelined"`: several chunks in one forward (rolldiff.pipelines.pipelined)
+    offers_pipelined_denoising = True  # `denoising="pipelined"` (rolldiff.pipelines.pipelined)
     output_class = KreaRealtimeVideoPipelineOutput
 
     def __init__(  # noqa: PLR0913 (the config: components and their registered defaults)
