@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
-from recipe_goldens import Golden, load_golden, load_transformer, load_vae
-from test_recipes_pipeline import TOLERANCE, InjectedNoise, _errors
-from tiny_components import tiny_text_encoder, word_tokenizer
+from recipe_goldens import Golden, load_golden, load_transformer
+from test_recipes_pipeline import TOLERANCE, InjectedNoise, _errors, krea_golden_pipeline
 
 from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.pipelines import stream as stream_module
@@ -31,20 +29,7 @@ SCENARIOS = ("i2v_framewise", "i2v_framewise_2step", "i2v_framewise_1step")
 
 def _pipeline(golden: Golden) -> KreaRealtimeVideoPipeline:
     """The Krea pipeline on the golden's tiny transformer and tiny VAE (both in the authors' key layouts)."""
-    pipe = KreaRealtimeVideoPipeline(
-        tokenizer=word_tokenizer(),
-        text_encoder=tiny_text_encoder(),
-        transformer=load_transformer("causal-forcing"),
-        vae=load_vae("causal-forcing"),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # the recipe's own shift (5) must win
-        max_sequence_length=golden.meta["settings"]["text_len"],
-    )
-    factor = pipe.vae_scale_factor_spatial
-    pipe.register_to_config(
-        height=golden.meta["latent_size"][0] * factor, width=golden.meta["latent_size"][1] * factor
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return krea_golden_pipeline(golden, load_transformer("causal-forcing"), vae_recipe="causal-forcing")
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

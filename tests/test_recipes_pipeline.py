@@ -137,13 +137,16 @@ def test_explicit_arguments_override_the_recipe_and_a_folder_may_name_one(tmp_pa
 
 
 # ----------------------------------------------------------------------------------------- Krea-like recipes
-def _krea_like_pipeline(golden: Golden) -> KreaRealtimeVideoPipeline:
-    vae = load_vae("krea-realtime")
+def krea_golden_pipeline(
+    golden: Golden, transformer=None, vae_recipe: str = "krea-realtime"
+) -> KreaRealtimeVideoPipeline:
+    """The Krea-like pipeline on a golden's tiny transformer (its recipe's, unless given) and a recipe's tiny VAE, at
+    the golden's frame size, with a scheduler shift the recipe must override."""
     pipe = KreaRealtimeVideoPipeline(
         tokenizer=word_tokenizer(),
         text_encoder=tiny_text_encoder(),
-        transformer=load_transformer(golden.recipe),
-        vae=vae,
+        transformer=load_transformer(golden.recipe) if transformer is None else transformer,
+        vae=load_vae(vae_recipe),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # the recipe's own shift (5) must win
         max_sequence_length=golden.meta["settings"]["text_len"],
     )
@@ -171,7 +174,7 @@ KREA_LIKE = {
 def test_krea_like_recipes_match_upstream(case, monkeypatch):
     recipe, scenario = case.split("/")
     golden = load_golden(recipe, scenario)
-    pipe = _krea_like_pipeline(golden)
+    pipe = krea_golden_pipeline(golden)
     steps = len(golden.settings["timesteps"])
     noise = InjectedNoise(golden, steps=steps)
     monkeypatch.setattr(stream_module, "randn_tensor", noise)
@@ -208,7 +211,7 @@ def test_causal_forcing_recipes_match_upstream(scenario, monkeypatch):
     the authors' `CausalInferencePipeline` (tools/record_causal_forcing_goldens.py)."""
     golden = load_golden("causal-forcing", scenario)
     recipe = golden.settings["recipe"]
-    pipe = _krea_like_pipeline(golden)
+    pipe = krea_golden_pipeline(golden)
     first = golden.settings.get("first_timesteps")
     noise = InjectedNoise(golden, len(golden.settings["timesteps"]), None if first is None else len(first))
     monkeypatch.setattr(stream_module, "randn_tensor", noise)

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
-from recipe_goldens import Golden, load_golden, load_upstream_weights, load_vae
-from test_recipes_pipeline import InjectedNoise
-from tiny_components import tiny_text_encoder, word_tokenizer
+from recipe_goldens import Golden, load_golden, load_upstream_weights
+from test_recipes_pipeline import InjectedNoise, krea_golden_pipeline
 
 from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.caching import SlidingWindowLayer
@@ -40,20 +38,7 @@ def _pipeline(golden: Golden, rope_max_seq_len: int | None = None) -> KreaRealti
         config["rope_max_seq_len"] = rope_max_seq_len
     transformer = KreaRealtimeTransformer3DModel(**config)
     transformer.load_state_dict(convert_original_wan_state_dict(load_upstream_weights(RECIPE)), strict=True)
-    pipe = KreaRealtimeVideoPipeline(
-        tokenizer=word_tokenizer(),
-        text_encoder=tiny_text_encoder(),
-        transformer=transformer.eval().requires_grad_(False),
-        vae=load_vae("krea-realtime"),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),  # the recipe's own shift (5) must win
-        max_sequence_length=golden.meta["settings"]["text_len"],
-    )
-    factor = pipe.vae_scale_factor_spatial
-    pipe.register_to_config(
-        height=golden.meta["latent_size"][0] * factor, width=golden.meta["latent_size"][1] * factor
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return krea_golden_pipeline(golden, transformer.eval().requires_grad_(False))
 
 
 def _errors(golden: Golden, chunks: list[torch.Tensor]) -> list[float]:
