@@ -39,6 +39,7 @@ ROWS = (
     ("causal-forcing-framewise", "causal-forcing-framewise", {}),
     ("causal-forcing-2step", "causal-forcing-2step", {}),
     ("causal-forcing-1step", "causal-forcing-1step", {}),
+    ("rolling-sink", "rolling-sink", {}),
     # denoising="pipelined": every step's chunk in flight, one forward for all (the in-flight chunks count in the window)
     ("rolling, pipelined (sink 3 + window 15)", None, {"denoising": "pipelined", "window_frames": 15}),
     ("self-forcing, pipelined", "self-forcing", {"denoising": "pipelined"}),
