@@ -79,7 +79,7 @@ RECIPES: dict[str, Recipe] = {
                 sigma_mapping="shift",
                 timestep_shift=5.0,  # model_kwargs.timestep_shift
                 context_noise=0.0,  # default_config.yaml
-                image_mode="frame",  # inference.py --i2v: initial_latent's one frame cached at t=0 first
+                image_mode="frame",  # as self-forcing; upstream refuses chunk-wise --i2v (inference.py:151): unproven
             ),
             "Self-Forcing's loop (the same architecture and causal_inference.py) on Causal Forcing's chunk-wise "
             "distilled weights (causal_ode.pt or causal_cd.pt).",
