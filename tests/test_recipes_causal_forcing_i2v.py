@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
 from recipe_goldens import Golden, load_golden, load_transformer
-from test_recipes_pipeline import TOLERANCE, InjectedNoise, _errors, krea_golden_pipeline
+from test_recipes_pipeline import TOLERANCE, _errors, inject_upstream_noise, krea_golden_pipeline
 
 from rolldiff import KreaRealtimeVideoPipeline
-from rolldiff.pipelines import stream as stream_module
 
 SCENARIOS = ("i2v_framewise", "i2v_framewise_2step", "i2v_framewise_1step")
 
@@ -41,9 +39,7 @@ def test_causal_forcing_image_to_video_matches_upstream(scenario, monkeypatch):
     assert golden.settings["image"]
     pipe = _pipeline(golden)
     first = golden.settings.get("first_timesteps")
-    noise = InjectedNoise(golden, len(golden.settings["timesteps"]), None if first is None else len(first))
-    monkeypatch.setattr(stream_module, "randn_tensor", noise)
-    monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
+    noise = inject_upstream_noise(golden, monkeypatch)
     stream = pipe.stream(
         num_frames=pipe.latent_to_frames(golden.settings["latent_frames"]), prompt_embeds=golden.text["a"],
         image=golden.tensor("image").numpy(), output_type="latent", recipe=golden.settings["recipe"],

@@ -201,6 +201,15 @@ def test_krea_like_recipes_match_upstream(case, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------- Causal Forcing
+def inject_upstream_noise(golden: Golden, monkeypatch) -> InjectedNoise:
+    """The stream draws upstream's recorded noise, in upstream's order (a first-chunk step list included)."""
+    first = golden.settings.get("first_timesteps")
+    noise = InjectedNoise(golden, len(golden.settings["timesteps"]), None if first is None else len(first))
+    monkeypatch.setattr(stream_module, "randn_tensor", noise)
+    monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
+    return noise
+
+
 CAUSAL_FORCING = ("chunkwise", "framewise", "framewise_2step", "framewise_1step")
 
 
@@ -213,9 +222,7 @@ def test_causal_forcing_recipes_match_upstream(scenario, monkeypatch):
     recipe = golden.settings["recipe"]
     pipe = krea_golden_pipeline(golden)
     first = golden.settings.get("first_timesteps")
-    noise = InjectedNoise(golden, len(golden.settings["timesteps"]), None if first is None else len(first))
-    monkeypatch.setattr(stream_module, "randn_tensor", noise)
-    monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
+    noise = inject_upstream_noise(golden, monkeypatch)
     stream = pipe.stream(
         num_frames=pipe.latent_to_frames(golden.settings["latent_frames"]), prompt_embeds=golden.text["a"],
         output_type="latent", recipe=recipe,

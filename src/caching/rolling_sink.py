@@ -23,6 +23,8 @@ allocated), so memory and work stay constant however long the video runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -41,19 +43,30 @@ class RollingSink(nn.Module):
 
     Args:
         sink_tokens: the layer's fixed sink (never rolled; the source starts after it).
-        source_tokens: tokens of the source, `window_tokens - chunk_tokens` (the committed part of a full window).
+        window_tokens, chunk_tokens: the layer's window and largest chunk; the source is the committed part of a
+            full window, `window_tokens - chunk_tokens`.
         frame_tokens: tokens per latent frame: frames are the unit of the walk (a lap reverses frame order, not
             the tokens inside a frame, as upstream's per-block flips at `:262-267` restore).
+        slot_of: the layer's slot of an absolute token index (the ring arithmetic has one home: the layer).
     """
 
-    def __init__(self, sink_tokens: int, source_tokens: int, frame_tokens: int) -> None:
+    def __init__(  # noqa: PLR0913 (the ring's geometry, named)
+        self,
+        sink_tokens: int,
+        window_tokens: int,
+        chunk_tokens: int,
+        frame_tokens: int,
+        slot_of: Callable[[int], int],
+    ) -> None:
         super().__init__()
+        source_tokens = window_tokens - chunk_tokens
         if source_tokens < frame_tokens or source_tokens % frame_tokens or sink_tokens % frame_tokens:
             raise ValueError(
                 f"`sink_mode='rolling'` needs whole frames of {frame_tokens} tokens: a sink of {sink_tokens} and a "
                 f"source (window - chunk) of {source_tokens} tokens, at least one frame; widen `window_tokens`."
             )
         self.sink_tokens, self.source_tokens, self.frame_tokens = sink_tokens, source_tokens, frame_tokens
+        self.window_tokens, self.chunk_tokens, self.slot_of = window_tokens, chunk_tokens, slot_of
         self.source_frames = source_tokens // frame_tokens
         self.register_buffer("source_keys", None)
         self.register_buffer("source_values", None)
@@ -70,23 +83,21 @@ class RollingSink(nn.Module):
             self.source_keys.zero_()
             self.source_values.zero_()
 
-    def after_commit(  # noqa: PLR0913 (the ring's geometry, named)
-        self, keys: torch.Tensor, values: torch.Tensor, start: int, count: int, chunk_tokens: int, window_tokens: int
-    ) -> None:
+    def after_commit(self, keys: torch.Tensor, values: torch.Tensor, start: int, count: int) -> None:
         """Tokens `[start, start + count)` were just committed into the ring `keys`/`values`: save those inside the
         source, then roll the frames of the chunk before them (`[start - chunk_tokens, start)`) that lie past the
-        source and are still held, each into its own slot (`sink + (p - sink) % window`)."""
+        source and are still held, each into its own slot (the layer's `slot_of`)."""
         sink, frame = self.sink_tokens, self.frame_tokens
         source_end = sink + self.source_tokens  # below the window's first wrap: token p sits in slot p
         low, high = max(start, sink), min(start + count, source_end)
         if low < high:
             self.source_keys[:, low - sink : high - sink].copy_(keys[:, low:high])
             self.source_values[:, low - sink : high - sink].copy_(values[:, low:high])
-        oldest_held = start + count - window_tokens  # older window tokens were overwritten by this chunk
-        first = max(start - chunk_tokens, source_end, oldest_held)
+        oldest_held = start + count - self.window_tokens  # older window tokens were overwritten by this chunk
+        first = max(start - self.chunk_tokens, source_end, oldest_held)
         first += -(first - sink) % frame  # whole frames only
         for position in range(first, start, frame):
-            slot = sink + (position - sink) % window_tokens
+            slot = self.slot_of(position)
             source = source_frame((position - sink) // frame, self.source_frames) * frame
             keys[:, slot : slot + frame].copy_(self.source_keys[:, source : source + frame])
             values[:, slot : slot + frame].copy_(self.source_values[:, source : source + frame])

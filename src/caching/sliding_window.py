@@ -118,8 +118,8 @@ class SlidingWindowLayer(CacheLayer):
                 f"`frame_tokens` and no `quantization`/`offload` (got chunk_tokens={self.chunk_tokens}, "
                 f"frame_tokens={self.frame_tokens}, quantization={self.quantization!r}, offload={self.offload})."
             )
-        source = self.window_tokens - self.chunk_tokens
-        return RollingSink(self.sink_tokens, source, check_positive("frame_tokens", self.frame_tokens))
+        frame_tokens = check_positive("frame_tokens", self.frame_tokens)
+        return RollingSink(self.sink_tokens, self.window_tokens, self.chunk_tokens, frame_tokens, self._slot_of)
 
     def _set_chunk_tokens(self, chunk_tokens: int) -> None:
         check_positive("chunk_tokens", chunk_tokens)
@@ -450,9 +450,7 @@ class SlidingWindowLayer(CacheLayer):
         self.pending_tokens = 0
         self._set_counters(start + pending, frontier)
         if self.rolling_sink is not None:
-            self.rolling_sink.after_commit(
-                self.keys, self.values, start, pending, self.chunk_tokens, self.window_tokens
-            )
+            self.rolling_sink.after_commit(self.keys, self.values, start, pending)
 
     def reset(self) -> None:
         self.storage.reset()

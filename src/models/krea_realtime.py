@@ -197,6 +197,11 @@ class CausalAttentionInputs:
 ATTENTION_BIAS_MODES = ("past", "scope")
 
 
+def _holds_text(caches: Sequence[RollingKVCache]) -> bool:
+    """Every block of every cache holds its text K/V: a cached step then skips the text projection."""
+    return all(layer is not None and layer.is_filled for cache in caches for layer in cache.cross)
+
+
 def _stacked_rope(
     inputs: CausalAttentionInputs, kind: str, per_row: list[tuple[torch.Tensor, torch.Tensor]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,30 +356,27 @@ class KreaRealtimeCrossAttnProcessor(WanAttnProcessor):
         cache = None if inputs is None else inputs.kv_cache
         if cache is None or cache.cross[self.index] is None:
             return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
-        layer = cache.cross[self.index]
-        if layer.is_filled:  # kept until the prompt changes: `reset_cross_attention()` / `prepare_conditioning`
-            key, value = layer.keys, layer.values
-        else:
-            key, value = layer.update(*text_key_value(attn, encoder_hidden_states), conditioning=inputs.conditioning)
+        key, value = self._text_key_value(attn, cache, encoder_hidden_states, inputs.conditioning)
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))
         out = dispatch_attention_fn(query, key, value, backend=self._attention_backend)
-        out = out.flatten(2, 3).type_as(query)
-        return attn.to_out[1](attn.to_out[0](out))
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
+
+    def _text_key_value(self, attn: WanAttention, cache: RollingKVCache, text_states, conditioning):
+        """The block's text K/V from `cache`: kept until the prompt changes (`reset_cross_attention()` /
+        `prepare_conditioning`), else computed from `text_states` now and kept."""
+        layer = cache.cross[self.index]
+        if layer is not None and layer.is_filled:
+            return layer.keys, layer.values
+        key, value = text_key_value(attn, text_states)
+        return (key, value) if layer is None else layer.update(key, value, conditioning=conditioning)
 
     def _rows(self, attn: WanAttention, hidden_states, encoder_hidden_states, rows: list[CausalAttentionInputs]):
         """Row `i` reads the text K/V of its own cache (filled now if empty, from its row of the text states); one
         attention call for the batch when every row's text has the same length."""
-        keys, values = [], []
-        for i, row in enumerate(rows):
-            layer = row.kv_cache.cross[self.index]
-            if layer is not None and layer.is_filled:
-                key, value = layer.keys, layer.values
-            else:
-                key, value = text_key_value(attn, encoder_hidden_states[i : i + 1])
-                if layer is not None:
-                    key, value = layer.update(key, value, conditioning=row.conditioning)
-            keys.append(key)
-            values.append(value)
+        keys, values = zip(*[
+            self._text_key_value(attn, row.kv_cache, encoder_hidden_states[i : i + 1], row.conditioning)
+            for i, row in enumerate(rows)
+        ])  # fmt: skip
         query = attn.norm_q(attn.to_q(hidden_states)).unflatten(2, (attn.heads, -1))  # (B, L, H, D)
         if len({key.shape for key in keys}) == 1:
             out = dispatch_attention_fn(query, torch.cat(keys), torch.cat(values), backend=self._attention_backend)
@@ -383,8 +385,7 @@ class KreaRealtimeCrossAttnProcessor(WanAttnProcessor):
                 dispatch_attention_fn(query[i : i + 1], key, value, backend=self._attention_backend)
                 for i, (key, value) in enumerate(zip(keys, values))
             ])  # fmt: skip
-        out = out.flatten(2, 3).type_as(query)
-        return attn.to_out[1](attn.to_out[0](out))
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
 
 
 def text_key_value(attn: WanAttention, text_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -591,7 +592,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
             conditioning=encoder_hidden_states,
             attention_bias=attention_bias,
             attention_bias_mode=attention_bias_mode,
-            text_cached=kv_cache is not None and all(layer is not None and layer.is_filled for layer in kv_cache.cross),
+            text_cached=kv_cache is not None and _holds_text([kv_cache]),
         ) if row_caches is None else self._row_inputs(
             rope, layout, row_caches, encoder_hidden_states, attention_bias, attention_bias_mode
         )  # fmt: skip
@@ -646,7 +647,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
             )
             for i, cache in enumerate(caches)
         ]
-        text_cached = all(layer is not None and layer.is_filled for cache in caches for layer in cache.cross)
+        text_cached = _holds_text(caches)
         return CausalAttentionInputs(
             rope=rope,
             layout=layout,

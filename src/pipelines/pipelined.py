@@ -29,9 +29,6 @@ from typing import Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from .request.conditioning import strength_steps
-from .request.steps import StepPlan
-
 
 @dataclass
 class InFlightChunk:
@@ -53,15 +50,6 @@ class PipelinedDenoising:
         self._in_flight = []
         self._next_entering = None
 
-    def _pipelined_plan(self) -> StepPlan:
-        """Every in-flight chunk's steps (one plan: `first_chunk_steps` is refused with this mode); a
-        video-to-video chunk runs the plan's last `strength` part."""
-        request = self._request
-        plan = request.step_plan
-        if self._inputs is not None and self._inputs.is_video:
-            plan = plan.tail(strength_steps(len(plan.steps), request.conditioning.strength))
-        return plan
-
     def _pipelined_chunk(self, index: int) -> torch.Tensor | None:
         """Chunk `index`'s clean latents in the model's dtype: forwards until it leaves the window (S of them for
         the first chunk, then one). None if the stream was interrupted or the input video ended first."""
@@ -79,33 +67,27 @@ class PipelinedDenoising:
 
     def _enter_next_chunk(self) -> None:
         """A fresh chunk joins the window (its noise drawn now; a video-to-video chunk's input read and noised)."""
-        request, pipe = self._request, self._pipe
-        index, plan = self._next_entering, self._pipelined_plan()
-        if index >= request.num_chunks or len(self._in_flight) >= len(plan.steps):
+        request, index = self._request, self._next_entering
+        if index >= request.num_chunks:
             return
-        device = pipe.execution_device
+        plan = request.step_plan_for(index)  # every chunk's (`first_chunk_steps` is refused with this mode)
+        if len(self._in_flight) >= len(plan.steps):
+            return
         given = None
         if self._inputs is not None and self._inputs.is_video:
             given = self._inputs.latents(index, request.geometry.chunk_size(index))
             if given is None:  # the input ended: nothing enters any more, the window empties
                 self._next_entering = request.num_chunks
                 return
-        shape = request.geometry.shape_of(index)
-        if request.latents is None:
-            noisy = randn_tensor(shape, generator=request.generator, device=device, dtype=torch.float32)
-        else:
-            start = request.geometry.chunk_start(index)
-            noisy = request.latents[:, :, start : start + shape[2]].to(device=device, dtype=torch.float32)
-        if given is not None:  # flow matching: x_sigma = sigma * noise + (1 - sigma) * x0
-            sigma = self._schedule(plan, device)[0].sigmas[0].to(device)
-            noisy = sigma * noisy + (1.0 - sigma) * given.to(device=device, dtype=torch.float32)
+        sigma = None if given is None else self._schedule(plan, self._pipe.execution_device)[0].sigmas[0]
+        noisy = self._starting_latents(index, given, sigma)
         self._in_flight.append(InFlightChunk(index, noisy, 0))
         self._next_entering = index + 1
 
     def _pipelined_forward(self) -> torch.Tensor | None:
         """One forward over the window; the leaving chunk's clean latents (None while the window fills)."""
         request, pipe = self._request, self._pipe
-        plan = self._pipelined_plan()
+        plan = request.step_plan_for(self._in_flight[0].index)
         scheduler, fed = self._schedule(plan, pipe.execution_device)
         sigmas = scheduler.sigmas
         window = torch.cat([chunk.latents for chunk in self._in_flight], dim=2)  # (B, C, frames, h, w)

@@ -33,7 +33,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from ..checks import check_int
 from .codecs.overlap import OverlappedDecoder, decode_ahead
 from .pipelined import PipelinedDenoising
-from .request.conditioning import ConditioningInput, strength_steps
+from .request.conditioning import ConditioningInput
 from .request.prompt_schedule import as_prompt_list
 from .request.request import VideoRequest, check_embeds
 from .request.steps import StepPlan
@@ -388,7 +388,7 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
         if given is not None and not self._inputs.is_video:
             clean = given.to(pipe.transformer.dtype)  # the start image's chunk: clean context, nothing to denoise
         else:
-            clean = self._pipelined_chunk(index) if pipelined else self._denoise_chunk(start, given)
+            clean = self._pipelined_chunk(index) if pipelined else self._denoise_chunk(given)
             if clean is None:
                 return None
         if not torch.isfinite(clean).all():
@@ -428,22 +428,28 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
             cache.reset_context()  # the text K/V stay: the rebuild runs under the embedding already cached
         self._pipe.context_pass(context, self._embeds, self._caches, self._request)
 
-    def _denoise_chunk(self, start: int, given: torch.Tensor | None) -> torch.Tensor | None:
+    def _starting_latents(self, index: int, given: torch.Tensor | None, sigma: torch.Tensor | None) -> torch.Tensor:
+        """Chunk `index`'s latents before its first step, float32: its noise, drawn now (chunk by chunk: nothing the
+        size of the video exists) or sliced from the call's `latents`, mixed with `given` input latents at its first
+        `sigma` (flow matching: x_sigma = sigma * noise + (1 - sigma) * x0)."""
+        request, device = self._request, self._pipe.execution_device
+        shape = request.geometry.shape_of(index)
+        if request.latents is None:
+            noisy = randn_tensor(shape, generator=request.generator, device=device, dtype=torch.float32)
+        else:
+            start = request.geometry.chunk_start(index)
+            noisy = request.latents[:, :, start : start + shape[2]].to(device=device, dtype=torch.float32)
+        if given is None:
+            return noisy
+        sigma = sigma.to(device)
+        return sigma * noisy + (1.0 - sigma) * given.to(device=device, dtype=torch.float32)
+
+    def _denoise_chunk(self, given: torch.Tensor | None) -> torch.Tensor | None:
         """The chunk from fresh noise (text-to-video) or from `given` input latents noised to `strength`."""
         pipe, request = self._pipe, self._request
         device, dtype = pipe.execution_device, pipe.transformer.dtype
-        shape = request.geometry.shape_of(self._next_chunk)
-        if request.latents is None:  # drawn now, chunk by chunk: nothing the size of the video exists
-            noisy = randn_tensor(shape, generator=request.generator, device=device, dtype=torch.float32)
-        else:
-            noisy = request.latents[:, :, start : start + shape[2]].to(device=device, dtype=torch.float32)
-        plan = request.step_plan_for(self._next_chunk)
-        if given is not None:
-            plan = plan.tail(strength_steps(len(plan.steps), request.conditioning.strength))
-        scheduler, fed = self._schedule(plan, device)
-        if given is not None:  # flow matching: x_sigma = sigma * noise + (1 - sigma) * x0 (sigma 1: the noise)
-            sigma = scheduler.sigmas[0].to(device)
-            noisy = sigma * noisy + (1.0 - sigma) * given.to(device=device, dtype=torch.float32)
+        scheduler, fed = self._schedule(request.step_plan_for(self._next_chunk), device)
+        noisy = self._starting_latents(self._next_chunk, given, scheduler.sigmas[0])
         for timestep, fed_timestep in zip(scheduler.timesteps, fed.unbind(0)):
             if self._interrupted.is_set():
                 return None

@@ -24,6 +24,7 @@ from fastapi import FastAPI, WebSocket
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from ..pipelines.request import VideoCall, build_request
 from ..pipelines.request.text_encoding import PromptWarning
 from ..pipelines.stream import ChunkStream
 from .batching import LockstepPipeline, batchable
@@ -125,13 +126,12 @@ class Hub:
                     raise ProtocolError(
                         "too_large", f"`num_frames` is at most {self.settings.max_frames} here", "num_frames"
                     )
-                stream = self.pipe.stream(num_frames=num_frames, **call)
+                request = build_request(self.pipe, VideoCall.bind("stream", (), {"num_frames": num_frames, **call}))
         except ValueError as error:
             names = re.findall(r"`(\w+)`", str(error))
             raise ProtocolError("bad_request", str(error), names[0] if names else None) from None
-        if self.max_batch > 1:  # the same validated request, its transformer steps open to batching
-            stream = ChunkStream(LockstepPipeline(self.pipe), stream.request)
-        return stream
+        # what `pipe.stream` makes, on a view whose transformer steps are open to batching when the server batches
+        return ChunkStream(LockstepPipeline(self.pipe) if self.max_batch > 1 else self.pipe, request)
 
     def cache_bytes(self, stream) -> int:
         """What the session's caches will take, measured on the meta device (nothing allocated)."""

@@ -19,6 +19,7 @@ solo run only by float reordering in the batched matrix products (docs/serving.m
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,10 @@ class StepCall:
     error: BaseException | None = None
     done: bool = False
 
-    def forward_settings(self) -> tuple:
-        """What must be equal for two calls to share a forward (besides being one row each)."""
+    def forward_key(self) -> tuple | None:
+        """What must be equal for two calls to share a forward; None (runs alone) for a call of several rows."""
+        if self.latents.shape[0] != 1:
+            return None
         request = self.request
         return (
             tuple(self.latents.shape[1:]),
@@ -113,14 +116,7 @@ class Lockstep:
             self._turn.notify_all()  # if the rest all wait, one of them runs the round
 
     def _run(self, calls: list[StepCall]) -> None:
-        groups: list[list[StepCall]] = []
-        for call in calls:
-            match = next((group for group in groups if _shares_forward(group[0], call)), None)
-            if match is None:
-                groups.append([call])
-            else:
-                match.append(call)
-        for group in groups:
+        for group in group_by_key(calls, StepCall.forward_key):
             try:
                 results = self._forward(group)
             except Exception as error:  # noqa: BLE001 (each member reports it as its chunk's failure)
@@ -142,15 +138,26 @@ class Lockstep:
             torch.cat([call.timestep for call in calls]),
             torch.cat([call.embeds for call in calls]),
             [call.cache for call in calls],  # one cache per row
-            first.request,  # the calls' layout and attention settings are equal (`forward_settings`)
+            first.request,  # the calls' layout and attention settings are equal (`forward_key`)
         )
         self.shared_rows += len(calls)
         return list(velocity.split(1))
 
 
-def _shares_forward(first: StepCall, call: StepCall) -> bool:
-    one_row = first.latents.shape[0] == call.latents.shape[0] == 1
-    return one_row and first.forward_settings() == call.forward_settings()
+def group_by_key(items: list, key: Callable[[Any], Hashable | None], limit: int | None = None) -> list[list]:
+    """`items` in order, grouped by `key` (equal keys together, at most `limit` to a group); a None key stays alone."""
+    groups: list[tuple[Hashable | None, list]] = []
+    for item in items:
+        item_key = key(item)
+        group = next(
+            (g for k, g in groups if item_key is not None and k == item_key and (limit is None or len(g) < limit)),
+            None,
+        )
+        if group is None:
+            groups.append((item_key, [item]))
+        else:
+            group.append(item)
+    return [group for _, group in groups]
 
 
 class LockstepPipeline:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from ..pipelines.io.video_writer import frames_to_uint8
-from .batching import Lockstep, LockstepPipeline, batch_key
+from .batching import Lockstep, LockstepPipeline, batch_key, group_by_key
 from .frames import encode_frame
 from .protocol import ProtocolError
 from .session import Control, Session
@@ -133,40 +133,25 @@ class Scheduler:
                 self._finish(session, "idle")
 
     def _serve(self, session: Session) -> None:
+        if self._controls_then_ready(session):
+            self._make_chunk(session)
+
+    def _controls_then_ready(self, session: Session) -> bool:
+        """Carry out the session's queued controls (a chunk boundary); whether it is then ready for a chunk."""
         for control in session.take_controls():
             if session.closed:
-                return
+                return False
             self._carry_out(session, control)
-        if session.ready():
-            self._make_chunk(session)
+        return session.ready()
 
     def _serve_batched(self, sessions: list[Session]) -> None:
         """One pass: every session's controls, then one chunk for each ready session, in groups that share forwards."""
-        ready = []
-        for session in sessions:
-            for control in session.take_controls():
-                if session.closed:
-                    break
-                self._carry_out(session, control)
-            if session.ready():
-                ready.append(session)
-        for group in self._groups(ready):
+        ready = [session for session in sessions if self._controls_then_ready(session)]
+        for group in group_by_key(ready, lambda session: batch_key(session.stream), self.max_batch):
             if len(group) == 1:
                 self._make_chunk(group[0])
             else:
                 self._make_chunks_together(group)
-
-    def _groups(self, sessions: list[Session]) -> list[list[Session]]:
-        """`sessions` (in rotation order) split by `batch_key`, at most `max_batch` to a group."""
-        groups: list[tuple[tuple | None, list[Session]]] = []
-        for session in sessions:
-            key = batch_key(session.stream)
-            group = next((g for k, g in groups if key is not None and k == key and len(g) < self.max_batch), None)
-            if group is None:
-                groups.append((key, [session]))
-            else:
-                group.append(session)
-        return [group for _, group in groups]
 
     def _make_chunks_together(self, group: list[Session]) -> None:
         """Each member's next chunk in a thread of its own, their transformer steps batched by one `Lockstep`."""

@@ -20,7 +20,7 @@ from ...caching.layout import ChunkLayout
 from ...checks import check_choice, check_flag, check_number
 from ...recipes import get_recipe
 from .call import VideoCall
-from .conditioning import DEFAULT_STRENGTH, build_conditioning, check_strength, strength_steps
+from .conditioning import build_conditioning, resolve_strength, strength_steps
 from .prompt_schedule import PromptSchedule
 from .request import (
     CacheOptions,
@@ -257,8 +257,7 @@ def _pipelined_layout(
     if geometry.first_chunk_frames != geometry.chunk_frames and call.image is None:
         raise ValueError("`denoising='pipelined'` needs chunks of one size; give `num_frames` as whole chunks.")
     if call.video is not None:
-        strength = DEFAULT_STRENGTH if call.strength is None else call.strength
-        num_steps = strength_steps(num_steps, check_strength(strength))
+        num_steps = strength_steps(num_steps, resolve_strength(call.strength))
     in_flight = min(num_steps, geometry.num_chunks) * geometry.chunk_frames
     pending = dataclasses.replace(options, chunk_frames=in_flight)
     try:

@@ -35,6 +35,11 @@ def check_strength(strength: Any) -> float:
     return check_number("strength", strength, 0, 1, above=True, hint="1: ignore the input's content")
 
 
+def resolve_strength(strength: Any) -> float:
+    """A call's `strength` (None: diffusers' default), checked."""
+    return check_strength(DEFAULT_STRENGTH if strength is None else strength)
+
+
 def strength_steps(num_steps: int, strength: float) -> int:
     """How many steps a video-to-video chunk runs: the last `int(num_steps * strength)` (at least one), as
     diffusers' `WanVideoToVideoPipeline` cuts its list."""
@@ -80,7 +85,7 @@ def build_conditioning(
             return None
         pixels = load_start_image(image, batch_size, height, width)
         return Conditioning(image=pixels, description={"image": float(pixels.double().sum())})
-    strength = check_strength(DEFAULT_STRENGTH if strength is None else strength)
+    strength = resolve_strength(strength)
     available = num_frames_available(video)
     if available is not None and available < first_chunk_pixels:
         raise ValueError(

@@ -20,6 +20,7 @@ import torch
 
 from ...caching.layout import ChunkLayout
 from ...checks import ArgumentKindError, check_choice, check_int, check_number, is_int
+from .conditioning import strength_steps
 from .prompt_schedule import PromptSchedule
 
 if TYPE_CHECKING:
@@ -148,10 +149,14 @@ class VideoRequest:
 
     def step_plan_for(self, chunk: int) -> StepPlan:
         """The steps chunk `chunk` is denoised with: the first denoised chunk's own plan, if any (a start image's
-        chunk 0 is not denoised, so that is chunk 1 then), else `step_plan`."""
-        first_denoised = 1 if self.conditioning is not None and self.conditioning.image is not None else 0
+        chunk 0 is not denoised, so that is chunk 1 then), else `step_plan`; a video-to-video chunk runs its last
+        `strength` part."""
+        conditioning = self.conditioning
+        first_denoised = 1 if conditioning is not None and conditioning.image is not None else 0
         if self.first_step_plan is not None and chunk == first_denoised:
             return self.first_step_plan
+        if conditioning is not None and conditioning.video is not None:  # from the input noised to `strength`
+            return self.step_plan.tail(strength_steps(len(self.step_plan.steps), conditioning.strength))
         return self.step_plan
 
     @property
