@@ -208,3 +208,12 @@ def test_compiled_fullgraph_keeps_a_bounded_number_of_graphs_as_the_video_grows(
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert len(longer) == 3 * NUM_CHUNKS
+
+
+def test_a_video_shorter_than_the_window_checks_the_window_asked_for(pipe):
+    short = _run(pipe, chunks=2)  # 2 chunks in flight at most; the cache's window is fitted to the video
+    assert len(short) == 2
+    with pytest.raises(
+        ValueError, match=r"`window_frames`=3 must be larger than the 3 latent frames .* Pass window_frames=5"
+    ):
+        pipe.stream(PROMPT, _frames(pipe), window_frames=3, denoising="pipelined", **SIZE)

@@ -16,7 +16,7 @@ import dataclasses
 import math
 from typing import Any, Protocol
 
-from ...caching.layout import ChunkLayout
+from ...caching.layout import ALL_FRAMES, ChunkLayout
 from ...checks import check_choice, check_flag, check_number
 from ...recipes import get_recipe
 from .call import VideoCall
@@ -259,14 +259,17 @@ def _pipelined_layout(
     if call.video is not None:
         num_steps = strength_steps(num_steps, resolve_strength(call.strength))
     in_flight = min(num_steps, geometry.num_chunks) * geometry.chunk_frames
-    pending = dataclasses.replace(options, chunk_frames=in_flight)
-    try:
-        pipelined = pipe.make_layout(layout.tokens_per_frame, pending, geometry.num_latent_frames)
-    except ValueError as error:
+    window = options.window_frames  # as asked: `layout`'s may be fitted to a short video
+    if window != ALL_FRAMES and window <= in_flight:
+        chunks = in_flight // geometry.chunk_frames
         raise ValueError(
-            f"`denoising='pipelined'` keeps {in_flight // geometry.chunk_frames} chunks of {geometry.chunk_frames} "
-            f"latent frames in flight ({in_flight} frames), and the window counts them: {error}"
-        ) from None
+            f"`window_frames`={window} must be larger than the {in_flight} latent frames "
+            f"`denoising='pipelined'` keeps in flight ({chunks} chunks of {geometry.chunk_frames}, one per step): the "
+            f"window counts them. Pass window_frames={in_flight + window - geometry.chunk_frames} to keep "
+            f"the committed context of sequential denoising, {in_flight + 1} at least, or 'all'."
+        )
+    pending = dataclasses.replace(options, chunk_frames=in_flight)
+    pipelined = pipe.make_layout(layout.tokens_per_frame, pending, geometry.num_latent_frames)
     pipe.transformer.check_frame_budget(geometry.num_latent_frames, pipelined)
     return pipelined
 
