@@ -65,6 +65,8 @@ FLAGS = {
     "window_frames": "--window-frames",
     "position_mode": "--position-mode",
     "sink_mode": "--sink-mode",
+    "elastic_window": "--elastic-window",
+    "context_window_frames": "--context-window-frames",
     "kv_quantization": "--kv-quantization",
     "kv_offload": "--kv-offload",
     "image": "--image",
@@ -246,6 +248,17 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--position-mode", help="RoPE positions: absolute or relative (default: the model's)")
     generate.add_argument(
         "--sink-mode", help="fixed, or rolling (Rolling Sink's sliding sink; needs relative positions)"
+    )
+    generate.add_argument(
+        "--elastic-window",
+        action="store_true",
+        default=None,
+        help="the window counts the frames being denoised: fewer in flight see more committed frames (Rolling Forcing)",
+    )
+    generate.add_argument(
+        "--context-window-frames",
+        type=int,
+        help="latent frames the context pass attends to, counting its chunk (Rolling Forcing's clean pass: 21)",
     )
     generate.add_argument(
         "--kv-quantization", choices=["int8", "fp8"], help="store the K/V window quantized (about half of bf16)"
@@ -454,6 +467,8 @@ def _call_arguments(args: argparse.Namespace, image) -> dict:
         window_frames=args.window_frames,
         position_mode=args.position_mode,
         sink_mode=args.sink_mode,
+        elastic_window=args.elastic_window,
+        context_window_frames=args.context_window_frames,
         kv_quantization=args.kv_quantization,
         kv_offload=args.kv_offload,
         image=image,

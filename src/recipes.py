@@ -67,6 +67,60 @@ RECIPES: dict[str, Recipe] = {
             "chunk of noise and repeats it for every chunk (inference.py:165-170); the stream draws each chunk's.",
         ),
         Recipe(
+            "streamdiffusionv2",
+            "KreaRealtimeVideoPipeline",
+            "chenfengxu714/StreamDiffusionV2@c5a0f20 streamv2v/inference_wo_batch.py:236-372, "
+            "models/wan/causal_model.py:268-342, configs/wan_causal_dmd_v2v.yaml",
+            dict(
+                chunk_frames=1,  # num_frame_per_block: 1
+                sink_frames=3,  # num_sink_tokens: 3 (frames)
+                window_frames=3,  # num_kv_cache: 6 frame slots = the sink + 3 (the chunk's own slot among them)
+                position_mode="absolute",  # keys stored after RoPE, compared so by the adaptive sink
+                adaptive_sink=True,  # causal_model.py:284-322, decided per step and per transformer block
+                adaptive_sink_threshold=0.2,  # adapt_sink_threshold
+                denoising_steps=(1000, 750, 500, 250),  # from pure noise: wan_causal_dmd_t2v.yaml's list
+                video_denoising_steps=(700, 500, 400, 200),  # wan_causal_dmd_v2v.yaml, --step 4
+                sigma_mapping="table",  # warp_denoising_step: false (the raw step fed, its sigma the table's)
+                timestep_shift=8.0,  # FlowMatchScheduler(shift=8.0), models/wan/wan_wrapper.py:163-166
+                context_policy="last_step",  # no clean pass: each step writes the cache (causal_model.py:301-337)
+                first_chunk="extra_frame",  # block 0 is 1 + 4 pixel frames: 2 latent frames (inference_wo_batch.py:257)
+                video_noise_mix="motion",  # noise*s + x*(1-s), s and the first step from the motion (inference.py:51-57)
+                normalize_input_latents=False,  # stream_encode(..., is_scale=False) (wan_wrapper.py:134-141)
+            ),
+            "Video-to-video in real time (`video=`, a file or a webcam iterator; `strength` is upstream's "
+            "--noise_scale, 0.8 by default as upstream's): one latent frame a chunk after a first chunk of two, "
+            "steps 700/500/400/200 with the first chosen by the input's motion, no context pass, and a 3-frame sink "
+            "refreshed when a new frame stops resembling it. Text-to-video runs the same loop from noise with "
+            "1000/750/500/250; upstream's t2v uses another config (chunks of 3, a 21-frame cache, no sink), so that "
+            "use is not proven. Upstream moves positions past frame 50 back to frame 5 (t_refresh, "
+            "inference_wo_batch.py:314-316); ours keep counting (RoPE table of 1024 frames).",
+        ),
+        Recipe(
+            "rolling-forcing",
+            "KreaRealtimeVideoPipeline",
+            "thu-ml/Causal-Forcing@1fc7bbc long_video/pipeline/rolling_forcing_inference.py:169-300, "
+            "long_video/wan/modules/causal_model.py:180-300, long_video/configs/rolling_forcing_dmd.yaml",
+            dict(
+                chunk_frames=3,  # num_frame_per_block: 3
+                denoising="pipelined",  # :169-300: a window of one block per step, one forward for all of them
+                sink_frames=3,  # causal_model.py:211: the first block kept as the anchor
+                window_frames=18,  # :268: 21 frames (max_attention_size) less the anchor: the query + the working cache
+                elastic_window=True,  # :268-272: the working cache grows as the window empties (6, 9, 12, 15 frames)
+                context_window_frames=21,  # :247-251: the clean pass sees the last 21 frames, itself included
+                position_mode="relative",  # :277-281: the anchor, kept before RoPE, re-roped before the working cache
+                denoising_steps=(1000, 750, 500, 250),  # rolling_forcing_dmd.yaml
+                sigma_mapping="shift",  # warp_denoising_step: true (rolling_forcing_inference.py:27-29)
+                timestep_shift=5.0,  # model_kwargs.timestep_shift
+                context_noise=0.0,  # default_config.yaml; the clean pass at t = context_noise (:273-295)
+            ),
+            "Causal Forcing's minute-long videos (checkpoint chunkwise/longvideo.pt; TencentARC/RollingForcing's loop): "
+            "4 chunks in flight at staggered noise levels, one forward per chunk; the leaving chunk's clean pass writes "
+            "its K/V seeing the last 21 frames, the anchor only while the video is that short. Upstream has no prompt "
+            "switch (a prompt_schedule runs our recache='causal', unproven) and no image-to-video (its --i2v path "
+            "reads `current_start_frame` before assigning it, :141); videos shorter than 4 chunks differ (its filling "
+            "windows redraw a block's noise, :215-219).",
+        ),
+        Recipe(
             "causal-forcing",
             "KreaRealtimeVideoPipeline",
             "thu-ml/Causal-Forcing@1fc7bbc pipeline/causal_inference.py, configs/causal_forcing_dmd_chunkwise.yaml",

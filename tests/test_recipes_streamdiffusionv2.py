@@ -1,27 +1,274 @@
-"""StreamDiffusionV2's goldens (tools/record_streamdiffusionv2_goldens.py): what they hold, and the parts of our
-side already proven against them.
+"""`recipe="streamdiffusionv2"` against the authors' own code (tools/record_streamdiffusionv2_goldens.py).
 
-The goldens are the authors' own single-GPU drivers (chenfengxu714/StreamDiffusionV2 c5a0f20,
-`streamv2v/inference_wo_batch.py` and the stream batch of `streamv2v/inference.py`) on the tiny random Wan, with every
-noise draw, the input video, what the authors' VAE encoded and each block's clean latents. Proven here: the tiny
-weights load through our converter, and our streaming encoder (diffusers' `AutoencoderKLWan`, Wan 2.1 VAE weights
-through diffusers' converter, no latent normalisation, as the authors' `stream_encode` has none) gives the latents
-upstream fed its model, block by block. The `recipe="streamdiffusionv2"` replay of the clean latents waits for the
-loop options listed in `MISSING` (see the recorder's docstring for the upstream lines).
+The goldens are the authors' single-GPU driver (chenfengxu714/StreamDiffusionV2 c5a0f20,
+`streamv2v/inference_wo_batch.py`, and the stream batch of `streamv2v/inference.py`) on the tiny random Wan, with every
+noise draw, the input video, what the authors' VAE encoded, each block's clean latents and, per chunk and transformer
+block, the adaptive sink's eviction queue. Here our pipeline runs `recipe="streamdiffusionv2"` on the golden's weights,
+VAE and input pixels with upstream's noise injected in upstream's order, and every block's clean latents must equal
+upstream's within 1e-4 (the floor, upstream fp32 against upstream fp64, is printed), our eviction queues must be
+upstream's, chunk by chunk and block by block, and the sink must refresh in our run as it did in upstream's.
+
+The weights upstream ran with are the stored ones rounded to bf16: the driver casts its pipeline to bf16 when it is
+built (`inference_wo_batch.py:74`) and loads the checkpoint afterwards (`load_model`), and the recorder only then
+moved it to fp32/fp64. The replay loads the same rounded values (`_transformer`); with the unrounded ones every block
+differs by ~1e-2, which is that rounding, not the loop.
+
+Our input reader rounds pixels to 8 bits (every video file's precision); the golden's input is float, so the tests hand
+the stream upstream's exact pixels through `VideoInput.next_chunk` (`_exact_pixels`). The encoder itself is proven
+against upstream's below.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from recipe_goldens import load_golden, load_meta, load_transformer, load_vae
+from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
+from recipe_goldens import Golden, load_golden, load_meta, load_transformer, load_vae
+from test_recipes_pipeline import krea_golden_pipeline
 
+from rolldiff import KreaRealtimeVideoPipeline
+from rolldiff.caching import AdaptiveSinkLayer
+from rolldiff.pipelines import stream as stream_module
 from rolldiff.pipelines.codecs.streaming_encode import StreamingWanEncoder
+from rolldiff.pipelines.io.video_input import VideoInput
+from rolldiff.pipelines.request.steps import StepMapping, plan_steps
+from rolldiff.pipelines.video_noise import VideoNoiseMix
+from rolldiff.recipes import describe_recipe, get_recipe
 
 RECIPE = "streamdiffusionv2"
 TOLERANCE = 1e-4
+NUM_FRAMES = 37  # the golden's input: 1 + 4 pixel frames (2 latent frames), then 8 chunks of 4 (1 latent frame each)
 
 
+def _transformer():
+    """The golden's tiny transformer with the weights upstream ran with: the stored ones rounded to bf16."""
+    transformer = load_transformer(RECIPE)
+    with torch.no_grad():
+        for parameter in transformer.parameters():
+            parameter.copy_(parameter.to(torch.bfloat16).float())
+    return transformer
+
+
+def _pipeline(golden: Golden) -> KreaRealtimeVideoPipeline:
+    return krea_golden_pipeline(golden, _transformer(), vae_recipe=RECIPE)
+
+
+class UpstreamDraws:
+    """Stands in for `randn_tensor` in the stream and the scheduler: upstream's draws in upstream's order, each put
+    in diffusers' layout. Per chunk the stream draws its noise, then one re-noise per step; upstream draws none after
+    the last step (its sigma is 0), so that draw gets zeros."""
+
+    def __init__(self, golden: Golden, steps: int) -> None:
+        count = len(golden.settings["draw_shapes"])
+        self.draws = [golden.tensor(f"draw.{i}") for i in range(count)]
+        self.per_chunk, self.calls, self.used = steps + 1, 0, 0
+
+    def __call__(self, shape, generator=None, device=None, dtype=None, **kwargs) -> torch.Tensor:
+        self.calls += 1
+        if self.calls % self.per_chunk == 0:
+            return torch.zeros(shape, device=device, dtype=dtype)
+        draw = self.draws[self.used]  # (batch, frames, channels, h, w) or a re-noise's (frames, channels, h, w)
+        self.used += 1
+        draw = (draw if draw.ndim == 5 else draw.unsqueeze(0)).permute(0, 2, 1, 3, 4)
+        assert tuple(draw.shape) == tuple(shape), (self.used - 1, tuple(draw.shape), tuple(shape))
+        return draw.to(device=device, dtype=dtype)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.used == len(self.draws)
+
+
+def _inject(golden: Golden, monkeypatch) -> UpstreamDraws:
+    draws = UpstreamDraws(golden, len(get_recipe(RECIPE).settings["video_denoising_steps"]))
+    monkeypatch.setattr(stream_module, "randn_tensor", draws)
+    monkeypatch.setattr(scheduler_module, "randn_tensor", draws)
+    return draws
+
+
+def _exact_pixels(golden: Golden, monkeypatch):
+    """`video=` for the call (the golden's frames as an (F, H, W, 3) array in [0, 1], which the request checks), with
+    the reader handing the stream upstream's float pixels themselves, chunk by chunk."""
+    video = golden.tensor("video")  # (1, 3, frames, H, W) in [-1, 1]
+
+    def next_chunk(self, num_frames):
+        frames = video[:, :, self.frames_read : self.frames_read + num_frames]
+        self.frames_read += frames.shape[2]
+        return frames if frames.shape[2] else None
+
+    monkeypatch.setattr(VideoInput, "next_chunk", next_chunk)
+    return ((video[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).numpy()
+
+
+def _replay(golden: Golden, monkeypatch, **extra):
+    """Our stream under the recipe on the golden's input: each chunk's latents and, after every chunk but the first,
+    each transformer block's eviction queue."""
+    pipe = _pipeline(golden)
+    draws = _inject(golden, monkeypatch)
+    video = _exact_pixels(golden, monkeypatch)
+    stream = pipe.stream(
+        num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], video=video, strength=golden.settings["noise_scale"],
+        output_type="latent", recipe=RECIPE, **extra,
+    )  # fmt: skip
+    chunks, queues = [], []
+    for chunk in stream:
+        chunks.append(chunk.float())
+        if len(chunks) > 1 and isinstance(stream.caches[0][0], AdaptiveSinkLayer):
+            queues.append([list(layer.queue) for layer in stream.caches[0]])
+    return stream, chunks, queues, draws
+
+
+def _errors(golden: Golden, chunks: list[torch.Tensor]) -> list[float]:
+    assert len(chunks) == len(golden.clean) == 9
+    return [float((made - expected).abs().max()) for made, expected in zip(chunks, golden.clean)]
+
+
+# ----------------------------------------------------------------------------------------- the recipe's replay
+@pytest.mark.parametrize("scenario", ["plain", "v2v"])
+@torch.no_grad()
+def test_the_recipe_matches_upstream_block_by_block(scenario, monkeypatch):
+    """Block 0 (two latent frames) and 8 one-frame chunks, every one within 1e-4 of upstream's; the eviction queues
+    are upstream's after every chunk in every transformer block, and the sink refreshed in our run."""
+    golden = load_golden(RECIPE, scenario)
+    stream, chunks, queues, draws = _replay(golden, monkeypatch)
+    errors = _errors(golden, chunks)
+    refreshes = [layer.refreshes for layer in stream.caches[0]]
+    print(
+        f"\n{RECIPE}/{scenario} through the pipeline: max |ours - upstream| {max(errors):.1e} over {len(errors)} "
+        f"blocks, floor (upstream fp32 vs fp64) {golden.floor:.1e}; sink refreshes per transformer block {refreshes}"
+    )
+    assert draws.exhausted
+    assert max(errors) <= TOLERANCE, errors
+    assert queues == golden.settings["evict_queues"]
+    assert sum(refreshes) > 0  # the adaptive sink rewrote a sink frame in OUR run
+
+
+@torch.no_grad()
+def test_without_refreshes_the_v2v_golden_is_missed(monkeypatch):
+    """The control: the same loop with a threshold that never refreshes (upstream's -1) misses the v2v golden by far
+    more than the tolerance, so the match above depends on the adaptive sink's decisions."""
+    golden = load_golden(RECIPE, "v2v")
+    stream, chunks, _, _ = _replay(golden, monkeypatch, adaptive_sink_threshold=-1.0)
+    errors = _errors(golden, chunks)
+    print(f"\n{RECIPE}/v2v without refreshes: max |ours - upstream| {max(errors):.2e} (tolerance {TOLERANCE:.0e})")
+    assert sum(layer.refreshes for layer in stream.caches[0]) == 0
+    assert max(errors[:4]) <= TOLERANCE  # the queue is read once the buffer is full (chunk 4): the same until then
+    assert max(errors) > 100 * TOLERANCE
+
+
+@torch.no_grad()
+def test_without_the_motion_adaptive_step_the_v2v_golden_is_missed(monkeypatch):
+    """The control of the noise mix: a fixed `strength` mix (every chunk from step 700) misses from chunk 1 on."""
+    golden = load_golden(RECIPE, "v2v")
+    _, chunks, _, _ = _replay(golden, monkeypatch, video_noise_mix="strength")
+    errors = _errors(golden, chunks)
+    assert errors[0] <= TOLERANCE and min(errors[1:]) > 100 * TOLERANCE, errors
+
+
+def test_the_motion_adaptive_first_steps_are_upstreams():
+    """`VideoNoiseMix("motion")` over the golden's pixels picks the first timestep upstream fed each chunk."""
+    for scenario in ("plain", "v2v"):
+        golden = load_golden(RECIPE, scenario)
+        video, mix = golden.tensor("video"), VideoNoiseMix("motion", golden.settings["noise_scale"])
+        plan = plan_steps([700, 500, 400, 200], "table", 8.0)
+        mapping = StepMapping("table", 8.0)
+        fed = []
+        for index in range(9):
+            start = 0 if index == 0 else 1 + 4 * index
+            mix.observe(video[:, :, start : 5 + 4 * index])
+            chunk_plan, _ = mix.plan_and_level(plan, mapping)
+            fed.append([int(t) for t in chunk_plan.timesteps])
+        assert fed[0] == [700, 500, 400, 200]
+        assert fed[1:] == golden.settings["steps_fed"], scenario
+
+
+# ----------------------------------------------------------------------------------------- the stream batch
+@torch.no_grad()
+def test_the_stream_batch_is_one_cache_per_step_with_its_fill_rows():
+    """What upstream's stream batch is, spelled out through our model and `AdaptiveSinkLayer`, against its golden.
+
+    `streamv2v/inference.py:298-371` with `causal_stream_inference.py:202-296`: block 0 is denoised alone (4 steps,
+    one cache), then its cache is copied into one row per step (`:221-225`) and every forward runs a batch of 4 rows,
+    row r holding chunk f - r at step r and attending to and writing its own cache row; rows never meet, so each
+    cache holds the earlier chunks' K/V written at its own step, and pops its queue at every write once full
+    (`cache_bs > 1`, `causal_model.py:310-316`). Until the batch is full, rows 1..3 hold zeros and their re-noised
+    predictions (`prepare`'s `hidden_states` are zeros): they write into their caches at chunk 1's position, and
+    their similarity decisions stay in the queues (left out, chunks 6-8 differ by ~0.1). Once the input ends, row 0
+    takes pure noise (those rows are never shown and are skipped here). Every block within 1e-4 of the golden.
+
+    The pipeline does not offer this loop: it needs a cache per step and branch and these fill rows."""
+    from rolldiff.caching import AdaptiveSinkPolicy, CrossAttentionLayer, RollingKVCache
+    from rolldiff.models import ChunkLayout
+
+    golden = load_golden(RECIPE, "stream_batch")
+    model, text, video = _transformer(), golden.text["a"], golden.tensor("video")
+    steps, chunks = [700.0, 500.0, 400.0, 200.0], 8
+    mapping = StepMapping("table", 8.0)
+    layout = ChunkLayout(tokens_per_frame=golden.tokens_per_frame, chunk_frames=2, sink_frames=3, window_frames=3)
+
+    def cache() -> RollingKVCache:
+        policy = AdaptiveSinkPolicy(0.2, len(steps))  # block 0's: its 4 steps (and the fill rows') before a commit
+        sizes = (layout.sink_tokens, layout.window_tokens, layout.chunk_tokens)
+        layers = [AdaptiveSinkLayer(*sizes, frame_tokens=layout.tokens_per_frame, policy=policy) for _ in model.blocks]
+        return RollingKVCache(layers, [CrossAttentionLayer() for _ in model.blocks])
+
+    def draw(index: int) -> torch.Tensor:
+        noise = golden.tensor(f"draw.{index}")
+        return (noise if noise.ndim == 5 else noise.unsqueeze(0)).permute(0, 2, 1, 3, 4)
+
+    def predict(latents, timestep, sigma, step_cache) -> torch.Tensor:
+        return (
+            latents - sigma * model(latents, torch.tensor([timestep]), text, kv_cache=step_cache, layout=layout).sample
+        )
+
+    mix = VideoNoiseMix("motion", golden.settings["noise_scale"])
+    mix.observe(video[:, :, :5])
+    plan, level = mix.plan_and_level(mapping.plan(steps), mapping)
+    first = cache()
+    latents = level * draw(0) + (1 - level) * golden.tensor("encoded.0")  # block 0: `prepare`, draws 0-3
+    for step, (timestep, sigma) in enumerate(zip(plan.timesteps, plan.sigmas)):
+        clean = predict(latents, timestep, sigma, first)
+        if step + 1 < len(steps):
+            latents = (1 - plan.sigmas[step + 1]) * clean + plan.sigmas[step + 1] * draw(step + 1)
+    first.commit()
+    made = [clean]
+    caches = [cache() for _ in steps]
+    for row_cache in caches:
+        row_cache.load_state_dict(first.state_dict())
+    rows = [torch.zeros_like(clean[:, :, :1]) for _ in steps]  # `hidden_states`: zeros until chunks fill the batch
+    plans = [plan] * len(steps)
+    for forward in range(1, chunks + len(steps)):
+        drawn = 4 + 4 * (forward - 1)  # this forward's draws: the entering chunk's noise, then re-noises of rows 0-2
+        entering = None
+        if forward <= chunks:  # the input's next chunk, mixed at its motion-adapted level
+            mix.observe(video[:, :, 1 + 4 * forward : 5 + 4 * forward])
+            entering, level = mix.plan_and_level(mapping.plan(steps), mapping)
+            rows = [level * draw(drawn) + (1 - level) * golden.tensor(f"encoded.{forward}")] + rows[:-1]
+        else:
+            rows = [None] + rows[:-1]  # pure noise after the input ends: never shown, skipped
+        plans = [entering] + plans[:-1]
+        for row, row_cache in enumerate(caches):
+            chunk = forward - row
+            if rows[row] is None or chunk > chunks:
+                continue
+            row_plan = plans[row] if chunk >= 1 else plan  # a fill row runs at its row's step of the list
+            rows[row] = predict(rows[row], row_plan.timesteps[row], row_plan.sigmas[row], row_cache)
+            if chunk >= 1:  # a fill row's writes stay pending: chunk 1 writes the same slots after them
+                row_cache.commit()
+                for layer in row_cache:
+                    layer.policy = AdaptiveSinkPolicy(0.2, 1)  # one write a chunk from now on: every write pops
+            if row + 1 < len(steps):
+                next_sigma = plan.sigmas[row + 1]
+                rows[row] = (1 - next_sigma) * rows[row] + next_sigma * draw(drawn + row + 1)
+        if forward >= len(steps):
+            made.append(rows[-1])
+    errors = _errors(golden, made)
+    print(
+        f"\n{RECIPE}/stream_batch, one cache per step with its fill rows: max {max(errors):.1e}, floor {golden.floor:.1e}"
+    )
+    assert max(errors) <= TOLERANCE, errors
+
+
+# ----------------------------------------------------------------------------------------- what the goldens hold
 def test_golden_weights_load_through_our_converter():
     model = load_transformer(RECIPE)  # strict: every upstream key has a home, none is left over
     assert model.config.num_layers == load_meta(RECIPE)["upstream_model_config"]["num_layers"]
@@ -33,7 +280,7 @@ def test_our_streaming_encoder_gives_the_latents_upstream_encoded(scenario):
     """Block 0 is 1 + 4 pixel frames (2 latent frames), every later block 4 (1 latent frame), each encoded with the
     feature cache of the blocks before, as the authors' `WanVAE_.stream_encode` (vae.py:546-583) does."""
     golden = load_golden(RECIPE, scenario)
-    encoder = StreamingWanEncoder(load_vae(RECIPE).double())
+    encoder = StreamingWanEncoder(load_vae(RECIPE).double(), normalize=False)
     video = golden.tensor("video").double()
     encoded = sorted((k for k in golden._tensors if k.startswith("encoded.")), key=lambda k: int(k.split(".")[1]))
     assert len(encoded) == 9  # the 37 input frames: 5, then 8 x 4
@@ -75,3 +322,117 @@ def test_goldens_hold_every_draw_and_a_small_floor(scenario):
     assert len(draws) == len(golden.settings["draw_shapes"])
     assert len(golden.clean) == 9  # block 0 (two latent frames), then 8 blocks of one
     assert golden.floor < 1e-5
+
+
+# ----------------------------------------------------------------------------------------- the request
+def test_the_recipe_sets_upstreams_loop(monkeypatch):
+    golden = load_golden(RECIPE, "v2v")
+    pipe = _pipeline(golden)
+    video = _exact_pixels(golden, monkeypatch)
+    request = pipe.stream(num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], video=video, recipe=RECIPE).request
+    assert request.geometry.first_chunk_frames == 2 and request.geometry.chunk_frames == 1
+    assert request.num_chunks == 9 and request.layout.context_frames == 6  # num_kv_cache: 6
+    assert request.options.adaptive_sink and request.options.adaptive_sink_threshold == 0.2
+    assert request.context_policy == "last_step" and request.video_noise_mix == "motion"
+    assert not request.normalize_input_latents
+    assert request.conditioning.strength == 0.8  # upstream's --noise_scale default
+    plan = request.step_plan_for(1)  # the video list, whole: the strength is the mix, not a cut
+    assert plan.timesteps == (700.0, 500.0, 400.0, 200.0)
+    assert list(plan.sigmas) == pytest.approx(golden.settings["sigmas"], abs=1e-7)
+    assert request.writes_per_chunk == 4  # upstream's per-block `total_steps`
+    text = pipe.stream(num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], recipe=RECIPE).request
+    assert text.step_plan.timesteps == (1000.0, 750.0, 500.0, 250.0) and text.conditioning is None
+    assert "adaptive_sink = True" in describe_recipe(RECIPE)
+
+
+def test_a_pipeline_folder_may_name_the_recipe_and_an_argument_still_wins():
+    golden = load_golden(RECIPE, "plain")
+    pipe = _pipeline(golden)
+    pipe.register_to_config(recipe=RECIPE)  # what `"recipe": "streamdiffusionv2"` in model_index.json does
+    call = dict(num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], output_type="latent")
+    assert pipe.stream(**call).request.options.adaptive_sink
+    assert pipe.stream(**call, adaptive_sink_threshold=0.5).request.options.adaptive_sink_threshold == 0.5
+
+
+BAD_CALLS = {
+    "chunks of 3": (dict(chunk_frames=3, window_frames=5), r"chunk_frames=1"),
+    "past the RoPE table": (dict(num_frames=1 + 4 * 1024), r"1025 latent frames exceed .* `adaptive_sink=True`"),
+    "quantized": (dict(kv_quantization="int8"), r"no kv_quantization"),
+    "relative": (dict(position_mode="relative"), r"position_mode='absolute'"),
+    "threshold": (dict(adaptive_sink_threshold=1.5), r"`adaptive_sink_threshold` must be a number in \[-1, 1\]"),
+    "threshold kind": (dict(adaptive_sink_threshold="high"), r"`adaptive_sink_threshold`"),
+    "flag": (dict(adaptive_sink="yes"), r"`adaptive_sink` must be True or False"),
+    "pipelined": (dict(denoising="pipelined"), r"context_policy='last_step'"),
+    "extra frame alone": (dict(adaptive_sink=False), r"needs the adaptive sink"),
+    "policy": (dict(context_policy="clean"), r"`context_policy` must be one of .*'last_step'"),
+    "mix without video": (dict(video_noise_mix="motion", recipe=None), r"`video_noise_mix` applies to `video="),
+    "steps without video": (dict(video_denoising_steps=[700, 500], recipe=None), r"`video_denoising_steps` applies"),
+    "normalize without input": (dict(normalize_input_latents=False, recipe=None), r"`normalize_input_latents`"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS, ids=BAD_CALLS)
+def test_bad_streamdiffusionv2_options_are_refused_naming_the_argument(case):
+    golden = load_golden(RECIPE, "plain")
+    pipe = _pipeline(golden)
+    extra, match = BAD_CALLS[case]
+    call = dict(num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], output_type="latent", recipe=RECIPE) | extra
+    with pytest.raises((TypeError, ValueError), match=match):
+        pipe.stream(**call)
+
+
+def test_a_start_image_needs_a_context_pass():
+    golden = load_golden(RECIPE, "plain")
+    pipe = _pipeline(golden)
+    image = torch.rand(32, 48, 3).numpy()
+    with pytest.raises(ValueError, match=r"`context_policy='last_step'` commits .* `image`"):
+        pipe.stream(num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], image=image, recipe=RECIPE)
+
+
+# ----------------------------------------------------------------------------------------- resume, normalisation
+@torch.no_grad()
+def test_a_streamdiffusionv2_stream_resumes_exactly(monkeypatch):
+    """State saved after chunk 6 (the adaptive sink's queues, counters and refreshes, the noise mix's scale and last
+    pixel frame) and loaded into a fresh stream gives the uninterrupted stream's chunks."""
+    golden = load_golden(RECIPE, "v2v")
+    pipe = _pipeline(golden)
+    video = _exact_pixels(golden, monkeypatch)
+
+    def stream():
+        return pipe.stream(
+            num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], video=video, strength=0.7, output_type="latent",
+            recipe=RECIPE, generator=torch.Generator().manual_seed(3),
+        )  # fmt: skip
+
+    whole = [chunk.clone() for chunk in stream()]
+    first = stream()
+    for _ in range(6):
+        next(first)
+    state = first.state_dict()
+    assert sum(layer.refreshes for layer in first.caches[0]) > 0  # the saved state holds refreshed sinks
+    resumed = stream()
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == 3
+    for made, expected in zip(rest, whole[6:]):
+        torch.testing.assert_close(made, expected, atol=0, rtol=0)
+
+
+@torch.no_grad()
+def test_normalize_input_latents_false_gives_the_vae_latents_as_encoded():
+    """On a VAE with non-trivial statistics: `normalize=False` returns what `normalize=True` returns before
+    `(x - mean) / std` (StreamDiffusionV2's `stream_encode(..., is_scale=False)`)."""
+    from tiny_components import tiny_vae
+
+    vae = tiny_vae()
+    z_dim = vae.config.z_dim
+    vae.register_to_config(
+        latents_mean=[0.1 * i for i in range(z_dim)], latents_std=[1.0 + 0.1 * i for i in range(z_dim)]
+    )
+    frames = torch.rand(1, 3, 5, 32, 32) * 2 - 1
+    normalised = StreamingWanEncoder(vae).encode(frames)
+    raw = StreamingWanEncoder(vae, normalize=False).encode(frames)
+    mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+    std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+    torch.testing.assert_close(normalised, (raw - mean) / std, atol=1e-6, rtol=1e-6)
+    assert (raw - normalised).abs().max() > 0.1

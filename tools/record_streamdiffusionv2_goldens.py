@@ -31,7 +31,10 @@ batch). Stubs to run it on a CPU-only torch (nothing else is changed):
 - attention: the cross-attention's `flash_attention` routed to SDPA at the input dtype; the self-attention's own
   SDPA fallback (`attention_with_kvcache_fallback`) runs as is.
 - bf16: the drivers' `torch.bfloat16` names the working dtype (fp32, or fp64 for the floor) through a module proxy
-  whose `randn`/`randn_like` hand out recorded noise.
+  whose `randn`/`randn_like` hand out recorded noise. The manager is built outside the proxy, so its
+  `pipeline.to(dtype=torch.bfloat16)` (`inference_wo_batch.py:74`) is a real bf16 cast, and `load_model` then copies
+  the stored weights into bf16 parameters: the model that runs (moved to fp32 / fp64 afterwards) holds the stored
+  weights rounded to bf16, as upstream's own run does. A replay loads them so (tests/test_recipes_streamdiffusionv2.py).
 - the VAE: the authors' `WanVAE_` (`models/wan/wan_base/modules/vae.py`) built tiny with seeded weights, its
   `stream_encode` unchanged (NO latent normalisation: `WanVAEWrapper.stream_encode(video, is_scale=False)`,
   `wan_wrapper.py:134-141`); decode returns zeros (only the latents are compared). The input pixels are in [-1, 1].

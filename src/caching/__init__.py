@@ -1,5 +1,6 @@
 """One cache API for every rolldiff model: layer kinds plus the `RollingKVCache` container."""
 
+from .adaptive_sink import AdaptiveSinkLayer, AdaptiveSinkPolicy
 from .base import CacheLayer
 from .condition import ConditionKVCache, ConditionLayer
 from .container import RollingKVCache
@@ -13,6 +14,8 @@ from .static import StaticLayer
 from .workspace import CacheWorkspace
 
 __all__ = [
+    "AdaptiveSinkLayer",
+    "AdaptiveSinkPolicy",
     "CacheLayer",
     "CacheWorkspace",
     "ConvStateLayer",

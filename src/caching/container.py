@@ -20,6 +20,7 @@ cross-attention layers empty, for the pipeline to refill.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -153,6 +154,20 @@ class RollingKVCache(nn.Module):
         for layer in self._stream_layers():
             if layer.pending_tokens > 0:
                 layer.commit()
+
+    @contextlib.contextmanager
+    def context_pass(self) -> Iterator[None]:
+        """The updates inside write the clean K/V the next `commit()` makes permanent (a context pass): a layer with a
+        view of its own for it (`SlidingWindowLayer(context_window_tokens=...)`, Rolling Forcing's clean pass) shows
+        that view; the others see as always. Ends on leaving the block, an exception included."""
+        layers = [layer for layer in self.layers if hasattr(layer, "set_context_pass")]
+        for layer in layers:
+            layer.set_context_pass(True)
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.set_context_pass(False)
 
     def rewind(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` committed tokens of every stream layer (a re-cache).

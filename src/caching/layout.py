@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_choice, check_int
+from ..checks import check_choice, check_flag, check_int
 from .rolling_sink import SINK_MODES
 
 POSITION_MODES = ("absolute", "relative")
@@ -38,6 +38,36 @@ def window_start(committed, sink: int, window: int, chunk: int, out: torch.Tenso
     return max(sink, committed - recent)
 
 
+def context_start(committed, chunk: int, context_window: int, out: torch.Tensor | None = None):
+    """Index of the oldest entry a context pass of `chunk` entries starting at `committed` sees: the last
+    `context_window` entries of the stream ending with the chunk, the sink not privileged (>= 0).
+
+    Rolling Forcing's clean pass (thu-ml/Causal-Forcing `long_video/wan/modules/causal_model.py:247-251`,
+    `extract_cache_start = max(0, local_end_index - max_attention_size)`). The same formula as `window_start` with
+    no sink and the chunk counted: one home for both.
+    """
+    return window_start(committed, 0, context_window, chunk, out=out)
+
+
+def ring_length(
+    window: int, chunk: int, smallest_chunk: int, elastic_window: bool = False, context_window: int | None = None
+) -> int:
+    """Entries the ring after the sink must hold so that writing a chunk (`chunk` at most) never overwrites a
+    committed entry that any update may see: the chunk plus the most committed entries an update sees.
+
+    That is the window itself (`window - chunk` committed + the chunk) unless an update may see more:
+    `elastic_window` (an update of `smallest_chunk` sees `window - smallest_chunk`) or a context pass
+    (`context_window - smallest_chunk`). Rolling Forcing's recipe: 12 in flight + 20 = 32 frames, where its
+    authors keep 21 after the anchor and concatenate the in-flight blocks at each forward instead.
+    """
+    if not elastic_window and context_window is None:
+        return window
+    seen = window - (smallest_chunk if elastic_window else chunk)
+    if context_window is not None:
+        seen = max(seen, context_window - smallest_chunk)
+    return chunk + seen
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """Cache geometry in latent frames, and its token equivalents.
@@ -52,6 +82,10 @@ class ChunkLayout:
     window_frames: int | str = 9  # or ALL_FRAMES
     position_mode: str = "absolute"
     sink_mode: str = "fixed"  # or "rolling": Rolling Sink (`rolling_sink.py`)
+    # Rolling Forcing's views (`SlidingWindowLayer`): the window counts the frames actually pending, and the span a
+    # context pass attends to (counting its chunk, the sink not privileged; None: the window's view).
+    elastic_window: bool = False
+    context_window_frames: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_frame", "chunk_frames"):
@@ -72,6 +106,21 @@ class ChunkLayout:
                 f"`sink_mode='rolling'` re-rotates copied keys at their slots' positions and rolls a bounded window: "
                 f"it needs position_mode='relative' and an integer `window_frames` (got "
                 f"position_mode={self.position_mode!r}, window_frames={self.window_frames!r})."
+            )
+        self._check_views()
+
+    def _check_views(self) -> None:
+        """`elastic_window` / `context_window_frames`: values, and what they cannot be combined with."""
+        check_flag("elastic_window", self.elastic_window)
+        if self.context_window_frames is not None:
+            check_int("context_window_frames", self.context_window_frames, 1, hint="or None: the window's view")
+        if not self.elastic_window and self.context_window_frames is None:
+            return
+        if self.unbounded or self.sink_mode != "fixed":
+            raise ValueError(
+                "`elastic_window` / `context_window_frames` change what a bounded window with a fixed sink shows: they "
+                f"need an integer `window_frames` and sink_mode='fixed' (got window_frames={self.window_frames!r}, "
+                f"sink_mode={self.sink_mode!r})."
             )
 
     @property
@@ -100,6 +149,10 @@ class ChunkLayout:
     @property
     def window_tokens(self) -> int:
         return self._window * self.tokens_per_frame
+
+    @property
+    def context_window_tokens(self) -> int | None:
+        return None if self.context_window_frames is None else self.context_window_frames * self.tokens_per_frame
 
     @property
     def full_window_frames(self) -> int:
@@ -148,4 +201,7 @@ class ChunkLayout:
             return self
         sink = min(self.sink_frames, num_frames)
         window = max(num_frames - sink, self.chunk_frames + 1)
-        return dataclasses.replace(self, sink_frames=sink, window_frames=window)
+        context = self.context_window_frames  # a span past the video's length sees the whole video, as a shorter one
+        if context is not None:
+            context = min(context, max(num_frames, self.chunk_frames + 1))
+        return dataclasses.replace(self, sink_frames=sink, window_frames=window, context_window_frames=context)

@@ -1,8 +1,9 @@
 """Softmax self-attention cache with attention sink and a sliding window, written in place.
 
-Layout of the `(batch, sink_tokens + window_tokens, heads, head_dim)` buffer:
+Layout of the `(batch, sink_tokens + ring_tokens, heads, head_dim)` buffer (`ring_tokens` is the window unless a
+view below needs more):
 
-    [ sink: slots 0 .. sink_tokens-1 | ring: window_tokens slots, token p lives at sink + (p - sink) % window ]
+    [ sink: slots 0 .. sink_tokens-1 | ring: ring_tokens slots, token p lives at sink + (p - sink) % ring ]
 
 Token `p` (its absolute index in the stream) always lands in the same slot, so evicting means
 nothing more than letting a later token overwrite that slot: no shift, no clone, no `torch.cat`.
@@ -21,6 +22,17 @@ where and how the K/V are stored is its `storage` (`storage.py`), chosen by two 
   into a scratch shared by the cache's layers, with the pending chunk exact;
 - `offload=True`: committed K/V live in CPU memory and visit the compute device when the block runs.
 A buffer allocated for batch B serves any batch b <= B: its first b rows.
+
+What an update attends to (its view; the mask and the re-indexed positions follow it) is, by default, the sink, the
+`window_tokens - chunk_tokens` most recent committed tokens and the chunk. Two options change it, each alone or
+both (Rolling Forcing's loop, thu-ml/Causal-Forcing `long_video/wan/modules/causal_model.py:247-300`):
+- `elastic_window`: an update of `n` tokens sees `window_tokens - n` committed ones, so a window of fewer chunks in
+  flight (the end of a pipelined video) sees further back (`:266-272`: 21 frames less the query and the anchor);
+- `context_window_tokens`: inside `RollingKVCache.context_pass()` an update sees the last `context_window_tokens`
+  tokens of the stream ending with its chunk, the sink among them only while inside that span (`:247-262`).
+The ring then holds the largest chunk plus the most committed tokens any update may see (`layout.ring_length`), so
+the pending chunk still never overwrites a committed token a view reads, and an aborted chunk leaves every view
+as it was.
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ from .base import (
     check_matches_buffer,
     check_positive,
 )
-from .layout import window_start
+from .layout import context_start, ring_length, window_start
 from .quantization import check_quantization
 from .rolling_sink import SINK_MODES, RollingSink
 from .storage import KVStorage, OffloadedKVStorage, QuantizedKVStorage
@@ -67,13 +79,22 @@ class SlidingWindowLayer(CacheLayer):
             `window_tokens - chunk_tokens` tokens, is overwritten by a ping-pong walk over a saved copy of them,
             at its own positions). Rolling needs keys stored before RoPE (the model's `"relative"` positions),
             `frame_tokens`, `chunk_tokens` and dense storage.
-        frame_tokens: tokens per latent frame (the rolling sink's unit).
+        frame_tokens: tokens per latent frame (the rolling sink's unit; with the options below, the smallest update).
+        elastic_window: the window counts the tokens actually pending, not `chunk_tokens`: an update of `n` tokens
+            sees the `window_tokens - n` most recent committed ones (Rolling Forcing's window forward, thu-ml/
+            Causal-Forcing `long_video/wan/modules/causal_model.py:266-272`: the working cache is 21 frames less the
+            query and the 3-frame anchor, so it grows as the window of in-flight blocks empties).
+        context_window_tokens: the span a context pass attends to, counted with its chunk: inside
+            `RollingKVCache.context_pass()` an update of `n` tokens sees the last `context_window_tokens` tokens of the
+            stream ending with it, the sink only while inside that span (Rolling Forcing's clean pass, `:247-262`:
+            the last 21 frames of its buffer). `None`: a context pass sees what any update sees.
+        Either option needs `chunk_tokens` (it sizes the ring, `ring_tokens`) and a fixed sink.
     """
 
     is_sliding = True
     can_rewind = True
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (one keyword per cache feature, each documented above)
         self,
         sink_tokens: int,
         window_tokens: int,
@@ -83,6 +104,8 @@ class SlidingWindowLayer(CacheLayer):
         offload: bool = False,
         sink_mode: str = "fixed",
         frame_tokens: int | None = None,
+        elastic_window: bool = False,
+        context_window_tokens: int | None = None,
     ) -> None:
         super().__init__()
         self.sink_tokens = check_positive("sink_tokens", sink_tokens, allow_zero=True)
@@ -94,9 +117,15 @@ class SlidingWindowLayer(CacheLayer):
         check_flag("offload", offload)
         self.offload = offload
         self.is_compileable = not offload
-        self.capacity = self.sink_tokens + self.window_tokens
-        self.storage = make_storage(self.quantization, offload)
         self.sink_mode, self.frame_tokens = check_choice("sink_mode", sink_mode, SINK_MODES), frame_tokens
+        self.elastic_window = check_flag("elastic_window", elastic_window)
+        self.context_window_tokens = (
+            None if context_window_tokens is None else check_positive("context_window_tokens", context_window_tokens)
+        )
+        self.ring_tokens = self._ring_tokens()
+        self.capacity = self.sink_tokens + self.ring_tokens
+        self._context_pass = False  # inside `RollingKVCache.context_pass()` (`set_context_pass`)
+        self.storage = make_storage(self.quantization, offload)
         self.rolling_sink = None if sink_mode == "fixed" else self._make_rolling_sink()
         for name in ("slot_positions", "committed_tokens"):
             self.register_buffer(name, None)
@@ -107,9 +136,45 @@ class SlidingWindowLayer(CacheLayer):
         self._prefetch_hook: Callable[[SlidingWindowLayer, int], None] | None = None
         # Eager steps of one chunk write the same slots: `update` does the slot arithmetic once per chunk.
         self._slot_arithmetic_done: tuple | None = None
-        # `_frontier`: the ring holds every committed token of [frontier - window, committed), none older;
+        # `_frontier`: the ring holds every committed token of [frontier - ring, committed), none older;
         # `_window_full_flag` and `_prefix_readable` follow from it and the count (all set in `_set_counters`).
         self._set_counters(0, 0)
+
+    @property
+    def has_views(self) -> bool:
+        """`elastic_window` or `context_window_tokens` is set: what an update sees depends on it, not on the window
+        alone."""
+        return self.elastic_window or self.context_window_tokens is not None
+
+    def _ring_tokens(self) -> int:
+        """Ring slots after the sink: the window, or what the views need (`layout.ring_length`)."""
+        if not self.has_views:
+            return self.window_tokens
+        if self.chunk_tokens is None or self.sink_mode != "fixed":
+            raise ValueError(
+                "`elastic_window` / `context_window_tokens` size the ring by the largest chunk and need a fixed sink: "
+                f"pass `chunk_tokens` and sink_mode='fixed' (got chunk_tokens={self.chunk_tokens}, "
+                f"sink_mode={self.sink_mode!r})."
+            )
+        smallest = self._smallest_update
+        return ring_length(
+            self.window_tokens, self.chunk_tokens, smallest, self.elastic_window, self.context_window_tokens
+        )
+
+    @property
+    def _smallest_update(self) -> int:
+        """The fewest tokens an update of a layer with views may hold: one frame (one token without `frame_tokens`)."""
+        return check_positive("frame_tokens", self.frame_tokens) if self.frame_tokens is not None else 1
+
+    @property
+    def _context_view(self) -> bool:
+        """The update being made is a context pass with a view of its own (a host bool: compile guards on it)."""
+        return self.context_window_tokens is not None and self._context_pass
+
+    def set_context_pass(self, active: bool) -> None:
+        """Mark the coming updates as a context pass (or not); `RollingKVCache.context_pass()` calls it. Only a layer
+        with `context_window_tokens` sees differently in one."""
+        self._context_pass = check_flag("active", active)
 
     def _make_rolling_sink(self) -> RollingSink:
         if self.quantization is not None or self.offload or self.chunk_tokens is None or self.frame_tokens is None:
@@ -228,12 +293,21 @@ class SlidingWindowLayer(CacheLayer):
     def _slots_for(self, positions: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
         """Slot of each absolute token index: `p` in the sink, else `sink + (p - sink) % window`."""
         torch.clamp(positions, max=self.sink_tokens, out=out)
-        torch.sub(positions, self.sink_tokens, out=scratch).clamp_(min=0).remainder_(self.window_tokens)
+        torch.sub(positions, self.sink_tokens, out=scratch).clamp_(min=0).remainder_(self.ring_tokens)
         return out.add_(scratch)
 
-    def _window_start(self, committed, out: torch.Tensor | None = None):
-        """Absolute index of the oldest committed token after the sink that the next chunk sees."""
-        return window_start(committed, self.sink_tokens, self.window_tokens, self.chunk_tokens, out=out)
+    def _window_start(self, committed, out: torch.Tensor | None = None, num_pending: int = 0):
+        """Absolute index of the oldest committed token after the sink that the next chunk sees (an elastic window:
+        a chunk of `num_pending` tokens, when given)."""
+        chunk = num_pending if self.elastic_window and num_pending else self.chunk_tokens
+        return window_start(committed, self.sink_tokens, self.window_tokens, chunk, out=out)
+
+    def _view_start(self, committed, num_pending: int, out: torch.Tensor | None = None):
+        """Oldest token a context pass of `num_pending` tokens sees (no sink privileged), else the oldest after the sink
+        that an update of `num_pending` tokens sees."""
+        if self._context_view:
+            return context_start(committed, num_pending, self.context_window_tokens, out=out)
+        return self._window_start(committed, out=out, num_pending=num_pending)
 
     @property
     def committed_count(self) -> int:
@@ -246,22 +320,23 @@ class SlidingWindowLayer(CacheLayer):
 
         The promise: `window_full` => `attention_mask.all()` after an `update` of `chunk_tokens` tokens, after
         any sequence of commit, rewind, crop and reset. A stored host bool (set only by `_set_counters`), so a
-        compiled step can drop the mask (flash-attention kernels) without reading the device.
+        compiled step can drop the mask (flash-attention kernels) without reading the device. Never inside a context
+        pass with a view of its own (`context_window_tokens`).
         """
-        return self._window_full_flag  # a stored bool: compile guards on it, not on a count
+        return self._window_full_flag and not self._context_view  # stored bools: compile guards on them
 
     def _set_counters(self, committed: int, frontier: int, move_device: bool = True) -> None:
         """The one place the stream counters change (allocation, commit, rewind, crop, reset, loading a state).
 
         `committed`: tokens committed since the last reset (the next chunk starts at this index). `frontier`:
-        the ring holds every committed token of `[max(sink, frontier - window), committed)` in its own slot,
+        the ring holds every committed token of `[max(sink, frontier - ring), committed)` in its own slot,
         and no older window token (older slots were overwritten by later writes, or evicted by `crop`).
-        Every write of a chunk starting at `c` overwrites the slots of `c - window ..` and nothing older, which
-        `commit` records as `frontier = min(max(frontier, c + chunk_tokens), c + window)` (any chunk since the
+        Every write of a chunk starting at `c` overwrites the slots of `c - ring ..` and nothing older, which
+        `commit` records as `frontier = min(max(frontier, c + chunk_tokens), c + ring)` (any chunk since the
         last commit had at most `chunk_tokens` tokens); a rewind lowers `committed`, not `frontier`, so the
         slots rewound tokens still occupy count as overwritten. From the two counts:
-        - the window is full when the next chunk's `window - chunk` recent tokens are all held:
-          `committed >= sink + window - chunk` and `frontier <= committed + chunk`;
+        - the window is full when the next chunk's `window - chunk` recent tokens are all held and fill the ring:
+          `ring == window`, `committed >= sink + window - chunk` and `frontier <= committed + chunk`;
         - the visible keys are slots `0 .. committed + n - 1` (`visible_prefix`) while no token sits outside its
           own index's slot: `committed + chunk <= capacity` and `frontier <= capacity`.
         The device counter moves by the same difference (in place: a traced commit stays relative), unless
@@ -275,7 +350,10 @@ class SlidingWindowLayer(CacheLayer):
         self._committed_count, self._frontier = committed, frontier
         chunk = self.chunk_tokens
         self._window_full_flag = (
-            chunk is not None and committed >= self.capacity - chunk and frontier <= committed + chunk
+            chunk is not None
+            and self.ring_tokens == self.window_tokens
+            and committed >= self.capacity - chunk
+            and frontier <= committed + chunk
         )
         self._prefix_readable = chunk is not None and committed + chunk <= self.capacity and frontier <= self.capacity
         self.forget_slot_arithmetic()
@@ -292,14 +370,21 @@ class SlidingWindowLayer(CacheLayer):
             return None
         if not self._prefix_readable:
             return None
-        return self._committed_count + num_pending
+        committed = self._committed_count
+        if self.has_views and self._view_start(committed, num_pending) > (
+            0 if self._context_view else self.sink_tokens
+        ):
+            return None  # the view starts past the sink (elastic) or past token 0 (a context pass)
+        return committed + num_pending
 
     def _refresh_mask(self, num_pending: int) -> None:
         positions, mask, below_end = self.slot_positions, self._mask, self._scratch_mask
-        window_start = self._window_start(self.committed_tokens, out=self._window_start_buffer)
+        view_start = self._view_start(self.committed_tokens, num_pending, out=self._window_start_buffer)
         pending_end = torch.add(self.committed_tokens, num_pending, out=self._pending_end)
         torch.lt(positions, pending_end, out=below_end)  # drops leftovers of an aborted larger chunk
-        torch.ge(positions, window_start, out=mask).logical_and_(below_end)
+        torch.ge(positions, view_start, out=mask).logical_and_(below_end)
+        if self._context_view:  # the sink's slots are seen like any other: while inside the span
+            return
         sink = slice(0, self.sink_tokens)
         torch.ge(positions[sink], 0, out=mask[sink]).logical_and_(below_end[sink])
 
@@ -316,6 +401,8 @@ class SlidingWindowLayer(CacheLayer):
         num_pending = key.shape[1]
         if num_pending < 1:
             raise ValueError("`key` must hold at least one token.")
+        if self.has_views:
+            self._check_view_update(num_pending)
         if self.keys is None:
             if self.chunk_tokens is None:
                 self._set_chunk_tokens(num_pending)
@@ -348,9 +435,23 @@ class SlidingWindowLayer(CacheLayer):
             self._prefetch_hook(self, batch)
         return keys, values
 
-    def _slot_state(self, num_pending: int) -> tuple[int, int]:
-        """The chunk whose slots, slot map and mask `update` last computed (eager); cleared by `_set_counters`."""
-        return (self._committed_count, num_pending)
+    def _slot_state(self, num_pending: int) -> tuple[int, int, bool]:
+        """The chunk (and view) whose slots, slot map and mask `update` last computed (eager); cleared by
+        `_set_counters`."""
+        return (self._committed_count, num_pending, self._context_view)
+
+    def _check_view_update(self, num_pending: int) -> None:
+        """An update the ring was sized for: one frame at least, and a context pass no longer than its span."""
+        if num_pending < self._smallest_update:
+            raise ValueError(
+                f"`key` holds {num_pending} tokens, fewer than one frame ({self._smallest_update}): the ring of "
+                "`elastic_window` / `context_window_tokens` is sized for updates of whole frames."
+            )
+        if self._context_view and num_pending > self.context_window_tokens:
+            raise ValueError(
+                f"A context pass of {num_pending} tokens is longer than `context_window_tokens`="
+                f"{self.context_window_tokens}, the span it attends to counting itself; widen the span."
+            )
 
     def forget_slot_arithmetic(self) -> None:
         """The next `update` recomputes its slots and mask (after anything changed the counters or the slot map
@@ -378,6 +479,8 @@ class SlidingWindowLayer(CacheLayer):
             "offload": self.offload,
             "sink_mode": self.sink_mode,
             "frame_tokens": self.frame_tokens,
+            "elastic_window": self.elastic_window,
+            "context_window_tokens": self.context_window_tokens,
         }
 
     def host_state(self) -> dict:
@@ -407,7 +510,7 @@ class SlidingWindowLayer(CacheLayer):
     def loaded_without_host_state(self) -> None:
         if self.committed_tokens is not None:  # host state unknown: no committed token counts as held intact
             committed = int(self.committed_tokens.item())
-            self._set_counters(committed, committed + self.window_tokens, move_device=False)
+            self._set_counters(committed, committed + self.ring_tokens, move_device=False)
 
     def _check_chunk(self, num_pending: int) -> None:
         if num_pending > self.chunk_tokens:
@@ -446,7 +549,7 @@ class SlidingWindowLayer(CacheLayer):
             self.storage.commit(self._commit_slots(), self._stream_batch or self.keys.shape[0])
         start, pending = self._committed_count, self.pending_tokens
         # The writes since the last commit started at `start` and held at most `chunk_tokens` tokens.
-        frontier = min(max(self._frontier, start + self.chunk_tokens), start + self.window_tokens)
+        frontier = min(max(self._frontier, start + self.chunk_tokens), start + self.ring_tokens)
         self.pending_tokens = 0
         self._set_counters(start + pending, frontier)
         if self.rolling_sink is not None:
@@ -486,7 +589,7 @@ class SlidingWindowLayer(CacheLayer):
         """Host twin of `_slots_for` for one position."""
         if position < self.sink_tokens:
             return position
-        return self.sink_tokens + (position - self.sink_tokens) % self.window_tokens
+        return self.sink_tokens + (position - self.sink_tokens) % self.ring_tokens
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Committed sink and window tokens in stream order, `(batch, tokens, heads, head_dim)`: a copy,
@@ -519,7 +622,7 @@ class SlidingWindowLayer(CacheLayer):
         """
         if not reindexed:
             return self.slot_positions
-        return self._reindex(self.slot_positions)
+        return self._reindex(self.slot_positions, self.pending_tokens)
 
     def pending_positions(
         self, num_tokens: int, reindexed: bool = False, device: torch.device | str | None = None
@@ -531,11 +634,18 @@ class SlidingWindowLayer(CacheLayer):
         positions = torch.add(
             self.committed_tokens, self._offsets[:num_tokens], out=self._pending_positions[:num_tokens]
         )
-        return self._reindex(positions) if reindexed else positions
+        return self._reindex(positions, num_tokens) if reindexed else positions
 
-    def _reindex(self, positions: torch.Tensor) -> torch.Tensor:
-        window_start = self._window_start(self.committed_tokens)
-        return torch.where(positions < self.sink_tokens, positions, positions - window_start + self.sink_tokens)
+    def _reindex(self, positions: torch.Tensor, num_pending: int) -> torch.Tensor:
+        """Positions inside the view of an update of `num_pending` tokens: the sink first, the window right after it
+        (a context pass with its own view: from its first token, the sink not privileged)."""
+        view_start = self._view_start(self.committed_tokens, num_pending)
+        if self._context_view:  # slots outside the span are masked: clamped only to stay inside the RoPE table
+            return (positions - view_start).clamp_(0, self.context_window_tokens - 1)
+        reindexed = torch.where(positions < self.sink_tokens, positions, positions - view_start + self.sink_tokens)
+        if self.has_views:  # a larger ring holds masked slots beyond the view: keep them inside the table too
+            reindexed = reindexed.clamp_(0, self.sink_tokens + self.window_tokens - 1)
+        return reindexed
 
     # ----------------------------------------------------------------------------------------- re-cache, crop
     def check_rewind(self, num_tokens: int) -> None:
@@ -579,7 +689,7 @@ class SlidingWindowLayer(CacheLayer):
         positions = self.slot_positions
         positions.masked_fill_(positions >= self.sink_tokens, -1)  # no window token is held any more
         committed = self._committed_count + num_tokens
-        self._set_counters(committed, committed + self.window_tokens)
+        self._set_counters(committed, committed + self.ring_tokens)
         self._refresh_mask(0)
 
     def check_crop(self, max_tokens: int) -> list[int]:
@@ -609,4 +719,4 @@ class SlidingWindowLayer(CacheLayer):
             positions = self.slot_positions
             positions.masked_fill_((positions >= self.sink_tokens) & (positions < kept_from), -1)
             self._refresh_mask(0)
-            self._set_counters(self._committed_count, max(self._frontier, kept_from + self.window_tokens))
+            self._set_counters(self._committed_count, max(self._frontier, kept_from + self.ring_tokens))

@@ -43,6 +43,7 @@ from diffusers.models.transformers.transformer_wan import (
 )
 
 from ..caching import CrossAttentionLayer, RollingKVCache, SlidingWindowLayer
+from ..caching.adaptive_sink import AdaptiveSinkLayer, AdaptiveSinkPolicy
 from ..caching.layout import POSITION_MODES, ChunkLayout
 from .attention_backends import attention_backend_for
 from .call_context import CallContextSlot, bind_call_context
@@ -471,6 +472,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         window_frames_per_block: Sequence[int] | None = None,
         quantization: str | None = None,
         offload: bool = False,
+        adaptive_sink: AdaptiveSinkPolicy | None = None,
     ) -> RollingKVCache:
         """One `SlidingWindowLayer` + `CrossAttentionLayer` per block; allocated now if `batch_size` is given.
 
@@ -478,15 +480,14 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         chunk), as hybrid local/global attention does; the sink and chunk stay `layout`'s.
         `quantization` ("int8" / "fp8") and `offload` (committed K/V in CPU memory, brought to the
         block's device when it runs) are the `SlidingWindowLayer` options (see docs/cache.md).
-        `layout.sink_mode="rolling"` gives every layer Rolling Sink's sliding sink (`caching/rolling_sink.py`).
+        `layout.sink_mode="rolling"` gives every layer Rolling Sink's sliding sink (`caching/rolling_sink.py`);
+        `layout.elastic_window` / `layout.context_window_frames` give them Rolling Forcing's views.
+        `adaptive_sink` gives every block StreamDiffusionV2's `AdaptiveSinkLayer` instead (`caching/adaptive_sink.py`).
         """
-        layers = [
-            SlidingWindowLayer(
-                block.sink_tokens, block.window_tokens, block.chunk_tokens, quantization=quantization, offload=offload,
-                sink_mode=block.sink_mode, frame_tokens=block.tokens_per_frame,
-            )  # fmt: skip
-            for block in self.block_layouts(layout, window_frames_per_block)
-        ]
+        if adaptive_sink is not None:
+            layers = self._adaptive_sink_layers(layout, adaptive_sink, window_frames_per_block, quantization, offload)
+        else:
+            layers = self._sliding_layers(layout, window_frames_per_block, quantization, offload)
         cache = RollingKVCache(layers, [CrossAttentionLayer() for _ in self.blocks])
         if batch_size is not None:
             heads, head_dim = self.config.num_attention_heads, self.config.attention_head_dim
@@ -495,6 +496,43 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
                 batch_size, heads, head_dim, dtype or self.dtype, device or block_devices(self.blocks)
             )
         return cache
+
+    def _adaptive_sink_layers(
+        self,
+        layout: ChunkLayout,
+        policy: AdaptiveSinkPolicy,
+        window_frames_per_block: Sequence[int] | None,
+        quantization: str | None,
+        offload: bool,
+    ) -> list[AdaptiveSinkLayer]:
+        """One `AdaptiveSinkLayer` per block: dense, one window for all (its slots follow its own queue)."""
+        views = getattr(layout, "elastic_window", False) or getattr(layout, "context_window_frames", None) is not None
+        if window_frames_per_block is not None or quantization is not None or offload or layout.sink_mode != "fixed":
+            views = True
+        if views:
+            raise ValueError(
+                "`adaptive_sink` writes dense K/V in slots its eviction queue picks and attention reads them all: no "
+                "`window_frames_per_block`, `quantization`, `offload`, rolling `sink_mode` or window views with it."
+            )
+        sizes = (layout.sink_tokens, layout.window_tokens, layout.chunk_tokens)
+        return [AdaptiveSinkLayer(*sizes, frame_tokens=layout.tokens_per_frame, policy=policy) for _ in self.blocks]
+
+    def _sliding_layers(
+        self,
+        layout: ChunkLayout,
+        window_frames_per_block: Sequence[int] | None,
+        quantization: str | None,
+        offload: bool,
+    ) -> list[SlidingWindowLayer]:
+        layers = [
+            SlidingWindowLayer(
+                block.sink_tokens, block.window_tokens, block.chunk_tokens, quantization=quantization, offload=offload,
+                sink_mode=block.sink_mode, frame_tokens=block.tokens_per_frame, elastic_window=block.elastic_window,
+                context_window_tokens=block.context_window_tokens,
+            )
+            for block in self.block_layouts(layout, window_frames_per_block)
+        ]  # fmt: skip
+        return layers
 
     @torch.no_grad()
     def prepare_conditioning(self, kv_cache: RollingKVCache, encoder_hidden_states: torch.Tensor) -> None:

@@ -9,8 +9,10 @@ streams, each with the result it gets alone.
 Per chunk (`__next__`): apply a prompt switch due at this boundary (the schedule's, or `switch_prompt`'s),
 draw the chunk's noise, denoise it in a few steps (each predicts x0 = x_t - sigma v and re-noises it to the
 next sigma; every step overwrites the same pending cache entries), run one clean context pass at t = 0 that
-writes its K/V (or state), `commit()`, decode the chunk causally and return it. An exception before the
-commit leaves every cache as it was at the last commit (a chunk is a transaction).
+writes its K/V (or state; none under `context_policy="last_step"`: what the steps wrote is committed),
+`commit()`, decode the chunk causally and return it. An exception before the commit leaves every cache as it was
+at the last commit (a chunk is a transaction), except StreamDiffusionV2's adaptive sink, which writes in place as
+upstream does (`rolldiff.caching.AdaptiveSinkLayer`).
 
 Noise: chunk k's starting noise `(batch, channels, chunk_frames, h, w)` is drawn when chunk k starts, then
 one draw per step (the scheduler's re-noise): a seed fixes the whole video, nothing the size of the video is
@@ -37,6 +39,7 @@ from .request.conditioning import ConditioningInput
 from .request.prompt_schedule import as_prompt_list
 from .request.request import VideoRequest, check_embeds
 from .request.steps import StepPlan
+from .video_noise import VideoNoiseMix
 
 STREAM_STATE_VERSION = 2  # bumped whenever the keys of `ChunkStream.state_dict` change meaning
 
@@ -57,7 +60,7 @@ class StreamPipeline(Protocol):
 
     def make_decoder(self) -> Any: ...
 
-    def make_encoder(self) -> Any: ...
+    def make_encoder(self, normalize: bool = True) -> Any: ...
 
     def transformer_step(
         self, latents: torch.Tensor, timestep: torch.Tensor, embeds: torch.Tensor, cache: Any, request: VideoRequest
@@ -263,7 +266,9 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
         """New cross-attention K/V for the conditional branch, then the family's re-cache of recent context."""
         self._embeds[0] = embeds
         self._pipe.set_conditioning(self._caches[0], embeds)
-        recompute = self._request.context_policy == "recompute"  # the next chunk rebuilds its context anyway
+        # recompute: the next chunk rebuilds its context anyway; last_step: upstream (StreamDiffusionV2) keeps its
+        # self-attention cache at a new prompt, only the text K/V change (`causal_stream_inference.py:156-159`)
+        recompute = self._request.context_policy in ("recompute", "last_step")
         if self._recent is not None and self._recent.shape[2] > 0 and not recompute:
             self._pipe.recache(self._recent, embeds, self._caches[0], self._request)
 
@@ -319,8 +324,11 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
             # chunk k decodes on a side stream while chunk k + 1 denoises (CUDA; decodes in place elsewhere)
             self._decoder = OverlappedDecoder(self._decoder, device)
             self._overlapped = decode_ahead(self._latent_chunks(), self._decoder)
-        if request.conditioning is not None:
-            self._inputs = ConditioningInput(request.conditioning, pipe.make_encoder())
+        conditioning = request.conditioning
+        if conditioning is not None:
+            encoder = pipe.make_encoder(normalize=request.normalize_input_latents)
+            mix = VideoNoiseMix(request.video_noise_mix, conditioning.strength) if conditioning.video else None
+            self._inputs = ConditioningInput(conditioning, encoder, mix)
         pipe.stream_started(self)
         self._started = True
 
@@ -397,7 +405,10 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
             )
         if index == 0 and recompute:
             self._first_frame = clean[:, :, :1].clone()  # a copy: a view would keep the whole chunk alive
-        if not recompute:  # the recompute policy writes no context pass: the next chunk rebuilds its context
+        if request.context_policy == "last_step":  # the last step's K/V are the chunk's (StreamDiffusionV2)
+            for cache in self._caches:
+                cache.commit()
+        elif not recompute:  # the recompute policy writes no context pass: the next chunk rebuilds its context
             pipe.context_pass(clean, self._embeds, self._caches, request, timestep=request.context_noise)
         keep = (
             self._context_frames() - 1
@@ -428,10 +439,13 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
             cache.reset_context()  # the text K/V stay: the rebuild runs under the embedding already cached
         self._pipe.context_pass(context, self._embeds, self._caches, self._request)
 
-    def _starting_latents(self, index: int, given: torch.Tensor | None, sigma: torch.Tensor | None) -> torch.Tensor:
+    def _starting_latents(
+        self, index: int, given: torch.Tensor | None, sigma: torch.Tensor | float | None
+    ) -> torch.Tensor:
         """Chunk `index`'s latents before its first step, float32: its noise, drawn now (chunk by chunk: nothing the
         size of the video exists) or sliced from the call's `latents`, mixed with `given` input latents at its first
-        `sigma` (flow matching: x_sigma = sigma * noise + (1 - sigma) * x0)."""
+        `sigma` (flow matching: x_sigma = sigma * noise + (1 - sigma) * x0), or at a level of its own (a float:
+        StreamDiffusionV2's `noise_scale`, `rolldiff.pipelines.video_noise`)."""
         request, device = self._request, self._pipe.execution_device
         shape = request.geometry.shape_of(index)
         if request.latents is None:
@@ -441,15 +455,18 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
             noisy = request.latents[:, :, start : start + shape[2]].to(device=device, dtype=torch.float32)
         if given is None:
             return noisy
-        sigma = sigma.to(device)
+        sigma = sigma.to(device) if isinstance(sigma, torch.Tensor) else sigma
         return sigma * noisy + (1.0 - sigma) * given.to(device=device, dtype=torch.float32)
 
     def _denoise_chunk(self, given: torch.Tensor | None) -> torch.Tensor | None:
         """The chunk from fresh noise (text-to-video) or from `given` input latents noised to `strength`."""
         pipe, request = self._pipe, self._request
         device, dtype = pipe.execution_device, pipe.transformer.dtype
-        scheduler, fed = self._schedule(request.step_plan_for(self._next_chunk), device)
-        noisy = self._starting_latents(self._next_chunk, given, scheduler.sigmas[0])
+        plan, level = request.step_plan_for(self._next_chunk), None
+        if given is not None and self._inputs.noise_mix is not None:  # an input video's chunk
+            plan, level = self._inputs.noise_mix.plan_and_level(plan, request.step_mapping)
+        scheduler, fed = self._schedule(plan, device)
+        noisy = self._starting_latents(self._next_chunk, given, scheduler.sigmas[0] if level is None else level)
         for timestep, fed_timestep in zip(scheduler.timesteps, fed.unbind(0)):
             if self._interrupted.is_set():
                 return None
@@ -469,6 +486,7 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
         else:
             scheduler = self._plain_scheduler
             scheduler.set_timesteps(sigmas=list(plan.sigmas), timesteps=list(plan.timesteps), device=device)
+        scheduler.set_begin_index(0)  # step by position: a run-time first step may repeat the next (500, 500, ...)
         fed = self._fed.get(plan)
         if fed is None:
             values = scheduler.timesteps.tolist() if plan.timesteps is None else list(plan.timesteps)

@@ -168,6 +168,7 @@ def create_app(pipe, settings: ServeSettings) -> FastAPI:
             "sessions": scheduler.sessions,
             "max_sessions": settings.max_sessions,
             "batched_rows": scheduler.shared_rows,
+            "batched_decodes": scheduler.shared_decodes,
         }
 
     @app.get("/v1/model")

@@ -11,9 +11,13 @@ written to and attends through its own cache at its own position and window fill
 Members need not be at the same step: a row's timestep is its own, so a session's clean context pass (t = 0)
 may share a forward with another's denoising step. Calls that cannot share a forward (another chunk shape,
 layout or attention setting, or a batch of more than one row) run as separate forwards of the same round.
+The chunk's decode goes the same way: the view's decoders (`LockstepDecoder`) hand their `decode` to the
+lockstep, and the members whose feature caches are at the same state (every member past its first chunk) decode
+in ONE call, their caches stacked along the batch (`rolldiff.pipelines.codecs.stacked_decode`).
 Outside a group (`lockstep` None) the view calls the pipeline directly: a session alone runs exactly the
 library's code, so its frames equal `pipe.stream(...)`'s bit for bit. In a group each row differs from its
-solo run only by float reordering in the batched matrix products (docs/serving.md, tests/test_serving.py).
+solo run only by float reordering in the batched matrix products and convolutions (docs/serving.md,
+tests/test_serving.py, tests/test_serving_batched.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..pipelines.codecs.stacked_decode import decode_stacked, stack_key
 from ..pipelines.stream import ChunkStream
 
 
@@ -41,12 +46,13 @@ class StepCall:
     error: BaseException | None = None
     done: bool = False
 
-    def forward_key(self) -> tuple | None:
+    def key(self) -> tuple | None:
         """What must be equal for two calls to share a forward; None (runs alone) for a call of several rows."""
         if self.latents.shape[0] != 1:
             return None
         request = self.request
         return (
+            "forward",
             tuple(self.latents.shape[1:]),
             self.latents.dtype,
             self.latents.device,
@@ -54,6 +60,22 @@ class StepCall:
             request.layout,
             request.options,
         )
+
+
+@dataclass
+class DecodeCall:
+    """One member's chunk decode, waiting for its round; `result` is its frames `(1, 3, frames, H, W)`."""
+
+    decoder: Any
+    latents: torch.Tensor
+    result: torch.Tensor | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+    def key(self) -> tuple | None:
+        """Decodes with equal keys run as one call (caches stacked); None: this one decodes alone."""
+        key = stack_key(self.decoder, self.latents)
+        return None if key is None else ("decode", key)
 
 
 class Lockstep:
@@ -64,7 +86,8 @@ class Lockstep:
     for the GIL (eight threads doing it at once were slower on 2 cores than one doing it in turn). A member that
     finishes its chunk (or fails) `leave()`s, so the others never wait for it. The round runs in the thread of the
     member that completed it (the others are waiting anyway). `forwards` counts the forwards that
-    ran, `shared_rows` the rows of those that served more than one member.
+    ran, `shared_rows` the rows of those that served more than one member; `decodes` and `shared_decodes` the same
+    for chunk decodes.
     """
 
     def __init__(self, pipe: Any, members: int) -> None:
@@ -75,13 +98,15 @@ class Lockstep:
         self._baton = threading.Lock()
         self.forwards = 0
         self.shared_rows = 0
+        self.decodes = 0
+        self.shared_decodes = 0
 
     def enter(self) -> None:
         """A member starts its chunk: it runs once no other member is between two rounds."""
         self._baton.acquire()
 
-    def submit(self, call: StepCall) -> torch.Tensor:
-        """Hand in `call`; returns its velocity once its round ran (raises what the round raised)."""
+    def submit(self, call: StepCall | DecodeCall) -> torch.Tensor:
+        """Hand in `call`; returns its result once its round ran (raises what the round raised)."""
         self._baton.release()
         try:
             self._wait_for_round(call)
@@ -91,7 +116,7 @@ class Lockstep:
             raise call.error
         return call.result
 
-    def _wait_for_round(self, call: StepCall) -> None:
+    def _wait_for_round(self, call: StepCall | DecodeCall) -> None:
         with self._turn:
             self._waiting.append(call)
             while not call.done:
@@ -115,10 +140,10 @@ class Lockstep:
             self._live -= 1
             self._turn.notify_all()  # if the rest all wait, one of them runs the round
 
-    def _run(self, calls: list[StepCall]) -> None:
-        for group in group_by_key(calls, StepCall.forward_key):
+    def _run(self, calls: list[StepCall | DecodeCall]) -> None:
+        for group in group_by_key(calls, lambda call: call.key()):
             try:
-                results = self._forward(group)
+                results = self._decode(group) if isinstance(group[0], DecodeCall) else self._forward(group)
             except Exception as error:  # noqa: BLE001 (each member reports it as its chunk's failure)
                 for call in group:
                     call.error = error
@@ -138,10 +163,17 @@ class Lockstep:
             torch.cat([call.timestep for call in calls]),
             torch.cat([call.embeds for call in calls]),
             [call.cache for call in calls],  # one cache per row
-            first.request,  # the calls' layout and attention settings are equal (`forward_key`)
+            first.request,  # the calls' layout and attention settings are equal (`StepCall.key`)
         )
         self.shared_rows += len(calls)
         return list(velocity.split(1))
+
+    def _decode(self, calls: list[DecodeCall]) -> list[torch.Tensor]:
+        self.decodes += 1
+        if len(calls) == 1:
+            return [calls[0].decoder.decode(calls[0].latents)]
+        self.shared_decodes += len(calls)
+        return decode_stacked([call.decoder for call in calls], [call.latents for call in calls])
 
 
 def group_by_key(items: list, key: Callable[[Any], Hashable | None], limit: int | None = None) -> list[list]:
@@ -162,8 +194,8 @@ def group_by_key(items: list, key: Callable[[Any], Hashable | None], limit: int 
 
 class LockstepPipeline:
     """One session's view of the shared pipeline: everything is the pipeline's, except that while the session is in
-    a group (`lockstep` set by the scheduler) its transformer steps, context passes and re-caches go through the
-    group's `Lockstep`. Holds no state but that link, so a stream's `state_dict` is unchanged."""
+    a group (`lockstep` set by the scheduler) its transformer steps, context passes, re-caches and chunk decodes go
+    through the group's `Lockstep`. Holds no state but that link, so a stream's `state_dict` is unchanged."""
 
     def __init__(self, pipe: Any) -> None:
         self.pipe = pipe
@@ -184,6 +216,28 @@ class LockstepPipeline:
 
     def recache(self, *args: Any, **kwargs: Any) -> None:
         return type(self.pipe).recache(self, *args, **kwargs)
+
+    def make_decoder(self) -> LockstepDecoder:
+        return LockstepDecoder(self, self.pipe.make_decoder())
+
+
+class LockstepDecoder:
+    """A session's streaming decoder as its view hands it out: while the session is in a group, each chunk's decode
+    goes through the group's `Lockstep` (decoded together with the other members' where their caches line up);
+    otherwise, and for everything else (state, reset, counters), it is the pipeline's own decoder."""
+
+    def __init__(self, view: LockstepPipeline, decoder: Any) -> None:
+        self._view = view
+        self.decoder = decoder
+
+    def __getattr__(self, name: str) -> Any:  # only reached for what this wrapper does not define
+        return getattr(self.decoder, name)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        lockstep = self._view.lockstep
+        if lockstep is None or stack_key(self.decoder, latents) is None:
+            return self.decoder.decode(latents)
+        return lockstep.submit(DecodeCall(self.decoder, latents))
 
 
 def batchable(pipe: Any) -> bool:

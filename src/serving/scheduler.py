@@ -44,6 +44,7 @@ class Scheduler:
         self.store = store
         self.max_batch = max_batch
         self.shared_rows = 0  # session steps made in forwards shared with other sessions (`/healthz`)
+        self.shared_decodes = 0  # session chunks decoded in one call with other sessions' (`/healthz`)
         self._members = ThreadPoolExecutor(max_batch, "rolldiff-member") if max_batch > 1 else None
         self.state_every = state_every
         self.idle_timeout = idle_timeout
@@ -170,6 +171,7 @@ class Scheduler:
         for future in [self._members.submit(member, session) for session in group]:
             future.result()
         self.shared_rows += lockstep.shared_rows
+        self.shared_decodes += lockstep.shared_decodes
 
     def _carry_out(self, session: Session, control: Control) -> None:
         if control.kind == "stop":

@@ -64,11 +64,14 @@ class StreamingWanEncoder(WanFeatureCacheStream):
 
     Args:
         vae: the `AutoencoderKLWan` to encode with (any dtype, any device, offload hooks honoured).
+        normalize: map the latents to the diffusion model's normalised space (`normalize_wan_latents`); False
+            returns them as the VAE encodes them (StreamDiffusionV2's `stream_encode(..., is_scale=False)`).
     """
 
     position_key = "latent_frames_encoded"
 
-    def __init__(self, vae: AutoencoderKLWan) -> None:
+    def __init__(self, vae: AutoencoderKLWan, normalize: bool = True) -> None:
+        self.normalize = normalize
         # The first pixel frame encodes to 1 latent frame; every later group of `temporal_downsample` to one.
         self.temporal_downsample = 2 ** sum(vae.config.temperal_downsample)
         patch_size = vae.config.patch_size or 1
@@ -150,7 +153,7 @@ class StreamingWanEncoder(WanFeatureCacheStream):
 
         Returns:
             `(batch, z_dim, latent_frames, height / s, width / s)` in the diffusion model's normalised space
-            (`normalize_wan_latents` applied), in the VAE's dtype, with `latent_frames = num_latent_frames(...)`
+            (`normalize_wan_latents` applied, unless built with `normalize=False`), in the VAE's dtype, with `latent_frames = num_latent_frames(...)`
             and `s = spatial_downsample`.
         """
         if generator is not None and not sample:
@@ -175,7 +178,7 @@ class StreamingWanEncoder(WanFeatureCacheStream):
 
         posterior = DiagonalGaussianDistribution(moments)
         raw = posterior.sample(generator) if sample else posterior.mode()
-        latents = normalize_wan_latents(raw, self.vae, self._latent_stats(raw))
+        latents = normalize_wan_latents(raw, self.vae, self._latent_stats(raw)) if self.normalize else raw
         self._feat_cache = cache
         self._position += len(groups)
         self._video_shape = video_shape

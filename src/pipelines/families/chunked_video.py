@@ -281,11 +281,12 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         self, clean: torch.Tensor, embeds: Sequence[torch.Tensor], caches: Sequence, request, timestep: float = 0.0
     ) -> None:
         """Write the clean chunk's K/V at `timestep` (0; Self-Forcing's `context_noise`) into every branch's cache
-        and commit."""
+        and commit, inside the cache's `context_pass()` (a layer with a context view of its own shows it)."""
         timestep = torch.full((clean.shape[0],), float(timestep), device=clean.device)
         for branch_embeds, cache in zip(embeds, caches):
-            self.transformer_step(clean, timestep, branch_embeds, cache, request)
-            cache.commit()
+            with cache.context_pass():
+                self.transformer_step(clean, timestep, branch_embeds, cache, request)
+                cache.commit()
 
     def postprocess(self, video: torch.Tensor, output_type: str) -> Any:
         """`(batch, 3, frames, H, W)` in [-1, 1] -> the requested output type."""
@@ -344,9 +345,10 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         """Keyword arguments of the transformer's `make_cache` beyond the layout (e.g. quantized storage)."""
         return {}
 
-    def make_encoder(self) -> StreamingWanEncoder:
-        """A fresh streaming encoder for one stream's start image or input video (its own feature cache)."""
-        return StreamingWanEncoder(self.vae)
+    def make_encoder(self, normalize: bool = True) -> StreamingWanEncoder:
+        """A fresh streaming encoder for one stream's start image or input video (its own feature cache); latents
+        in the transformer's normalised space unless `normalize=False` (`normalize_input_latents`)."""
+        return StreamingWanEncoder(self.vae, normalize=normalize)
 
     def make_decoder(self):
         """A fresh streaming decoder for one stream: the Wan VAE's causal decoder with a feature cache of its own,

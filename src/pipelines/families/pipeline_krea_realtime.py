@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 
-from ...caching import RollingKVCache
+from ...caching import AdaptiveSinkPolicy, RollingKVCache
 from ...caching.layout import ChunkLayout
 from ...checks import check_choice, check_flag, check_number
 from ...models.krea_realtime import ATTENTION_BIAS_MODES, KreaRealtimeTransformer3DModel
@@ -52,6 +52,10 @@ class KreaCacheOptions(CacheOptions):
     kv_offload: bool
     attention_bias_mode: str
     sink_mode: str = "fixed"  # the layout checks the value (`ChunkLayout`); here what it cannot be stored with
+    elastic_window: bool = False  # Rolling Forcing's views: the layout checks both (`ChunkLayout._check_views`)
+    context_window_frames: int | None = None
+    adaptive_sink: bool = False  # StreamDiffusionV2's (`rolldiff.caching.AdaptiveSinkLayer`)
+    adaptive_sink_threshold: float = 0.2  # its `adapt_sink_threshold`
 
     def __post_init__(self) -> None:
         check_number("attention_bias", self.attention_bias, 0, 1, above=True, hint="1 disables it")
@@ -68,6 +72,31 @@ class KreaCacheOptions(CacheOptions):
                 "`sink_mode='rolling'` copies dense K/V between cache slots at each commit: pass kv_quantization=None "
                 f"and kv_offload=False (got kv_quantization={self.kv_quantization!r}, kv_offload={self.kv_offload})."
             )
+        self._check_adaptive_sink()
+
+    def _check_adaptive_sink(self) -> None:
+        """The adaptive sink compares and writes dense keys stored after RoPE, in a sink of whole frames."""
+        check_flag("adaptive_sink", self.adaptive_sink)
+        AdaptiveSinkPolicy(self.adaptive_sink_threshold)  # checks the threshold
+        if not self.adaptive_sink:
+            return
+        conflicts = {
+            "position_mode": self.position_mode != "absolute",
+            "sink_frames": self.sink_frames < 1,
+            "sink_mode": self.sink_mode != "fixed",
+            "kv_quantization": self.kv_quantization is not None,
+            "kv_offload": self.kv_offload,
+            "attention_bias": self.attention_bias != 1.0,
+        }
+        if any(conflicts.values()):
+            raise ValueError(
+                "`adaptive_sink=True` compares each new frame's keys, stored after RoPE, with the sink's and writes "
+                "dense K/V in place: it needs position_mode='absolute', sink_frames >= 1, sink_mode='fixed', no "
+                f"kv_quantization, no kv_offload and attention_bias=1; got {self._named(conflicts)}."
+            )
+
+    def _named(self, conflicts: dict[str, bool]) -> str:
+        return ", ".join(f"{name}={getattr(self, name)!r}" for name, conflict in conflicts.items() if conflict)
 
 
 @dataclass
@@ -98,6 +127,13 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         kv_offload: keep the committed K/V window in CPU memory; each block's is brought in when it runs.
         sink_mode: "fixed" or "rolling" (Rolling Sink: past the first window, each older chunk is replaced by the
             first `window - chunk` frames walked forward and back, at its own positions; needs "relative").
+        elastic_window: the window counts the frames actually being denoised, so fewer in flight see more committed
+            frames (Rolling Forcing's emptying windows).
+        context_window_frames: the latent frames a context pass attends to, counting its chunk: the last ones of the
+            video, the sink among them only while inside (Rolling Forcing's clean pass); None: the window's view.
+        adaptive_sink: StreamDiffusionV2's adaptive sink (a sink frame is replaced when a new frame no longer
+            resembles it, decided per step and block; `rolldiff.caching.AdaptiveSinkLayer`).
+        adaptive_sink_threshold: its cosine-similarity threshold (0.2 upstream).
     """
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
@@ -127,6 +163,10 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         kv_quantization: str | None = None,
         kv_offload: bool = False,
         sink_mode: str = "fixed",
+        elastic_window: bool = False,
+        context_window_frames: int | None = None,
+        adaptive_sink: bool = False,
+        adaptive_sink_threshold: float = 0.2,
     ) -> None:
         super().__init__()
         self.register_modules(
@@ -147,6 +187,10 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             kv_quantization=kv_quantization,
             kv_offload=kv_offload,
             sink_mode=sink_mode,
+            elastic_window=elastic_window,
+            context_window_frames=context_window_frames,
+            adaptive_sink=adaptive_sink,
+            adaptive_sink_threshold=adaptive_sink_threshold,
         )
         self.set_vae_factors(vae)
 
@@ -158,23 +202,30 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         num_latent_frames: int,
         largest_chunk: int | None = None,
     ) -> ChunkLayout:
-        if largest_chunk is not None:
+        if largest_chunk is not None and not options.adaptive_sink:
             raise ValueError(
-                "`first_chunk='remainder'` needs chunks of one size in the sliding window (the window counts the "
-                "chunk); give `num_frames` as whole chunks (`valid_num_frames`)."
+                "A first chunk larger than the others (`first_chunk='remainder'` or 'extra_frame') needs the adaptive "
+                "sink (`adaptive_sink=True`, whose slots follow its own queue); the sliding window counts one chunk "
+                "size. Give `num_frames` as whole chunks (`valid_num_frames`)."
             )
         layout = ChunkLayout(
             tokens_per_frame=tokens_per_frame,
-            chunk_frames=options.chunk_frames,
+            chunk_frames=options.chunk_frames if largest_chunk is None else largest_chunk,
             sink_frames=options.sink_frames,
             window_frames=options.window_frames,
             position_mode=options.position_mode,
             sink_mode=options.sink_mode,
+            elastic_window=options.elastic_window,
+            context_window_frames=options.context_window_frames,
         )
         return layout.fitted_to(num_latent_frames)
 
     def cache_storage(self, request: VideoRequest) -> dict:
-        return {"quantization": request.options.kv_quantization, "offload": request.options.kv_offload}
+        options = request.options
+        storage = {"quantization": options.kv_quantization, "offload": options.kv_offload}
+        if options.adaptive_sink:  # upstream pops its queue once per `total_steps` writes: one chunk's
+            storage["adaptive_sink"] = AdaptiveSinkPolicy(options.adaptive_sink_threshold, request.writes_per_chunk)
+        return storage
 
     def transformer_step(
         self, latents, timestep, embeds, cache: RollingKVCache, request: VideoRequest
@@ -225,7 +276,10 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         frames = recent[:, :, recent.shape[2] - (frame - start) :]
         count = frames.shape[2]
         # a window of twice the pass: once committed, the whole pass is still what `get()` returns
-        scratch_layout = dataclasses.replace(layout, chunk_frames=count, window_frames=2 * count, sink_mode="fixed")
+        scratch_layout = dataclasses.replace(
+            layout, chunk_frames=count, window_frames=2 * count, sink_mode="fixed", elastic_window=False,
+            context_window_frames=None,
+        )  # fmt: skip
         scratch = self.transformer.make_cache(scratch_layout)
         if start > 0:  # the kept sink at its positions, then the stream position moved to the pass's first frame
             sink = [tuple(t[:, : layout.sink_tokens] for t in layer.get()) for layer in cache]

@@ -40,7 +40,7 @@ from .request import (
     check_output_type,
     check_recache,
 )
-from .steps import StepPlan, plan_steps
+from .steps import StepMapping, StepPlan, plan_steps
 from .text_encoding import check_max_sequence_length
 
 # What the loop does when neither the call nor its recipe says (the cache options' defaults are the config's).
@@ -53,10 +53,13 @@ LOOP_DEFAULTS: dict[str, Any] = {
     "recache": "causal",
     "prompt_blend_chunks": 1,
     "denoising": "sequential",
+    "video_noise_mix": "sigma",
+    "normalize_input_latents": True,
 }
 DENOISING_MODES = ("sequential", "pipelined")
 IMAGE_MODES = ("chunk", "frame")
-FIRST_CHUNK_RULES = ("whole", "remainder", "frame")
+FIRST_CHUNK_RULES = ("whole", "remainder", "frame", "extra_frame")
+VIDEO_NOISE_MIXES = ("sigma", "strength", "motion")
 
 
 class RequestPipeline(Protocol):
@@ -100,6 +103,7 @@ def resolve_call(pipe: RequestPipeline, call: VideoCall) -> VideoCall:
     defaults; `recipe` holds the name used. What is still `None` is the pipeline config's to fill. The call's own
     `image_mode` is checked first: a recipe's applies only when the call has an image, the call's must have one."""
     check_image_mode(call.image_mode, call.image)
+    check_input_options(call)
     name = call.recipe if call.recipe is not None else pipe.config.get("recipe")
     settings = dict(LOOP_DEFAULTS)
     if name is not None:
@@ -115,6 +119,17 @@ def check_image_mode(image_mode: Any, image: Any) -> None:
     check_choice("image_mode", image_mode, IMAGE_MODES)
     if image is None:
         raise ValueError("`image_mode` applies to `image=` (image-to-video) only; pass an `image` or drop it.")
+
+
+def check_input_options(call: VideoCall) -> None:
+    """Options the call gives for an input it does not have (a recipe's apply only when the input is there)."""
+    for name in ("video_denoising_steps", "video_noise_mix"):
+        if getattr(call, name) is not None and call.video is None:
+            raise ValueError(f"`{name}` applies to `video=` (video-to-video) only; pass a `video` or drop it.")
+    if call.normalize_input_latents is not None and call.video is None and call.image is None:
+        raise ValueError(
+            "`normalize_input_latents` applies to an encoded input (`video=` or `image=`) only; pass one or drop it."
+        )
 
 
 def first_chunk_rule(call: VideoCall) -> str:
@@ -155,7 +170,8 @@ def num_frames_for(pipe: RequestPipeline, seconds: Any, fps: Any, call: VideoCal
     requested = max(1, math.ceil(round(seconds * fps, 6)))  # round first: 0.1 s * 30 fps is 3 frames, not 4
     # the family's layout checks the chunk and window (its one home); frames are the same at any frame size
     layout = pipe.make_layout(1, options, pipe.frames_to_latent(requested))
-    below, above = pipe.valid_num_frames(requested, layout.chunk_frames, first_chunk == "frame")
+    alone = first_chunk in ("frame", "extra_frame")  # one latent frame, then whole chunks, either way
+    below, above = pipe.valid_num_frames(requested, layout.chunk_frames, alone)
     return below if below >= requested else above
 
 
@@ -166,6 +182,7 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
     check_output_type(call.output_type)
     call, options, first_chunk = _resolved(pipe, call)
     geometry, layout = _geometry(pipe, call, options, first_chunk)
+    _check_context_window(layout)
     schedule = _schedule(pipe, call, geometry)
     guidance_scale = check_guidance_scale(call.guidance_scale)
     max_sequence_length = check_max_sequence_length(
@@ -195,8 +212,17 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
         recache_mode=check_recache(call.recache, pipe.recache_modes),
         overlap_decode=check_flag("overlap_decode", call.overlap_decode),
         prompt_blend_chunks=check_blend_chunks(call.prompt_blend_chunks),
+        video_step_plan=None
+        if call.video_denoising_steps is None
+        else _step_plan(pipe, call, call.video_denoising_steps, name="video_denoising_steps"),
+        video_noise_mix=check_choice(
+            "video_noise_mix", call.video_noise_mix, VIDEO_NOISE_MIXES, hint="'motion': StreamDiffusionV2's"
+        ),
+        normalize_input_latents=check_flag("normalize_input_latents", call.normalize_input_latents),
+        step_mapping=_step_mapping(pipe, call),
     )
     _check_vae_needs(pipe, call, checked)
+    _check_last_step_and_adaptive_sink(call, options, geometry, checked)
     if denoising == "pipelined":
         layout = _pipelined_layout(pipe, call, options, geometry, layout, len(step_plan.steps))
     conditioning = build_conditioning(  # last: an input file's reader opens here, after every other check
@@ -225,6 +251,16 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
         recipe=call.recipe,
         **checked,
     )
+
+
+def _check_context_window(layout: ChunkLayout) -> None:
+    """A context pass's span (`context_window_frames`) counts its chunk and must leave room for context."""
+    span = getattr(layout, "context_window_frames", None)
+    if span is not None and span <= layout.chunk_frames:
+        raise ValueError(
+            f"`context_window_frames`={span} must be larger than `chunk_frames`={layout.chunk_frames}: the span a "
+            "context pass attends to counts its chunk and must leave room for recent context (Rolling Forcing: 21)."
+        )
 
 
 def _pipelined_layout(
@@ -294,6 +330,42 @@ def _check_vae_needs(pipe: RequestPipeline, call: VideoCall, checked: dict[str, 
         )
 
 
+def _step_mapping(pipe: RequestPipeline, call: VideoCall) -> StepMapping:
+    """The call's step-to-sigma mapping (checked with the step lists by `plan_steps`)."""
+    shift = pipe.scheduler.config.shift if call.timestep_shift is None else call.timestep_shift
+    return StepMapping(call.sigma_mapping, float(shift), bool(call.integer_timesteps))
+
+
+def _check_last_step_and_adaptive_sink(
+    call: VideoCall, options: CacheOptions, geometry: VideoGeometry, checked: dict[str, Any]
+) -> None:
+    """StreamDiffusionV2's options together: no context pass to commit a start image or to follow pipelined
+    chunks; the adaptive sink's one-frame chunks, one queue (batch 1) and the same writes in every chunk."""
+    last_step = checked["context_policy"] == "last_step"
+    if last_step and (call.image is not None or checked["denoising"] == "pipelined"):
+        given = "`image`" if call.image is not None else "`denoising='pipelined'`"
+        raise ValueError(
+            f"`context_policy='last_step'` commits what the denoising steps wrote, and {given} needs a context pass "
+            "to commit its chunk; use context_policy='rolling'."
+        )
+    if not getattr(options, "adaptive_sink", False):
+        return
+    conflicts = {
+        "chunk_frames": geometry.chunk_frames != 1,
+        "image": call.image is not None,
+        "first_chunk_steps": call.first_chunk_steps is not None,
+        "denoising": checked["denoising"] != "sequential",
+        "batch": geometry.batch_size != 1,
+    }
+    if any(conflicts.values()):
+        raise ValueError(
+            "`adaptive_sink=True` decides a refresh for one-frame chunks (upstream's `v.shape[1] <= frame_seqlen`), "
+            "keeps one eviction queue per stream and pops it once per chunk's writes: it needs chunk_frames=1, "
+            "batch 1, no `image`, no `first_chunk_steps`, denoising='sequential'; got "
+            f"{[name for name, conflict in conflicts.items() if conflict]} otherwise."
+        )
+
+
 def _step_plan(pipe: RequestPipeline, call: VideoCall, steps, sigmas=None, name: str = "denoising_steps") -> StepPlan:
     """`steps` (None: the config's) under the call's sigma mapping and shift (`sigmas`: explicit ones)."""
     shift = call.timestep_shift
@@ -313,7 +385,8 @@ def _geometry(
 ) -> tuple[VideoGeometry, ChunkLayout]:
     """Frames, sizes and the cache layout of one video, inside the positions' range: whole chunks, or a first
     chunk that takes the leftover frames (`first_chunk="remainder"`, LongSANA) or is one latent frame
-    (`first_chunk="frame"`: a start image's single latent frame, Self-Forcing / CausVid image-to-video)."""
+    (`first_chunk="frame"`: a start image's single latent frame, Self-Forcing / CausVid image-to-video) or holds one
+    latent frame more than the others (`first_chunk="extra_frame"`, StreamDiffusionV2)."""
     num_frames = check_num_frames(call.num_frames)
     height = pipe.check_size("height", pipe.config.height if call.height is None else call.height)
     width = pipe.check_size("width", pipe.config.width if call.width is None else call.width)
@@ -325,6 +398,15 @@ def _geometry(
     first = _first_chunk_frames(pipe, num_frames, latent_frames, chunk_frames, first_chunk)
     if first > chunk_frames:  # the model and cache are sized by the largest chunk, the first
         layout = pipe.make_layout(tokens_per_frame, options, latent_frames, first)
+    if getattr(options, "adaptive_sink", False) and latent_frames > pipe.transformer.config.get(
+        "rope_max_seq_len", 1024
+    ):
+        raise ValueError(
+            f"{latent_frames} latent frames exceed the RoPE table of {pipe.transformer.config.rope_max_seq_len} "
+            "positions, and `adaptive_sink=True` compares keys stored at their absolute positions: make `num_frames` "
+            "at most that many latent frames (StreamDiffusionV2 itself moves positions past frame 50 back to frame 5, "
+            "`streamv2v/inference_wo_batch.py:314-316`; this pipeline does not)."
+        )
     pipe.transformer.check_frame_budget(latent_frames, layout)
     channels = pipe.transformer.config.in_channels
     return VideoGeometry(
@@ -343,11 +425,13 @@ def _first_chunk_frames(pipe: RequestPipeline, num_frames: int, latent_frames: i
     whole_latents = not (num_frames - 1) % temporal
     if rule == "frame" and latent_frames > 1 and (latent_frames - 1) % chunk == 0 and whole_latents:
         return 1
+    if rule == "extra_frame" and latent_frames > chunk and (latent_frames - 1) % chunk == 0 and whole_latents:
+        return chunk + 1  # the lone first frame's latent and a chunk: 1 + 4 * chunk pixel frames
     if rule == "remainder" and latent_frames >= chunk and whole_latents:
         return chunk + latent_frames % chunk
     if rule == "whole" and latent_frames % chunk == 0 and whole_latents:
         return chunk
-    alone = rule == "frame"
+    alone = rule in ("frame", "extra_frame")
     below, above = pipe.valid_num_frames(num_frames, chunk, first_frame_alone=alone)
     raise ValueError(
         f"`num_frames`={num_frames} cannot be made of {'one frame and then ' if alone else ''}whole chunks of "

@@ -53,6 +53,10 @@ class VideoCall:
     kv_offload: bool | None = None
     attention_bias_mode: str | None = None
     sink_mode: str | None = None
+    elastic_window: bool | None = None
+    context_window_frames: int | None = None
+    adaptive_sink: bool | None = None
+    adaptive_sink_threshold: float | None = None
     image: Any = None
     video: Any = None
     strength: float | None = None
@@ -71,6 +75,9 @@ class VideoCall:
     recompute_first_frame: str | None = None
     prompt_blend_chunks: int | None = None
     denoising: str | None = None
+    video_denoising_steps: Sequence[float] | None = None
+    video_noise_mix: str | None = None
+    normalize_input_latents: bool | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -168,6 +175,26 @@ Args:
         `window_frames - chunk_frames` frames, each chunk, when the next one commits, is replaced by those first
         frames walked forward and back, at its own positions; needs `position_mode="relative"`, no KV quantization
         or offload).
+    elastic_window (`bool`, *optional*):
+        The window counts the latent frames actually being denoised, not the largest chunk: fewer frames in flight
+        see more committed frames (`window_frames` minus those in flight). Rolling Forcing's window forward,
+        thu-ml/Causal-Forcing `long_video/wan/modules/causal_model.py:266-272`, whose window of in-flight chunks
+        empties at the end of the video (`denoising="pipelined"`).
+    context_window_frames (`int`, *optional*):
+        The latent frames the context pass (the clean pass that writes a chunk's K/V) attends to, counting the chunk:
+        the last ones of the video ending with it, the sink among them only while inside that span. Rolling
+        Forcing's clean pass (`causal_model.py:247-262`: the last 21 frames). `None`: the denoising window's view.
+    adaptive_sink (`bool`, *optional*):
+        StreamDiffusionV2's adaptive sink (chenfengxu714/StreamDiffusionV2 `models/wan/causal_model.py:268-342`):
+        a cache of `sink_frames + window_frames` frame slots where, at every denoising step and in every transformer
+        block, a one-frame chunk whose mean key and value resemble some sink frame less than
+        `adaptive_sink_threshold` (cosine similarity) replaces that sink frame, the ring of the other slots
+        following upstream's eviction queue (`rolldiff.caching.AdaptiveSinkLayer`). Needs `chunk_frames=1`,
+        `position_mode="absolute"`, batch 1, no KV quantization, offload, attention bias, `sink_mode="rolling"`,
+        start image, `first_chunk_steps` or pipelined denoising. Defaults to `False`.
+    adaptive_sink_threshold (`float`, *optional*):
+        The adaptive sink's similarity threshold in [-1, 1] (upstream's `adapt_sink_threshold`, 0.2 in
+        `configs/wan_causal_dmd_v2v.yaml`; -1 never refreshes). Only with `adaptive_sink=True`.
     image (`PIL.Image.Image`, `np.ndarray` or `torch.Tensor`, *optional*):
         A start frame (image-to-video), or one per batch element: `(H, W, 3)` arrays, `(3, H, W)` tensors. It is
         encoded and becomes the clean first context: frame 0 of the video is the image.
@@ -203,11 +230,16 @@ Args:
     context_noise (`float`, *optional*):
         The timestep of the context pass in [0, 1000) (Self-Forcing's `context_noise`; 0: clean).
     context_policy (`str`, *optional*):
-        `"rolling"` (commit each chunk's K/V once; the default) or `"recompute"` (Krea: each chunk rebuilds its
-        context from the last clean latents in one t = 0 pass).
+        `"rolling"` (commit each chunk's K/V once, from a clean context pass; the default), `"recompute"` (Krea:
+        each chunk rebuilds its context from the last clean latents in one t = 0 pass) or `"last_step"`
+        (StreamDiffusionV2, `models/wan/causal_stream_inference.py:298-348`: no context pass, every denoising step
+        writes the cache and the last step's K/V are what is committed; no start image, no pipelined denoising).
     first_chunk (`str`, *optional*):
         `"whole"` (every chunk alike; the default), `"remainder"` (the first chunk takes the leftover frames:
-        LongSANA) or `"frame"` (one latent frame: a start image's, with `image_mode="frame"`).
+        LongSANA), `"frame"` (one latent frame: a start image's, with `image_mode="frame"`) or `"extra_frame"`
+        (one latent frame more than the others: the video's lone first pixel frame joins the first chunk, 1 + 4
+        pixel frames for chunks of one latent frame; StreamDiffusionV2, `streamv2v/inference_wo_batch.py:256-283`;
+        `num_frames` is then one latent frame and whole chunks; with `adaptive_sink` only).
     recache (`str`, *optional*):
         The re-cache after a prompt switch: `"causal"` (the default), `"longlive"` or `"longsana"`, as the family
         offers.
@@ -224,4 +256,19 @@ Args:
         chunk costs one forward of a longer sequence instead of one forward per step. The in-flight chunks count in
         `window_frames` (attention sees the sink, the `window_frames - steps x chunk_frames` latest committed frames
         and every in-flight chunk); not with `first_chunk_steps`. Krea-like pipelines.
+    video_denoising_steps (`list[float]`, *optional*):
+        With `video`: the input chunks' own step list, mapped like `denoising_steps` (StreamDiffusionV2 denoises an
+        input video with 700/500/400/200, `configs/wan_causal_dmd_v2v.yaml`). Defaults to `denoising_steps`.
+    video_noise_mix (`str`, *optional*):
+        With `video`: how an input chunk is noised. `"sigma"` (diffusers'; the default): to the sigma of the step
+        `strength` cuts the list at, and only the steps from there run. `"strength"`: `strength * noise + (1 -
+        strength) * input`, and every step of the list runs (StreamDiffusionV2's `noise_scale`,
+        `streamv2v/inference_wo_batch.py:273-274`). `"motion"`: as `"strength"` for the first chunk; each later chunk
+        is mixed at `s = 0.9 (strength - 0.1 m) + 0.1 s_prev`, where `m` is the chunk's motion (the largest RMS
+        difference of a pixel frame from the one before, over 0.2, at most 1), and its first step is fed
+        `int(1000 s) - 100` (`streamv2v/inference.py:51-57`).
+    normalize_input_latents (`bool`, *optional*):
+        With `video` or `image`: `False` feeds the transformer the input's latents as the VAE encodes them,
+        without Wan's per-channel `(x - mean) / std` (StreamDiffusionV2's `stream_encode(..., is_scale=False)`,
+        `models/wan/wan_wrapper.py:134-141`; its decoder still denormalises). Defaults to `True`.
 """

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ from einops import repeat
 from ...checks import check_number
 from ..codecs.streaming_encode import StreamingWanEncoder
 from ..io.video_input import VideoInput, load_start_image, num_frames_available
+
+if TYPE_CHECKING:
+    from ..video_noise import VideoNoiseMix
 
 DEFAULT_STRENGTH = 0.8  # diffusers' WanVideoToVideoPipeline default
 
@@ -100,11 +103,16 @@ def build_conditioning(
 
 
 class ConditioningInput:
-    """The per-stream side of a `Conditioning`: its own encoder and the input's position."""
+    """The per-stream side of a `Conditioning`: its own encoder, the input's position and, for a video, how its
+    chunks are noised (`noise_mix`, a `rolldiff.pipelines.video_noise.VideoNoiseMix`, which sees each chunk's
+    pixels as they are read)."""
 
-    def __init__(self, conditioning: Conditioning, encoder: StreamingWanEncoder) -> None:
+    def __init__(
+        self, conditioning: Conditioning, encoder: StreamingWanEncoder, noise_mix: VideoNoiseMix | None = None
+    ) -> None:
         self.conditioning = conditioning
         self.encoder = encoder
+        self.noise_mix = noise_mix
 
     @property
     def is_video(self) -> bool:
@@ -125,6 +133,8 @@ class ConditioningInput:
         frames = self.conditioning.video.next_chunk(pixels)
         if frames is None or frames.shape[2] < pixels:
             return None
+        if self.noise_mix is not None:
+            self.noise_mix.observe(frames)
         return self.encoder.encode(frames)
 
     def close(self) -> None:
@@ -135,9 +145,13 @@ class ConditioningInput:
         state = {f"encoder.{k}": v for k, v in self.encoder.state_dict().items()}
         frames_read = self.conditioning.video.frames_read if self.is_video else 0
         state["frames_read"] = torch.tensor([frames_read], dtype=torch.int64)
+        if self.noise_mix is not None:
+            state.update({f"noise_mix.{k}": v for k, v in self.noise_mix.state_dict().items()})
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.encoder.load_state_dict({k[8:]: v for k, v in state.items() if k.startswith("encoder.")})
+        if self.noise_mix is not None:
+            self.noise_mix.load_state_dict({k[10:]: v for k, v in state.items() if k.startswith("noise_mix.")})
         if self.is_video:
             self.conditioning.video.skip(int(state["frames_read"][0]))

@@ -25,7 +25,7 @@ from .prompt_schedule import PromptSchedule
 
 if TYPE_CHECKING:
     from .conditioning import Conditioning
-    from .steps import StepPlan
+    from .steps import StepMapping, StepPlan
 
 OUTPUT_TYPES = ("np", "pil", "pt", "latent")
 
@@ -50,6 +50,10 @@ class CacheOptions:
         "kv_offload",
         "attention_bias_mode",
         "sink_mode",
+        "elastic_window",
+        "context_window_frames",
+        "adaptive_sink",
+        "adaptive_sink_threshold",
     )
 
     @classmethod
@@ -146,18 +150,33 @@ class VideoRequest:
     recipe: str | None = None  # the named recipe these settings came from (`rolldiff.recipes`)
     first_step_plan: StepPlan | None = None  # the first denoised chunk's own steps (Causal Forcing++)
     denoising: str = "sequential"  # "pipelined": every step's chunk in flight, one forward for all (Rolling Forcing)
+    video_step_plan: StepPlan | None = None  # an input video's chunks' own steps (`video_denoising_steps`)
+    video_noise_mix: str = "sigma"  # how an input chunk is noised: "sigma", "strength" or "motion" (StreamDiffusionV2)
+    normalize_input_latents: bool = True  # False: input latents as the VAE encodes them (StreamDiffusionV2)
+    step_mapping: StepMapping | None = None  # how steps map to sigmas, for a first step chosen at run time
 
     def step_plan_for(self, chunk: int) -> StepPlan:
         """The steps chunk `chunk` is denoised with: the first denoised chunk's own plan, if any (a start image's
-        chunk 0 is not denoised, so that is chunk 1 then), else `step_plan`; a video-to-video chunk runs its last
-        `strength` part."""
+        chunk 0 is not denoised, so that is chunk 1 then), else `step_plan`; a video-to-video chunk runs
+        `video_step_plan` (else `step_plan`): its last `strength` part when noised to a step's sigma
+        (`video_noise_mix="sigma"`), all of it when `strength` is the noise mix itself (the first step of a later
+        chunk may then be chosen by the input's motion: `ChunkStream`)."""
         conditioning = self.conditioning
         first_denoised = 1 if conditioning is not None and conditioning.image is not None else 0
         if self.first_step_plan is not None and chunk == first_denoised:
             return self.first_step_plan
         if conditioning is not None and conditioning.video is not None:  # from the input noised to `strength`
-            return self.step_plan.tail(strength_steps(len(self.step_plan.steps), conditioning.strength))
+            plan = self.step_plan if self.video_step_plan is None else self.video_step_plan
+            if self.video_noise_mix != "sigma":
+                return plan
+            return plan.tail(strength_steps(len(plan.steps), conditioning.strength))
         return self.step_plan
+
+    @property
+    def writes_per_chunk(self) -> int:
+        """Cache writes of one denoised chunk: its steps, plus the context pass unless the last step's K/V are what
+        is committed (`context_policy="last_step"`). The same for every chunk (checked where it matters)."""
+        return len(self.step_plan_for(1).steps) + (self.context_policy != "last_step")
 
     @property
     def denoising_steps(self) -> tuple[float, ...]:
@@ -210,12 +229,15 @@ def check_size(name: str, size: Any, multiple: int, why: str) -> int:
     return int(size)
 
 
-CONTEXT_POLICIES = ("rolling", "recompute")
+CONTEXT_POLICIES = ("rolling", "recompute", "last_step")
 
 
 def check_context_policy(policy: Any, layout: ChunkLayout) -> str:
-    """The policy; "recompute" writes its whole context (sink + window - chunk frames) in one pass, as one chunk."""
-    check_choice("context_policy", policy, CONTEXT_POLICIES)
+    """The policy; "recompute" writes its whole context (sink + window - chunk frames) in one pass, as one chunk;
+    "last_step" runs no context pass (each step writes the cache, the last step's K/V are committed)."""
+    check_choice(
+        "context_policy", policy, CONTEXT_POLICIES, hint="'last_step': StreamDiffusionV2, no clean context pass"
+    )
     context = layout.full_window_frames
     if policy == "recompute" and context > layout.chunk_frames:
         raise ValueError(

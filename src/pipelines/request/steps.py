@@ -77,6 +77,29 @@ def check_steps(steps: Sequence, name: str = "denoising_steps") -> tuple[float, 
     return tuple(float(s) for s in steps)
 
 
+@dataclass(frozen=True)
+class StepMapping:
+    """How a request maps steps to sigmas (`plan_steps`' options, checked): kept on the request so a step chosen at
+    run time (StreamDiffusionV2's motion-adaptive first step) is mapped as the planned ones are."""
+
+    sigma_mapping: str = "shift"
+    shift: float = 5.0
+    integer_timesteps: bool = False
+
+    def plan(self, steps: Sequence[float]) -> StepPlan:
+        """The plan of `steps` taken as they come (in any order: a run-time first step may sit below the next one),
+        each mapped alone. A step outside [0, 1000] is fed as it is, with the sigma of its nearest end (upstream's
+        table lookup reads it so)."""
+        timesteps, sigmas = [], []
+        for step in steps:
+            clamped = min(max(float(step), 0.0), 1000.0)
+            lone = [1000.0, 0.0] if clamped == 0 else [clamped]  # a list of only 0 starts nothing: 0 comes last
+            alone = plan_steps(lone, self.sigma_mapping, self.shift, self.integer_timesteps)
+            timesteps.append(alone.timesteps[-1] if clamped == step else float(step))
+            sigmas.append(alone.sigmas[-1])
+        return StepPlan(tuple(float(t) for t in steps), tuple(timesteps), tuple(sigmas))
+
+
 def plan_steps(
     steps: Sequence,
     sigma_mapping: str,

@@ -1,0 +1,230 @@
+"""`recipe="rolling-forcing"` against the authors' code, and the two cache views it needs, each on its own.
+
+The goldens (tests/goldens/rolling-forcing/, tools/record_rolling_forcing_goldens.py) are thu-ml/Causal-Forcing@1fc7bbc's
+`long_video` Rolling Forcing loop on tiny random weights: `plain` (14 blocks: the buffer rolls, the anchor leaves
+the clean pass's view, the last 3 windows empty) and `short` (5 blocks). Each block's clean latents must equal
+upstream's within 1e-4 (the fp32-vs-fp64 floor is printed beside it).
+
+The layer tests are scalar traces (1 head, head_dim 1, token p carries the value p + 1) over random walks of window
+forwards and context passes, against the views written out by hand from `causal_model.py:247-300`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
+from recipe_goldens import Golden, load_golden
+from test_recipes_pipeline import krea_golden_pipeline
+
+from rolldiff.caching import RollingKVCache, SlidingWindowLayer
+from rolldiff.caching.layout import ChunkLayout, ring_length
+from rolldiff.pipelines import pipelined as pipelined_module
+from rolldiff.pipelines import stream as stream_module
+from rolldiff.recipes import describe_recipe, get_recipe
+
+TOLERANCE = 1e-4
+RECIPE = "rolling-forcing"
+
+
+# ----------------------------------------------------------------------------------------- against upstream
+class RecordedOrder:
+    """Stands in for `randn_tensor`: upstream's draws in the order its rolling window made them (the entering
+    block's noise, then one re-noise per block that goes on, oldest first), each checked for shape."""
+
+    def __init__(self, golden: Golden) -> None:
+        self.noise = golden.noise()
+        self.names = [name.split(".")[1:] for name in golden.settings["noise_order"]]
+
+    def __call__(self, shape, generator=None, device=None, dtype=None, **kwargs) -> torch.Tensor:
+        position = self.noise.position
+        assert position < len(self.names), "the loop drew more noise than upstream"
+        chunk, step = (int(part) for part in self.names[position])
+        drawn = self.noise.draw(chunk, step)
+        assert tuple(drawn.shape) == tuple(shape), (chunk, step, drawn.shape, shape)
+        return drawn.to(device=device, dtype=dtype)
+
+
+def _inject(golden: Golden, monkeypatch) -> RecordedOrder:
+    noise = RecordedOrder(golden)
+    for module in (stream_module, pipelined_module, scheduler_module):
+        monkeypatch.setattr(module, "randn_tensor", noise)
+    return noise
+
+
+def _errors(golden: Golden, latents: torch.Tensor) -> list[float]:
+    chunks = latents.split(golden.settings["chunk_frames"], dim=2)
+    assert len(chunks) == len(golden.clean)
+    return [float((made.float() - expected).abs().max()) for made, expected in zip(chunks, golden.clean)]
+
+
+def _run(golden: Golden, monkeypatch, **extra) -> tuple[list[float], RecordedOrder]:
+    pipe = krea_golden_pipeline(golden)
+    noise = _inject(golden, monkeypatch)
+    frames = golden.settings["latent_frames"]
+    latents = pipe(
+        num_frames=pipe.latent_to_frames(frames), prompt_embeds=golden.text["a"], output_type="latent",
+        recipe=RECIPE, **extra,
+    ).frames  # fmt: skip
+    return _errors(golden, latents), noise
+
+
+@pytest.mark.parametrize("scenario", ["plain", "short"])
+@torch.no_grad()
+def test_rolling_forcing_recipe_matches_upstream(scenario, monkeypatch):
+    """`pipe(...)` with the recipe alone: every block's clean latents as the authors' rolling window made them."""
+    golden = load_golden(RECIPE, scenario)
+    errors, noise = _run(golden, monkeypatch)
+    print(f"\nrolling-forcing/{scenario}: max |ours - upstream| {max(errors):.1e}, floor {golden.floor:.1e}")
+    assert noise.noise.exhausted
+    assert max(errors) <= TOLERANCE, errors
+
+
+@torch.no_grad()
+def test_the_goldens_see_both_views(monkeypatch):
+    """Without the elastic window the emptying windows at the end differ; with a clean pass that sees the whole
+    video (a span longer than it) the blocks after the anchor leaves upstream's 21 frames differ; the blocks before
+    either matters still match."""
+    golden = load_golden(RECIPE, "plain")
+    rigid, _ = _run(golden, monkeypatch, elastic_window=False)
+    assert max(rigid[:11]) <= TOLERANCE, rigid  # 4 blocks in flight: the elastic window sees what a rigid one does
+    assert min(rigid[11:]) > 100 * TOLERANCE, rigid  # the last 3 windows empty and see further back
+    whole, _ = _run(golden, monkeypatch, context_window_frames=golden.settings["latent_frames"])
+    assert max(whole[:8]) <= TOLERANCE, whole  # block 7's clean pass is the first without the anchor; its K/V
+    assert min(whole[8:]) > 10 * TOLERANCE, whole  # reach the blocks after it
+
+
+def test_the_recipe_names_its_upstream_and_settings():
+    recipe = get_recipe(RECIPE, "KreaRealtimeVideoPipeline")
+    assert "thu-ml/Causal-Forcing@1fc7bbc" in recipe.upstream and "rolling_forcing_inference.py" in recipe.upstream
+    settings = recipe.settings
+    assert settings["denoising"] == "pipelined" and settings["elastic_window"] is True
+    assert settings["context_window_frames"] == 21 and settings["sink_frames"] == 3
+    assert "context_window_frames = 21" in describe_recipe(RECIPE)
+
+
+@torch.no_grad()
+def test_a_rolling_forcing_stream_resumes_exactly():
+    golden = load_golden(RECIPE, "plain")
+    pipe = krea_golden_pipeline(golden)
+    call = dict(num_frames=pipe.latent_to_frames(30), prompt_embeds=golden.text["a"], output_type="latent")
+
+    def stream(seed=0):
+        return pipe.stream(**call, recipe=RECIPE, generator=torch.Generator().manual_seed(seed))
+
+    whole = list(stream())
+    first = stream()
+    head = [next(first) for _ in range(8)]  # the anchor has left the clean pass's span (chunk 7)
+    state = first.state_dict()
+    resumed = stream(seed=99)
+    resumed.load_state_dict(state)
+    for made, expected in zip(head + list(resumed), whole, strict=True):
+        torch.testing.assert_close(made, expected, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"context_window_frames": 3}, "must be larger than `chunk_frames`=3"),
+        ({"context_window_frames": 0}, "`context_window_frames`"),
+        ({"elastic_window": "yes"}, "`elastic_window`"),
+        ({"elastic_window": True, "window_frames": "all", "denoising": "sequential"}, "an integer `window_frames`"),
+    ],
+    ids=["span_of_one_chunk", "zero", "not_a_bool", "unbounded"],
+)
+def test_bad_views_are_refused_naming_the_argument(extra, match):
+    golden = load_golden(RECIPE, "short")
+    pipe = krea_golden_pipeline(golden)
+    with pytest.raises(ValueError, match=match):
+        pipe.stream(num_frames=pipe.latent_to_frames(15), prompt_embeds=golden.text["a"], recipe=RECIPE, **extra)
+
+
+def test_the_layer_refuses_views_it_cannot_size():
+    with pytest.raises(ValueError, match="pass `chunk_tokens`"):
+        SlidingWindowLayer(3, 18, elastic_window=True)
+    with pytest.raises(ValueError, match="`context_window_tokens`"):
+        SlidingWindowLayer(3, 18, 12, context_window_tokens=0)
+    layer = SlidingWindowLayer(3, 18, 12, frame_tokens=3, elastic_window=True, context_window_tokens=21)
+    with pytest.raises(ValueError, match="fewer than one frame"):
+        layer.update(torch.ones(1, 2, 1, 1), torch.ones(1, 2, 1, 1))
+    with pytest.raises(ValueError, match="elastic_window"):
+        ChunkLayout(tokens_per_frame=1, chunk_frames=3, sink_frames=0, window_frames=6, elastic_window=1)
+
+
+# ----------------------------------------------------------------------------------------- the layer, scalar traces
+def reference_view(committed: int, pending: int, sink: int, window: int, chunk: int, elastic: bool, span, context):
+    """Positions an update of `pending` tokens starting at `committed` attends to, by hand: a window forward sees
+    the sink, the `window - pending` (elastic) or `window - chunk` latest committed tokens and itself; a context
+    pass with a span sees the last `span` tokens ending with itself, the sink only inside them."""
+    end = committed + pending
+    if context and span is not None:
+        return list(range(max(0, end - span), end))
+    recent = window - (pending if elastic else chunk)
+    return [p for p in range(end) if p < sink or p >= committed - recent]
+
+
+def _seen(layer: SlidingWindowLayer, keys: torch.Tensor) -> list[int]:
+    """Visible positions, each checked to hold its own token's value (a slot overwritten would not)."""
+    mask = layer.attention_mask
+    positions = layer.key_positions()[mask]
+    torch.testing.assert_close(keys[0, mask, 0, 0], positions.float() + 1, rtol=0, atol=0)
+    return sorted(positions.tolist())
+
+
+def _write(layer: SlidingWindowLayer, start: int, count: int) -> torch.Tensor:
+    values = torch.arange(start + 1, start + count + 1, dtype=torch.float32).view(1, count, 1, 1)
+    keys, _ = layer.update(values, -values)
+    return keys
+
+
+GEOMETRIES = {  # sink, window, chunk (the most in flight), frame, elastic, span
+    "rolling_forcing": (3, 18, 12, 3, True, 21),  # the recipe in frames of one token: 4 blocks of 3 in flight
+    "elastic_only": (2, 10, 6, 2, True, None),
+    "span_only": (3, 9, 3, 1, False, 8),
+    "no_sink": (0, 12, 6, 2, True, 10),
+}
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES.values(), ids=GEOMETRIES.keys())
+@pytest.mark.parametrize("seed", range(3))
+def test_the_views_follow_the_hand_written_rule_over_a_random_walk(geometry, seed):
+    """Forwards of any whole-frame size up to the chunk, a context pass of part of it (inside
+    `RollingKVCache.context_pass()`), commit; sometimes an aborted forward (no commit): every update sees exactly
+    the reference view, every visible slot holding its own token, over enough chunks to wrap the ring 3 times."""
+    sink, window, chunk, frame, elastic, span = geometry
+    rng = random.Random(seed)
+    layer = SlidingWindowLayer(
+        sink, window, chunk, frame_tokens=frame, elastic_window=elastic, context_window_tokens=span
+    )
+    cache = RollingKVCache([layer])
+    assert layer.ring_tokens == ring_length(window, chunk, frame, elastic, span)
+    committed = 0
+    while committed < sink + 3 * layer.ring_tokens:
+        pending = frame * rng.randint(1, chunk // frame)
+        for _ in range(rng.randint(1, 2)):  # the steps of one forward write the same slots
+            keys = _write(layer, committed, pending)
+            assert _seen(layer, keys) == reference_view(committed, pending, sink, window, chunk, elastic, span, False)
+        if rng.random() < 0.2:
+            continue  # aborted: the next forward starts over at the same position
+        kept = frame * rng.randint(1, pending // frame)
+        if span is None or kept <= span:
+            with cache.context_pass():
+                keys = _write(layer, committed, kept)
+                assert _seen(layer, keys) == reference_view(committed, kept, sink, window, chunk, elastic, span, True)
+        else:
+            keys = _write(layer, committed, kept)
+        layer.commit()
+        committed += kept
+        assert layer.committed_count == committed
+
+
+def test_a_context_pass_ends_with_its_block_even_on_an_error():
+    layer = SlidingWindowLayer(0, 6, 3, frame_tokens=1, context_window_tokens=4)
+    cache = RollingKVCache([layer])
+    with pytest.raises(RuntimeError, match="mid-pass"), cache.context_pass():
+        assert layer._context_view  # noqa: SLF001
+        raise RuntimeError("mid-pass")
+    assert not layer._context_view  # noqa: SLF001
