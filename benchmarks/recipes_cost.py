@@ -40,6 +40,8 @@ ROWS = (
     ("causal-forcing-2step", "causal-forcing-2step", {}),
     ("causal-forcing-1step", "causal-forcing-1step", {}),
     ("rolling-sink", "rolling-sink", {}),
+    ("streamdiffusionv2 (from noise)", "streamdiffusionv2", {}),
+    ("rolling-forcing (pipelined, its two views)", "rolling-forcing", {}),
     # denoising="pipelined": every step's chunk in flight, one forward for all (the in-flight chunks count in the window)
     ("rolling, pipelined (sink 3 + window 15)", None, {"denoising": "pipelined", "window_frames": 15}),
     ("self-forcing, pipelined", "self-forcing", {"denoising": "pipelined"}),
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=1, help="transformer blocks (default 1)")
     parser.add_argument("--height", type=int, default=80, help="pixel height (default 80)")
     parser.add_argument("--width", type=int, default=128, help="pixel width (default 128)")
+    parser.add_argument("--only", nargs="*", default=None, help="run only the rows whose label holds one of these")
     args = parser.parse_args(argv)
     chunks = args.chunks or (4 if args.dry_run else 8)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -120,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         _measure(pipe, None, {}, 6, text)  # warm-up: first-call allocations and kernel choices
         for label, recipe, overrides in ROWS:
+            if args.only is not None and not any(part in label for part in args.only):
+                continue
             if recipe is not None:
                 get_recipe(recipe)  # a clear error if the registry changed
             rows.append({"recipe": label, **_measure(pipe, recipe, overrides, 3 * chunks, text)})
