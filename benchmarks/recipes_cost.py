@@ -41,6 +41,7 @@ ROWS = (
     ("causal-forcing-1step", "causal-forcing-1step", {}),
     ("rolling-sink", "rolling-sink", {}),
     ("streamdiffusionv2 (from noise)", "streamdiffusionv2", {}),
+    ("streamdiffusionv2, stream batch", "streamdiffusionv2", {"denoising": "stream_batch"}),
     ("rolling-forcing (pipelined, its two views)", "rolling-forcing", {}),
     # denoising="pipelined": every step's chunk in flight, one forward for all (the in-flight chunks count in the window)
     ("rolling, pipelined (sink 3 + window 15)", None, {"denoising": "pipelined", "window_frames": 15}),
@@ -79,9 +80,9 @@ def _measure(pipe, recipe, overrides, latent_frames: int, text: torch.Tensor) ->
     patch = pipe.transformer.config.patch_size
 
     def count(module, args):
-        _, _, frames, height, width = args[0].shape
+        rows, _, frames, height, width = args[0].shape  # a stream batch's rows are chunks of one video
         forwards.append(1)
-        tokens.append(frames * (height // patch[1]) * (width // patch[2]))
+        tokens.append(rows * frames * (height // patch[1]) * (width // patch[2]))
 
     hook = pipe.transformer.register_forward_pre_hook(count)
     stream = pipe.stream(

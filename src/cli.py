@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     generate.add_argument(
         "--denoising",
-        help="'sequential' (default) or 'pipelined': every step's chunk in flight, one forward for all (Rolling Forcing)",
+        help="'sequential' (default), 'pipelined': every step's chunk in flight, one forward for all (Rolling Forcing), "
+        "or 'stream_batch': StreamDiffusionV2's batch of one row per step, each with its own cache",
     )
     generate.add_argument("--chunk-frames", type=_positive(int), help="latent frames per chunk (default: the model's)")
     generate.add_argument("--sink-frames", type=int, help="latent frames kept forever at the start of the cache")

@@ -6,7 +6,9 @@ noise draw, the input video, what the authors' VAE encoded, each block's clean l
 block, the adaptive sink's eviction queue. Here our pipeline runs `recipe="streamdiffusionv2"` on the golden's weights,
 VAE and input pixels with upstream's noise injected in upstream's order, and every block's clean latents must equal
 upstream's within 1e-4 (the floor, upstream fp32 against upstream fp64, is printed), our eviction queues must be
-upstream's, chunk by chunk and block by block, and the sink must refresh in our run as it did in upstream's.
+upstream's, chunk by chunk and block by block, and the sink must refresh in our run as it did in upstream's. The
+stream batch's golden is matched twice: by a hand-written reference loop through our model and cache
+(`_upstream_stream_batch`) and by the pipeline's `denoising="stream_batch"` (`rolldiff.pipelines.stream_batch`).
 
 The weights upstream ran with are the stored ones rounded to bf16: the driver casts its pipeline to bf16 when it is
 built (`inference_wo_batch.py:74`) and loads the checkpoint afterwards (`load_model`), and the recorder only then
@@ -20,6 +22,7 @@ against upstream's below.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
@@ -182,9 +185,13 @@ def test_the_motion_adaptive_first_steps_are_upstreams():
 
 
 # ----------------------------------------------------------------------------------------- the stream batch
-@torch.no_grad()
-def test_the_stream_batch_is_one_cache_per_step_with_its_fill_rows():
-    """What upstream's stream batch is, spelled out through our model and `AdaptiveSinkLayer`, against its golden.
+STEPS = (700.0, 500.0, 400.0, 200.0)
+BATCH_CHUNKS = 8  # the chunks after block 0
+
+
+def _upstream_stream_batch(golden: Golden, entering: list, draw) -> list[torch.Tensor]:
+    """Upstream's stream batch spelled out through our model and `AdaptiveSinkLayer`: `entering[f]` is chunk f's
+    latents before its first step and its plan (block 0 first), `draw(i)` upstream's draw i; the chunks as shown.
 
     `streamv2v/inference.py:298-371` with `causal_stream_inference.py:202-296`: block 0 is denoised alone (4 steps,
     one cache), then its cache is copied into one row per step (`:221-225`) and every forward runs a batch of 4 rows,
@@ -193,16 +200,11 @@ def test_the_stream_batch_is_one_cache_per_step_with_its_fill_rows():
     (`cache_bs > 1`, `causal_model.py:310-316`). Until the batch is full, rows 1..3 hold zeros and their re-noised
     predictions (`prepare`'s `hidden_states` are zeros): they write into their caches at chunk 1's position, and
     their similarity decisions stay in the queues (left out, chunks 6-8 differ by ~0.1). Once the input ends, row 0
-    takes pure noise (those rows are never shown and are skipped here). Every block within 1e-4 of the golden.
-
-    The pipeline does not offer this loop: it needs a cache per step and branch and these fill rows."""
+    takes pure noise (those rows are never shown and are skipped here)."""
     from rolldiff.caching import AdaptiveSinkPolicy, CrossAttentionLayer, RollingKVCache
     from rolldiff.models import ChunkLayout
 
-    golden = load_golden(RECIPE, "stream_batch")
-    model, text, video = _transformer(), golden.text["a"], golden.tensor("video")
-    steps, chunks = [700.0, 500.0, 400.0, 200.0], 8
-    mapping = StepMapping("table", 8.0)
+    model, text, steps, chunks = _transformer(), golden.text["a"], STEPS, len(entering) - 1
     layout = ChunkLayout(tokens_per_frame=golden.tokens_per_frame, chunk_frames=2, sink_frames=3, window_frames=3)
 
     def cache() -> RollingKVCache:
@@ -211,21 +213,14 @@ def test_the_stream_batch_is_one_cache_per_step_with_its_fill_rows():
         layers = [AdaptiveSinkLayer(*sizes, frame_tokens=layout.tokens_per_frame, policy=policy) for _ in model.blocks]
         return RollingKVCache(layers, [CrossAttentionLayer() for _ in model.blocks])
 
-    def draw(index: int) -> torch.Tensor:
-        noise = golden.tensor(f"draw.{index}")
-        return (noise if noise.ndim == 5 else noise.unsqueeze(0)).permute(0, 2, 1, 3, 4)
-
     def predict(latents, timestep, sigma, step_cache) -> torch.Tensor:
         return (
             latents - sigma * model(latents, torch.tensor([timestep]), text, kv_cache=step_cache, layout=layout).sample
         )
 
-    mix = VideoNoiseMix("motion", golden.settings["noise_scale"])
-    mix.observe(video[:, :, :5])
-    plan, level = mix.plan_and_level(mapping.plan(steps), mapping)
+    latents, plan = entering[0]
     first = cache()
-    latents = level * draw(0) + (1 - level) * golden.tensor("encoded.0")  # block 0: `prepare`, draws 0-3
-    for step, (timestep, sigma) in enumerate(zip(plan.timesteps, plan.sigmas)):
+    for step, (timestep, sigma) in enumerate(zip(plan.timesteps, plan.sigmas)):  # block 0: `prepare`, draws 0-3
         clean = predict(latents, timestep, sigma, first)
         if step + 1 < len(steps):
             latents = (1 - plan.sigmas[step + 1]) * clean + plan.sigmas[step + 1] * draw(step + 1)
@@ -238,14 +233,13 @@ def test_the_stream_batch_is_one_cache_per_step_with_its_fill_rows():
     plans = [plan] * len(steps)
     for forward in range(1, chunks + len(steps)):
         drawn = 4 + 4 * (forward - 1)  # this forward's draws: the entering chunk's noise, then re-noises of rows 0-2
-        entering = None
-        if forward <= chunks:  # the input's next chunk, mixed at its motion-adapted level
-            mix.observe(video[:, :, 1 + 4 * forward : 5 + 4 * forward])
-            entering, level = mix.plan_and_level(mapping.plan(steps), mapping)
-            rows = [level * draw(drawn) + (1 - level) * golden.tensor(f"encoded.{forward}")] + rows[:-1]
+        entering_plan = None
+        if forward <= chunks:  # the input's next chunk
+            chunk_latents, entering_plan = entering[forward]
+            rows = [chunk_latents] + rows[:-1]
         else:
             rows = [None] + rows[:-1]  # pure noise after the input ends: never shown, skipped
-        plans = [entering] + plans[:-1]
+        plans = [entering_plan] + plans[:-1]
         for row, row_cache in enumerate(caches):
             chunk = forward - row
             if rows[row] is None or chunk > chunks:
@@ -261,11 +255,255 @@ def test_the_stream_batch_is_one_cache_per_step_with_its_fill_rows():
                 rows[row] = (1 - next_sigma) * rows[row] + next_sigma * draw(drawn + row + 1)
         if forward >= len(steps):
             made.append(rows[-1])
-    errors = _errors(golden, made)
+    return made
+
+
+def _golden_draws(golden: Golden) -> list[torch.Tensor]:
+    return [golden.tensor(f"draw.{i}") for i in range(len(golden.settings["draw_shapes"]))]
+
+
+def _as_draw(draws: list[torch.Tensor]):
+    """`draw(i)`: draw i (upstream's layout, `(batch, frames, channels, h, w)`) in diffusers' layout."""
+
+    def draw(index: int) -> torch.Tensor:
+        noise = draws[index]
+        return (noise if noise.ndim == 5 else noise.unsqueeze(0)).permute(0, 2, 1, 3, 4)
+
+    return draw
+
+
+def _v2v_entering(golden: Golden, draw) -> list:
+    """Each input chunk mixed at its motion-adapted level with its noise (draw 4f), and its plan, block 0 first."""
+    mapping, video = StepMapping("table", 8.0), golden.tensor("video")
+    mix = VideoNoiseMix("motion", golden.settings["noise_scale"])
+    entering = []
+    for chunk in range(BATCH_CHUNKS + 1):
+        mix.observe(video[:, :, :5] if chunk == 0 else video[:, :, 1 + 4 * chunk : 5 + 4 * chunk])
+        plan, level = mix.plan_and_level(mapping.plan(STEPS), mapping)
+        entering.append((level * draw(4 * chunk) + (1 - level) * golden.tensor(f"encoded.{chunk}"), plan))
+    return entering
+
+
+@torch.no_grad()
+def test_the_stream_batch_is_one_cache_per_step_with_its_fill_rows():
+    """The reference: upstream's stream batch driven from outside (`_upstream_stream_batch`) matches its golden,
+    every block within 1e-4."""
+    golden = load_golden(RECIPE, "stream_batch")
+    draw = _as_draw(_golden_draws(golden))
+    errors = _errors(golden, _upstream_stream_batch(golden, _v2v_entering(golden, draw), draw))
     print(
         f"\n{RECIPE}/stream_batch, one cache per step with its fill rows: max {max(errors):.1e}, floor {golden.floor:.1e}"
     )
     assert max(errors) <= TOLERANCE, errors
+
+
+class StreamBatchDraws:
+    """Stands in for `randn_tensor` in the stream, the scheduler and the stream batch: `draws` (upstream's layout) in
+    the order the stream-batch loop asks for them, which is upstream's order less the rows it leaves out. Block 0:
+    its noise and 3 re-noises (zeros after the last step); forward f: the entering chunk's noise (draw 4f, while the
+    input lasts), then the re-noise of each row r < 3 that holds a chunk (draw 4f + r + 1)."""
+
+    def __init__(self, draws: list[torch.Tensor], steps: int = 4, chunks: int = BATCH_CHUNKS) -> None:
+        self.draws, self.order = draws, [0, 1, 2, 3, None]
+        for forward in range(1, chunks + steps):
+            self.order += [steps * forward] if forward <= chunks else []
+            self.order += [steps * forward + row + 1 for row in range(steps - 1) if forward - row <= chunks]
+        self.used = 0
+
+    def __call__(self, shape, generator=None, device=None, dtype=None, **kwargs) -> torch.Tensor:
+        index = self.order[self.used]
+        self.used += 1
+        if index is None:
+            return torch.zeros(shape, device=device, dtype=dtype)
+        draw = self.draws[index]
+        draw = (draw if draw.ndim == 5 else draw.unsqueeze(0)).permute(0, 2, 1, 3, 4)
+        assert tuple(draw.shape) == tuple(shape), (index, tuple(draw.shape), tuple(shape))
+        return draw.to(device=device, dtype=dtype)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.used == len(self.order)
+
+
+def _inject_stream_batch(draws: list[torch.Tensor], monkeypatch, chunks: int = BATCH_CHUNKS) -> StreamBatchDraws:
+    from rolldiff.pipelines import stream_batch as stream_batch_module
+
+    tape = StreamBatchDraws(draws, chunks=chunks)
+    for module in (stream_module, scheduler_module, stream_batch_module):
+        monkeypatch.setattr(module, "randn_tensor", tape)
+    return tape
+
+
+@torch.no_grad()
+def test_the_pipelines_stream_batch_matches_upstream(monkeypatch):
+    """`denoising="stream_batch"` through the public API on the golden's input with upstream's draws: every block
+    within 1e-4 of upstream's stream batch, every draw used, and the S = 4 caches' adaptive sinks decided."""
+    golden = load_golden(RECIPE, "stream_batch")
+    pipe = _pipeline(golden)
+    draws = _inject_stream_batch(_golden_draws(golden), monkeypatch)
+    video = _exact_pixels(golden, monkeypatch)
+    stream = pipe.stream(
+        num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], video=video, strength=0.7, output_type="latent",
+        recipe=RECIPE, denoising="stream_batch",
+    )  # fmt: skip
+    chunks = [chunk.float() for chunk in stream]
+    errors = _errors(golden, chunks)
+    print(
+        f"\n{RECIPE}/stream_batch through the pipeline: max |ours - upstream| {max(errors):.1e}, floor {golden.floor:.1e}"
+    )
+    assert draws.exhausted
+    assert max(errors) <= TOLERANCE, errors
+
+
+@torch.no_grad()
+def test_without_refreshes_the_stream_batch_golden_is_missed(monkeypatch):
+    """The control: the same pipeline loop with a threshold that never refreshes misses the stream-batch golden by far
+    more than the tolerance, so the match above depends on the S caches' adaptive-sink decisions."""
+    golden = load_golden(RECIPE, "stream_batch")
+    _inject_stream_batch(_golden_draws(golden), monkeypatch)
+    stream = _pipeline(golden).stream(
+        num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], video=_exact_pixels(golden, monkeypatch), strength=0.7,
+        output_type="latent", recipe=RECIPE, denoising="stream_batch", adaptive_sink_threshold=-1.0,
+    )  # fmt: skip
+    errors = _errors(golden, [chunk.float() for chunk in stream])
+    print(f"\n{RECIPE}/stream_batch without refreshes: max |ours - upstream| {max(errors):.2e}")
+    assert max(errors) > 100 * TOLERANCE, errors
+
+
+@torch.no_grad()
+def test_a_stream_batch_ends_with_its_input(monkeypatch):
+    """An input of 25 frames (block 0 and 5 chunks) for a 37-frame call: the rows drain once it ends, and the 6
+    chunks made are upstream's first 6 (a row never sees a later chunk, and each draw keeps its index)."""
+    golden = load_golden(RECIPE, "stream_batch")
+    draws = _inject_stream_batch(_golden_draws(golden), monkeypatch, chunks=5)
+    video = _exact_pixels(golden, monkeypatch)
+    short = golden.tensor("video")[:, :, :25]
+
+    def next_chunk(self, num_frames):
+        frames = short[:, :, self.frames_read : self.frames_read + num_frames]
+        self.frames_read += frames.shape[2]
+        return frames if frames.shape[2] else None
+
+    monkeypatch.setattr(VideoInput, "next_chunk", next_chunk)
+    stream = _pipeline(golden).stream(
+        num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], video=video, strength=0.7, output_type="latent",
+        recipe=RECIPE, denoising="stream_batch",
+    )  # fmt: skip
+    made = [chunk.float() for chunk in stream]
+    errors = [float((ours - theirs).abs().max()) for ours, theirs in zip(made, golden.clean[:6], strict=True)]
+    assert draws.exhausted and max(errors) <= TOLERANCE, errors
+
+
+def _synthetic_draws(golden: Golden, seed: int = 5) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=generator) for shape in golden.settings["draw_shapes"]]
+
+
+@torch.no_grad()
+def test_text_to_video_stream_batch_matches_the_reference_loop(monkeypatch):
+    """Text-to-video (no input: each chunk enters as pure noise, with the recipe's 1000/750/500/250): the pipeline's
+    stream batch against `_upstream_stream_batch` fed the same draws, every chunk within 1e-4."""
+    golden = load_golden(RECIPE, "stream_batch")
+    pipe = _pipeline(golden)
+    draws = _synthetic_draws(golden)
+    tape = _inject_stream_batch(draws, monkeypatch)
+    stream = pipe.stream(
+        num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], output_type="latent", recipe=RECIPE,
+        denoising="stream_batch",
+    )  # fmt: skip
+    made = [chunk.float() for chunk in stream]
+    plan = stream.request.step_plan
+    assert plan.timesteps == (1000.0, 750.0, 500.0, 250.0)
+    draw = _as_draw(draws)
+    expected = _upstream_stream_batch(golden, [(draw(4 * chunk), plan) for chunk in range(BATCH_CHUNKS + 1)], draw)
+    errors = [float((ours - theirs).abs().max()) for ours, theirs in zip(made, expected, strict=True)]
+    print(f"\n{RECIPE} text-to-video stream batch against the reference loop: max {max(errors):.1e}")
+    assert tape.exhausted and len(made) == 9
+    assert max(errors) <= TOLERANCE, errors
+
+
+def _seeded_stream(pipe, golden: Golden, **extra):
+    return pipe.stream(
+        num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], output_type="latent", recipe=RECIPE,
+        denoising="stream_batch", generator=torch.Generator().manual_seed(3), **extra,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("saved_after", [1, 3, 7])
+@torch.no_grad()
+def test_a_stream_batch_resumes_exactly(saved_after, monkeypatch, tmp_path):
+    """State saved after block 0 (before any batch), after chunk 2 (the batch full) and after chunk 6 (draining:
+    the input is over, rows are leaving), written to a resume file and loaded into a fresh stream gives the
+    uninterrupted stream's chunks bit for bit: the S caches, their policies, the rows in flight and the input's
+    position are state."""
+    from rolldiff.pipelines.io.resume import RunState, load_state, save_state
+
+    golden = load_golden(RECIPE, "stream_batch")
+    pipe = _pipeline(golden)
+    video = _exact_pixels(golden, monkeypatch)
+    whole = [chunk.clone() for chunk in _seeded_stream(pipe, golden, video=video, strength=0.7)]
+    first = _seeded_stream(pipe, golden, video=video, strength=0.7)
+    for _ in range(saved_after):
+        next(first)
+    save_state(tmp_path / "state.safetensors", RunState({}, 0, first.state_dict()))
+    state = load_state(tmp_path / "state.safetensors").stream
+    assert ("stream_batch.forwards" in state) == (saved_after > 1)
+    resumed = _seeded_stream(pipe, golden, video=video, strength=0.7)
+    resumed.load_state_dict(state)
+    rest = list(resumed)
+    assert len(rest) == 9 - saved_after
+    for made, expected in zip(rest, whole[saved_after:], strict=True):
+        torch.testing.assert_close(made, expected, atol=0, rtol=0)
+
+
+@torch.no_grad()
+def test_a_stream_batch_holds_one_cache_per_step_allocated_once():
+    """Memory is flat: after block 0 one cache, from the first batched chunk on S = 4 copies of it, the same bytes
+    at every chunk; `__call__` gives the stream's chunks."""
+    golden = load_golden(RECIPE, "stream_batch")
+    pipe = _pipeline(golden)
+    stream = _seeded_stream(pipe, golden)
+    chunks, sizes = [], []
+    for chunk in stream:
+        chunks.append(chunk)
+        sizes.append(stream.memory_bytes())
+    assert len(chunks) == 9 and sizes[1] == 4 * sizes[0] and set(sizes[1:]) == {sizes[1]}, sizes
+    called = pipe(
+        num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], output_type="latent", recipe=RECIPE,
+        denoising="stream_batch", generator=torch.Generator().manual_seed(3),
+    ).frames  # fmt: skip
+    torch.testing.assert_close(called, torch.cat(chunks, dim=2), atol=0, rtol=0)
+
+
+@torch.no_grad()
+def test_a_stream_batch_callback_sees_the_rows_that_go_on():
+    """`callback_on_step_end` runs after each of block 0's 4 steps, then after every batched forward that leaves
+    rows going on (all but the last), with those rows along the frame axis; what it returns is what goes on."""
+    golden = load_golden(RECIPE, "stream_batch")
+    pipe = _pipeline(golden)
+    plain = list(_seeded_stream(pipe, golden))
+    seen = []
+
+    def callback(pipe, step, timestep, tensors):
+        seen.append(tensors["latents"].shape[2])
+        return {"latents": tensors["latents"] * 1.0}
+
+    called = list(_seeded_stream(pipe, golden, callback_on_step_end=callback))
+    assert seen == [2] * 4 + [3] * 8 + [2, 1], seen  # block 0; the full batch 3 rows go on; then the rows drain
+    for made, expected in zip(called, plain, strict=True):
+        torch.testing.assert_close(made, expected, atol=0, rtol=0)
+
+    def zero(pipe, step, timestep, tensors):
+        return {"latents": torch.zeros_like(tensors["latents"])} if step >= 4 else None
+
+    assert not torch.equal(list(_seeded_stream(pipe, golden, callback_on_step_end=zero))[1], plain[1])
+
+
+def test_a_stream_batch_refuses_a_prompt_switch():
+    golden = load_golden(RECIPE, "plain")
+    stream = _seeded_stream(_pipeline(golden), golden)
+    with pytest.raises(ValueError, match=r"`denoising='stream_batch'`.*denoising='sequential'"):
+        stream.switch_prompt(prompt_embeds=golden.text["a"])
 
 
 # ----------------------------------------------------------------------------------------- what the goldens hold
@@ -368,6 +606,21 @@ BAD_CALLS = {
     "mix without video": (dict(video_noise_mix="motion", recipe=None), r"`video_noise_mix` applies to `video="),
     "steps without video": (dict(video_denoising_steps=[700, 500], recipe=None), r"`video_denoising_steps` applies"),
     "normalize without input": (dict(normalize_input_latents=False, recipe=None), r"`normalize_input_latents`"),
+    "stream batch, context pass": (
+        dict(denoising="stream_batch", context_policy="rolling"),
+        r"`denoising='stream_batch'`.*context_policy='last_step'.*\"context_policy='rolling'\"",
+    ),
+    "stream batch, guidance": (dict(denoising="stream_batch", guidance_scale=3.0), r"got \['guidance_scale=3.0'\]"),
+    "stream batch, schedule": (
+        dict(denoising="stream_batch", prompt_schedule=[(17, "a cat")]),
+        r"`denoising='stream_batch'`.*one prompt.*`prompt_schedule`.*denoising='sequential'",
+    ),
+    "stream batch, no sink": (
+        dict(denoising="stream_batch", recipe=None, context_policy="last_step", num_frames=33),
+        r"`denoising='stream_batch'`.*adaptive_sink=True.*got \['adaptive_sink=False'\]",
+    ),
+    "stream batch, image": (dict(denoising="stream_batch", image=np.zeros((32, 48, 3))), r"`image` needs a context"),
+    "stream batch, misspelt": (dict(denoising="batch"), r"`denoising` must be one of .*'stream_batch'"),
 }
 
 

@@ -39,6 +39,7 @@ from .request.conditioning import ConditioningInput
 from .request.prompt_schedule import as_prompt_list
 from .request.request import VideoRequest, check_embeds
 from .request.steps import StepPlan
+from .stream_batch import StreamBatchDenoising
 from .video_noise import VideoNoiseMix
 
 STREAM_STATE_VERSION = 2  # bumped whenever the keys of `ChunkStream.state_dict` change meaning
@@ -111,7 +112,7 @@ def default_generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-class ChunkStream(PipelinedDenoising, Iterator[Any]):
+class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
     """One live generation: iterate it for each chunk's decoded frames (or latents, for `output_type="latent"`).
 
     Made by `pipe.stream(...)`, which validated every argument first. Each item is what `__call__` returns for
@@ -153,6 +154,7 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
         )  # for a step plan's own sigmas, which are final (no second shift)
         self._fed: dict[StepPlan, torch.Tensor] = {}  # per step plan: the fed timesteps, (steps, batch), made once
         self._init_pipelined()  # `denoising="pipelined"`: the chunks in flight (rolldiff.pipelines.pipelined)
+        self._init_stream_batch()  # `denoising="stream_batch"`: a cache per step, the rows in flight
 
     # ---------------------------------------------------------------------------------------- properties
     @property
@@ -218,7 +220,7 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
 
     def memory_bytes(self) -> int:
         """Bytes the stream's caches hold now."""
-        return sum(cache.memory_bytes() for cache in self._caches)
+        return sum(cache.memory_bytes() for cache in self._caches) + self._stream_batch_bytes()
 
     # ---------------------------------------------------------------------------------------- prompts
     def switch_prompt(
@@ -239,6 +241,7 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
         """
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("`switch_prompt` takes either `prompt` or `prompt_embeds`.")
+        self._refuse_switch_in_stream_batch()
         if blend_chunks is not None:
             blend_chunks = check_int("blend_chunks", blend_chunks, 1, hint="1: switch at once")
         if self._closed or self._next_chunk >= self.num_chunks:
@@ -387,16 +390,19 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
         if recompute:  # under the embedding the previous chunk was made with, as Krea's server does
             self._rebuild_context()
         self._apply_due_switches()
-        pipelined = request.denoising == "pipelined"
-        # pipelined: a video-to-video chunk's input is read when it enters the window, a few chunks ahead
-        reads_input = self._inputs is not None and not (pipelined and self._inputs.is_video)
+        pipelined, batched = request.denoising == "pipelined", self._stream_batched(index)
+        # pipelined, stream batch: a video-to-video chunk's input is read when it enters, a few chunks ahead
+        reads_input = self._inputs is not None and not ((pipelined or batched) and self._inputs.is_video)
         given = self._inputs.latents(index, chunk_frames) if reads_input else None
         if given is None and reads_input and self._inputs.is_video:
             return None  # the input ended: the output ends with it, at its last whole chunk
         if given is not None and not self._inputs.is_video:
             clean = given.to(pipe.transformer.dtype)  # the start image's chunk: clean context, nothing to denoise
         else:
-            clean = self._pipelined_chunk(index) if pipelined else self._denoise_chunk(given)
+            if batched:
+                clean = self._stream_batch_chunk(index)
+            else:
+                clean = self._pipelined_chunk(index) if pipelined else self._denoise_chunk(given)
             if clean is None:
                 return None
         if not torch.isfinite(clean).all():
@@ -406,7 +412,7 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
         if index == 0 and recompute:
             self._first_frame = clean[:, :, :1].clone()  # a copy: a view would keep the whole chunk alive
         if request.context_policy == "last_step":  # the last step's K/V are the chunk's (StreamDiffusionV2)
-            for cache in self._caches:
+            for cache in () if batched else self._caches:  # the stream batch commits each row's write itself
                 cache.commit()
         elif not recompute:  # the recompute policy writes no context pass: the next chunk rebuilds its context
             pipe.context_pass(clean, self._embeds, self._caches, request, timestep=request.context_noise)
@@ -592,6 +598,7 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
         for index, generator in enumerate(self._generators()):
             state[f"generator.{index}"] = generator.get_state()
         state.update(self._pipelined_state())
+        state.update(self._stream_batch_state())
         position = [STREAM_STATE_VERSION, self._next_chunk, self._step_index, self._frames_emitted]
         state["position"] = torch.tensor([*position, self._active_prompt], dtype=torch.int64)
         return state
@@ -637,4 +644,5 @@ class ChunkStream(PipelinedDenoising, Iterator[Any]):
         for index, generator in enumerate(generators):
             generator.set_state(state[f"generator.{index}"])
         self._load_pipelined_state(state, device)
+        self._load_stream_batch_state(state, device)
         _, self._next_chunk, self._step_index, self._frames_emitted, self._active_prompt = map(int, position)

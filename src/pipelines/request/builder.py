@@ -56,7 +56,7 @@ LOOP_DEFAULTS: dict[str, Any] = {
     "video_noise_mix": "sigma",
     "normalize_input_latents": True,
 }
-DENOISING_MODES = ("sequential", "pipelined")
+DENOISING_MODES = ("sequential", "pipelined", "stream_batch")
 IMAGE_MODES = ("chunk", "frame")
 FIRST_CHUNK_RULES = ("whole", "remainder", "frame", "extra_frame")
 VIDEO_NOISE_MIXES = ("sigma", "strength", "motion")
@@ -223,6 +223,8 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
     )
     _check_vae_needs(pipe, call, checked)
     _check_last_step_and_adaptive_sink(call, options, geometry, checked)
+    if denoising == "stream_batch":
+        _check_stream_batch(pipe, call, options, schedule, guidance_scale, checked)
     if denoising == "pipelined":
         layout = _pipelined_layout(pipe, call, options, geometry, layout, len(step_plan.steps))
     conditioning = build_conditioning(  # last: an input file's reader opens here, after every other check
@@ -354,15 +356,44 @@ def _check_last_step_and_adaptive_sink(
         "chunk_frames": geometry.chunk_frames != 1,
         "image": call.image is not None,
         "first_chunk_steps": call.first_chunk_steps is not None,
-        "denoising": checked["denoising"] != "sequential",
+        "denoising": checked["denoising"] == "pipelined",
         "batch": geometry.batch_size != 1,
     }
     if any(conflicts.values()):
         raise ValueError(
             "`adaptive_sink=True` decides a refresh for one-frame chunks (upstream's `v.shape[1] <= frame_seqlen`), "
             "keeps one eviction queue per stream and pops it once per chunk's writes: it needs chunk_frames=1, "
-            "batch 1, no `image`, no `first_chunk_steps`, denoising='sequential'; got "
+            "batch 1, no `image`, no `first_chunk_steps`, denoising='sequential' or 'stream_batch'; got "
             f"{[name for name, conflict in conflicts.items() if conflict]} otherwise."
+        )
+
+
+def _check_stream_batch(
+    pipe: RequestPipeline,
+    call: VideoCall,
+    options: CacheOptions,
+    schedule: PromptSchedule,
+    guidance_scale: float,
+    checked: dict[str, Any],
+) -> None:
+    """StreamDiffusionV2's stream batch (`rolldiff.pipelines.stream_batch`): one cache per step, as upstream, and only
+    what upstream's loop has: its adaptive-sink cache under `context_policy="last_step"` (no context pass), one
+    prompt, one guidance branch, every chunk the same steps."""
+    conflicts = {
+        "a transformer without one cache per batch row": not getattr(pipe.transformer, "accepts_row_caches", False),
+        f"context_policy={checked['context_policy']!r}": checked["context_policy"] != "last_step",
+        "adaptive_sink=False": not getattr(options, "adaptive_sink", False),
+        f"guidance_scale={guidance_scale}": guidance_scale > 1.0,
+        "a prompt switch (`prompt_schedule`)": len(schedule.entries) > 1,
+        "`first_chunk_steps`": call.first_chunk_steps is not None,
+    }
+    found = [name for name, conflict in conflicts.items() if conflict]
+    if found:
+        raise ValueError(
+            "`denoising='stream_batch'` is StreamDiffusionV2's stream batch: one forward of a row per step, each row "
+            "through its own copy of the adaptive-sink cache, committed as written. It needs a Krea-like pipeline, "
+            "context_policy='last_step' and adaptive_sink=True (recipe='streamdiffusionv2'), guidance_scale=1, one "
+            f"prompt and no `first_chunk_steps`; got {found}. Pass denoising='sequential' otherwise."
         )
 
 

@@ -255,7 +255,13 @@ Args:
         advancing one step; the cleanest leaves clean (context pass, commit) and a fresh noisy chunk enters, so a
         chunk costs one forward of a longer sequence instead of one forward per step. The in-flight chunks count in
         `window_frames` (attention sees the sink, the `window_frames - steps x chunk_frames` latest committed frames
-        and every in-flight chunk); not with `first_chunk_steps`. Krea-like pipelines.
+        and every in-flight chunk); not with `first_chunk_steps`. Krea-like pipelines. Or `"stream_batch"`
+        (StreamDiffusionV2's stream batch, chenfengxu714/StreamDiffusionV2 `streamv2v/inference.py:298-371`,
+        `models/wan/causal_stream_inference.py:202-296`): the first chunk is denoised alone, its cache is then copied
+        into one cache per step, and every later forward is a batch of one row per step, row r holding the chunk
+        that entered r forwards ago at step r and attending to and writing its own cache only (rows never meet);
+        a chunk leaves every forward once the batch is full. Needs `context_policy="last_step"` and
+        `adaptive_sink=True` (`recipe="streamdiffusionv2"`), no guidance, one prompt, no `first_chunk_steps`.
     video_denoising_steps (`list[float]`, *optional*):
         With `video`: the input chunks' own step list, mapped like `denoising_steps` (StreamDiffusionV2 denoises an
         input video with 700/500/400/200, `configs/wan_causal_dmd_v2v.yaml`). Defaults to `denoising_steps`.
