@@ -4,10 +4,10 @@
 Per row: aggregate and per-session frames per second (the slowest and the fastest session), time to first frame,
 p50 / p99 time between chunks as a client sees them, and the server's RSS after the row. Two servers in the same
 run: `--max-batch 1` (unbatched: sessions take turns on the model) and `--max-batch 8` (batched: the sessions'
-transformer steps share one forward per step), each with its RSS at the start and the end, and the share of session
-steps that ran in a shared forward.
+transformer steps share one forward per step, their chunk decodes one decode), each with its RSS at the start and
+the end, and how many session steps ran in a shared forward and session chunks in a shared decode.
 
-    python benchmarks/serve_load.py                # about three minutes on 2 CPU cores
+    python benchmarks/serve_load.py                # about ten minutes on 2 CPU cores
     python benchmarks/serve_load.py --dry-run      # 1 and 2 sessions, short videos (CI)
 """
 
@@ -121,11 +121,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['p50'] * 1000:.1f} / {row['p99'] * 1000:.1f}",
                     f"{server_rss_mib(server):.0f}",
                 ]
-            shared = server.http("/healthz")["batched_rows"]
+            health = server.http("/healthz")
             memory.append(
                 f"{mode} server RSS: {rss_start:.0f} MiB at the start, {server_rss_mib(server):.0f} MiB at the end"
             )
-            memory.append(f"{mode} server: {shared} session steps ran in forwards shared with other sessions")
+            memory.append(
+                f"{mode} server: {health['batched_rows']} session steps ran in forwards shared with other sessions, "
+                f"{health['batched_decodes']} session chunks in decodes shared with other sessions"
+            )
         finally:
             server.stop()
     header = ["sessions", "aggregate fps", "per-session fps (slowest / fastest)", "first frame ms",

@@ -1,4 +1,5 @@
-"""`rolldiff serve` as a real process for the tests: started on a free loopback port, waited for (bounded)."""
+"""`rolldiff serve` for the tests: a real process (`Server`) or the same app under uvicorn in a thread of the test
+process (`InProcessServer`, sharing the test's pipeline), started on a free loopback port, waited for (bounded)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -19,7 +21,91 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-class Server:
+class _Endpoint:
+    """What both servers answer: the WebSocket `url`, `http` GETs, the bounded waits."""
+
+    port: int
+    log: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    def http(self, path: str) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as response:
+            return json.loads(response.read())
+
+    def _exited(self) -> str | None:
+        """Why the server is gone (None while it runs)."""
+        return None
+
+    def wait_ready(self, seconds: float = 60.0) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            gone = self._exited()
+            if gone is not None:
+                raise RuntimeError(gone)
+            try:
+                self.http("/healthz")
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(
+            f"rolldiff serve did not answer in {seconds} s" + (f": {self.log.read_text()}" if self.log else "")
+        )
+
+    def sessions_within(self, count: int, seconds: float = 10.0) -> bool:
+        """Whether `healthz` reports `count` sessions within `seconds`."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.http("/healthz")["sessions"] == count:
+                return True
+            time.sleep(0.1)
+        return False
+
+
+class InProcessServer(_Endpoint):
+    """`create_app(pipe, ServeSettings(**settings))` under uvicorn in a daemon thread of this process: the server
+    serves the very pipeline object the test runs `pipe.stream` on (same weights, same torch settings), and its
+    scheduler's counters are at hand (`scheduler`)."""
+
+    def __init__(self, pipe, **settings) -> None:
+        import uvicorn
+
+        from rolldiff.serving.app import ServeSettings, create_app
+
+        self.port = free_port()
+        settings = ServeSettings(**settings)
+        self.app = create_app(pipe, settings)
+        config = uvicorn.Config(
+            self.app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            ws_max_size=settings.max_message_bytes,
+            lifespan="off",
+        )
+        self.server = uvicorn.Server(config)  # not the main thread: uvicorn installs no signal handlers
+        self.thread = threading.Thread(target=self.server.run, name="rolldiff-test-serve", daemon=True)
+        self.thread.start()
+        self.wait_ready()
+
+    def _exited(self) -> str | None:
+        return None if self.thread.is_alive() else "the in-process server's thread ended"
+
+    @property
+    def scheduler(self):
+        return self.app.state.get_hub().scheduler
+
+    def stop(self, seconds: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=seconds)
+        hub = getattr(self.app.state, "hub", None)
+        if hub is not None:
+            hub.scheduler.stop()
+
+
+class Server(_Endpoint):
     """One `rolldiff serve` subprocess; `url` is its WebSocket endpoint. One torch thread, as the tests' own
     process (conftest), so a session's frames can equal the library's bit for bit."""
 
@@ -35,34 +121,10 @@ class Server:
         )
         self.wait_ready()
 
-    @property
-    def url(self) -> str:
-        return f"ws://127.0.0.1:{self.port}/v1/stream"
-
-    def http(self, path: str) -> dict:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as response:
-            return json.loads(response.read())
-
-    def wait_ready(self, seconds: float = 60.0) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"rolldiff serve exited {self.process.returncode}: {self.log.read_text()}")
-            try:
-                self.http("/healthz")
-                return
-            except OSError:
-                time.sleep(0.2)
-        raise TimeoutError(f"rolldiff serve did not answer in {seconds} s: {self.log.read_text()}")
-
-    def sessions_within(self, count: int, seconds: float = 10.0) -> bool:
-        """Whether `healthz` reports `count` sessions within `seconds`."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if self.http("/healthz")["sessions"] == count:
-                return True
-            time.sleep(0.1)
-        return False
+    def _exited(self) -> str | None:
+        if self.process.poll() is None:
+            return None
+        return f"rolldiff serve exited {self.process.returncode}: {self.log.read_text()}"
 
     def stop(self, sig: int = signal.SIGTERM, seconds: float = 60.0) -> int:
         if self.process.poll() is None:

@@ -12,8 +12,9 @@ Members need not be at the same step: a row's timestep is its own, so a session'
 may share a forward with another's denoising step. Calls that cannot share a forward (another chunk shape,
 layout or attention setting, or a batch of more than one row) run as separate forwards of the same round.
 The chunk's decode goes the same way: the view's decoders (`LockstepDecoder`) hand their `decode` to the
-lockstep, and the members whose feature caches are at the same state (every member past its first chunk) decode
-in ONE call, their caches stacked along the batch (`rolldiff.pipelines.codecs.stacked_decode`).
+lockstep, and the members whose feature caches are at the same state (all past their first chunk, or all at it)
+decode in ONE call, their caches stacked along the batch (`rolldiff.pipelines.codecs.stacked_decode`); a member at
+its first chunk beside older ones, or with another decoder (the tiny autoencoder), decodes alone in the same round.
 Outside a group (`lockstep` None) the view calls the pipeline directly: a session alone runs exactly the
 library's code, so its frames equal `pipe.stream(...)`'s bit for bit. In a group each row differs from its
 solo run only by float reordering in the batched matrix products and convolutions (docs/serving.md,
@@ -235,9 +236,16 @@ class LockstepDecoder:
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         lockstep = self._view.lockstep
-        if lockstep is None or stack_key(self.decoder, latents) is None:
+        if lockstep is None or stack_key(self.decoder, latents) is None or _on_side_stream(latents):
             return self.decoder.decode(latents)
         return lockstep.submit(DecodeCall(self.decoder, latents))
+
+
+def _on_side_stream(latents: torch.Tensor) -> bool:
+    """Whether this decode runs on a CUDA stream of its own (an `OverlappedDecoder` decoding beside the next chunk's
+    denoising): the round runs in another member's thread, on that thread's stream, outside the ordering the
+    side stream's events promise, so such a decode stays in its own thread."""
+    return latents.is_cuda and torch.cuda.current_stream(latents.device) != torch.cuda.default_stream(latents.device)
 
 
 def batchable(pipe: Any) -> bool:

@@ -8,9 +8,10 @@ suspend; a stop), so every control lands on a chunk boundary.
 
 Batched (`max_batch` > 1): in each pass, the ready sessions whose next chunks line up (same chunk shape, cache
 geometry, steps and guidance: `batching.batch_key`) are made together, up to `max_batch` at a time: each member's
-chunk runs in a thread of its own and their transformer steps meet in one forward per step
-(`rolldiff.serving.batching`). Fairness is unchanged: every ready session still gets exactly one chunk per pass,
-whether it shares it or not; a session alone in its group runs as before, in the worker thread.
+chunk runs in a thread of its own, their transformer steps meet in one forward per step and their chunk decodes
+in one decode where the decoders' caches line up (`rolldiff.serving.batching`). Fairness is unchanged: every ready
+session still gets exactly one chunk per pass, whether it shares it or not; a session alone in its group runs as
+before, in the worker thread.
 """
 
 from __future__ import annotations

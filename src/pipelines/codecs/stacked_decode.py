@@ -3,15 +3,17 @@
 Each stream owns a `StreamingWanDecoder` (a feature cache per causal conv, kept across chunks), so streams that
 run side by side (sessions batched by `rolldiff serve`) would each pay a whole decode per chunk. When their caches
 are at the same state (per conv the same kind, empty / "Rep" / a tensor of the same shape, and all at their first
-chunk or all past it), the decoder does exactly the same calls for each of them, so one decode of their chunks
-stacked along the batch does all of them at once:
+chunk or all past it: equal `StreamingWanDecoder.stack_key`s), the decoder makes exactly the same calls for each of
+them, so one decode of their chunks stacked along the batch does all of them at once:
 
     cache slot i:  stream A (1, C, 2, h, w) + stream B (1, C, 2, h, w)  ->  (2, C, 2, h, w)  -> decode ->  row j back
 
 The convolutions, norms and upsamplers act on each batch row alone, so row j equals stream j's own decode up to
 float reordering (a batched conv may sum in another order). Afterwards each stream's cache slots are its rows of
-the stacked entries (views: the convs replace cache entries, never write into them), and its position advances as
-its own decode would have. Streams at another state (a new stream beside older ones) decode in another call.
+the stacked entries (copies) and its position advances as its own decode would have. The caches move through the
+decoders' public `state_dict` / `load_state_dict` (checked whole on load), so this module is the one home of the
+stacking and the decoder's internals stay its own. Streams at another state (a new stream beside older ones)
+decode in another call.
 """
 
 from __future__ import annotations
@@ -28,17 +30,10 @@ __all__ = ["decode_stacked", "stack_key"]
 
 def stack_key(decoder: object, latents: torch.Tensor) -> Hashable | None:
     """What must be equal for two streams' chunks to decode in one call; None: this one decodes alone (not a
-    `StreamingWanDecoder`, or a chunk of more than one batch row)."""
-    if type(decoder) is not StreamingWanDecoder or latents.ndim != 5 or latents.shape[0] != 1:
+    `StreamingWanDecoder` exactly, so its decode may differ, or not a one-row chunk it would take)."""
+    if type(decoder) is not StreamingWanDecoder:
         return None
-    if decoder._video_shape not in (None, (1, *latents.shape[3:])):
-        return None  # another video's size: its own decode refuses it
-    slots = tuple(
-        entry if entry is None or isinstance(entry, str) else (tuple(entry.shape), entry.dtype, entry.device)
-        for entry in decoder._feat_cache
-    )
-    first = decoder.latent_frames_decoded == 0  # the decoder's first frame runs another path (`first_chunk`)
-    return (id(decoder.vae), decoder.denormalize, first, tuple(latents.shape), latents.dtype, latents.device, slots)
+    return decoder.stack_key(latents)
 
 
 @torch.no_grad()
@@ -51,31 +46,63 @@ def decode_stacked(decoders: Sequence[StreamingWanDecoder], latents: Sequence[to
 
     Returns:
         Each stream's `(1, 3, pixel_frames, H, W)` frames (views of one batched result), in `decoders`' order.
+
+    Raises:
+        ValueError: (before any decoding) no decoders, counts that differ, a decoder listed twice, or keys that
+            are not all equal (or None: a decoder or chunk that cannot stack).
     """
-    keys = [stack_key(decoder, chunk) for decoder, chunk in zip(decoders, latents)]
-    if not decoders or len(decoders) != len(latents) or None in keys or len(set(keys)) != 1:
+    if not decoders or len(decoders) != len(latents):
         raise ValueError(
-            "`decoders` and `latents` must pair distinct StreamingWanDecoders at one cache state with one-row chunks "
-            f"of one shape (equal `stack_key`s): got {len(decoders)} decoders, {len(latents)} chunks, "
-            f"{len(set(keys))} distinct keys{' (one stacks nothing)' if None in keys else ''}."
+            f"`decoders` and `latents` must pair one chunk with each decoder (at least one): got {len(decoders)} "
+            f"decoders and {len(latents)} chunks."
         )
     if len({id(decoder) for decoder in decoders}) != len(decoders):
         raise ValueError("`decoders`: each chunk needs a decoder of its own; one decoder is listed twice.")
+    keys = [stack_key(decoder, chunk) for decoder, chunk in zip(decoders, latents)]
+    if None in keys or len(set(keys)) != 1:
+        unstackable = [j for j, key in enumerate(keys) if key is None]
+        raise ValueError(
+            "`decoders` must be StreamingWanDecoders at one cache state (all at their first chunk or all past it, "
+            "feature caches of equal shapes) with one-row `latents` of one shape: equal `stack_key`s, got "
+            f"{len(set(keys))} distinct keys"
+            + (f"; entries {unstackable} cannot stack at all." if unstackable else ".")
+        )
     if len(decoders) == 1:
         return [decoders[0].decode(latents[0])]
-    first = decoders[0]
-    stacked = copy.copy(first)  # the same VAE, settings and latent statistics; a cache of its own below
-    stacked._feat_cache = [
-        torch.cat([decoder._feat_cache[slot] for decoder in decoders]) if isinstance(entry, torch.Tensor) else entry
-        for slot, entry in enumerate(first._feat_cache)
-    ]  # (rows, C, frames, h, w) per tensor slot
-    stacked._video_shape = None
+    stacked = _stacked(decoders)
     frames = stacked.decode(torch.cat(list(latents)))  # (rows, 3, pixel_frames, H, W)
-    decoded = stacked._position - first._position
-    for row, decoder in enumerate(decoders):
-        decoder._feat_cache = [
-            entry[row : row + 1] if isinstance(entry, torch.Tensor) else entry for entry in stacked._feat_cache
-        ]
-        decoder._position += decoded
-        decoder._video_shape = (1, *stacked._video_shape[1:])
+    _unstack(stacked, decoders)
     return list(frames.split(1))
+
+
+def _stacked(decoders: Sequence[StreamingWanDecoder]) -> StreamingWanDecoder:
+    """One decoder (the same VAE, settings and latent statistics) whose feature cache is `decoders`' caches stacked
+    along the batch (row j: decoder j), at the first one's position (all are at their first frame or all past it)."""
+    states = [decoder.state_dict() for decoder in decoders]
+    first = states[0]
+    state = {
+        key: torch.cat([s[key] for s in states]) if key.startswith("feat_cache.") else value
+        for key, value in first.items()
+    }  # (rows, C, frames, h, w) per tensor slot
+    if first["video_shape"].numel():
+        state["video_shape"] = torch.tensor([len(decoders), *first["video_shape"].tolist()[1:]], dtype=torch.int64)
+    stacked = copy.copy(decoders[0])
+    stacked.load_state_dict(state)
+    return stacked
+
+
+def _unstack(stacked: StreamingWanDecoder, decoders: Sequence[StreamingWanDecoder]) -> None:
+    """After `stacked` decoded: each decoder takes its row of the cache (a copy: no row keeps the others' alive or
+    shares their storage), advances by the frames decoded (decoders past their first frame may be at different
+    positions) and keeps the video size, as its own decode would have left them."""
+    state = stacked.state_dict()
+    decoded = stacked.latent_frames_decoded - decoders[0].latent_frames_decoded
+    position_key = stacked.position_key
+    for row, decoder in enumerate(decoders):
+        rows = {
+            key: value[row : row + 1].clone() if key.startswith("feat_cache.") else value
+            for key, value in state.items()
+        }
+        rows["video_shape"] = torch.tensor([1, *state["video_shape"].tolist()[1:]], dtype=torch.int64)
+        rows[position_key] = torch.tensor(decoder.latent_frames_decoded + decoded, dtype=torch.int64)
+        decoder.load_state_dict(rows)

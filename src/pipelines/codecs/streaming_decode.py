@@ -7,6 +7,10 @@ video chunk by chunk with it leaves seams. `StreamingWanDecoder` runs the same p
 equal one `vae.decode` of the whole latent sequence, while memory stays that of one chunk.
 """
 
+from __future__ import annotations
+
+from collections.abc import Hashable
+
 import torch
 from diffusers import AutoencoderKLWan
 from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
@@ -68,6 +72,23 @@ class StreamingWanDecoder(WanFeatureCacheStream):
         """Pixel frames the next `decode` of `latent_frames` latent frames will return."""
         first = 1 if self._position == 0 and latent_frames > 0 else 0
         return first + (latent_frames - first) * self.temporal_upsample
+
+    def stack_key(self, latents: torch.Tensor) -> Hashable | None:
+        """What must be equal for decoders to decode their next chunks in one call (`decode_stacked`): the VAE and
+        settings, whether at the video's first frame (another path, `first_chunk`), the chunk's shape, and per causal
+        conv the cache's kind (empty, "Rep", or a tensor's shape, dtype, device). None: `latents` is not a one-row chunk
+        this decoder would take (it decodes alone, and its own `decode` says what is wrong). The stacking itself
+        goes through `state_dict` / `load_state_dict` (`rolldiff.pipelines.codecs.stacked_decode`)."""
+        if latents.ndim != 5 or latents.shape[0] != 1 or latents.shape[1] != self.vae.config.z_dim:
+            return None
+        if self._video_shape not in (None, (1, *latents.shape[3:])):
+            return None
+        slots = tuple(
+            entry if entry is None or isinstance(entry, str) else (tuple(entry.shape), entry.dtype, entry.device)
+            for entry in self._feat_cache
+        )
+        first = self._position == 0
+        return (id(self.vae), self.denormalize, first, tuple(latents.shape), latents.dtype, latents.device, slots)
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
