@@ -83,7 +83,11 @@ from _wan_upstream import (
 )
 from safetensors.torch import save_file
 
-UPSTREAM = {"repo": "thu-ml/Causal-Forcing", "commit": "1fc7bbc19a503c1bce80ecef08158b20e702f386", "tree": "long_video"}
+UPSTREAM = {
+    "repo": "thu-ml/Causal-Forcing",
+    "commit": "1fc7bbc19a503c1bce80ecef08158b20e702f386",
+    "tree": "long_video",
+}
 MODEL_KWARGS = {"local_attn_size": -1, "sink_size": 0}
 CHUNK_FRAMES = 3  # num_frame_per_block
 STEPS = [1000, 750, 500, 250]
@@ -106,7 +110,10 @@ def load_upstream(root: Path) -> types.SimpleNamespace:
     """`long_video/` imported on a CPU: its causal model (attention routed to SDPA), wrapper and loop."""
     cpu_cuda_stubs()
     tree = UpstreamTree(
-        root / "long_video", patches=size_patches(), bare_packages=["pipeline", "wan", "wan.modules"], stubs=COMMON_STUBS
+        root / "long_video",
+        patches=size_patches(),
+        bare_packages=["pipeline", "wan", "wan.modules"],
+        stubs=COMMON_STUBS,
     )
     causal_model = tree.module("wan.modules.causal_model")
     route_attention(causal_model, tree.module("wan.modules.model"))
