@@ -289,3 +289,16 @@ def test_serve_load_dry_run_prints_every_row_beside_the_library():
     assert "pipe.stream alone, same run:" in done.stdout and "server RSS:" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
     assert len(rows) == 4 and all(float(row.split("|")[2]) > 0 for row in rows)  # batched rows measured too
+
+
+def test_serve_load_wan_shape_dry_run_builds_serves_and_says_what_it_ran():
+    """The GPU row's path (a saved Wan-shape pipeline, its tiny decoder, --device/--dtype passed through), tiny."""
+    command = [sys.executable, str(BENCHMARKS / "serve_load.py"), "--dry-run", "--wan-1-3b-shape", "--device", "cpu"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert lines[0].startswith("serve_load: cpu, float32; model: Wan 2.1 1.3B shape (dry run: tiny)")
+    assert "64x64; decoder: TAEHV (tiny decoder); 33 frames a session" in lines[0]  # 24 rounded up to 9 + 12 + 12
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in lines if line.startswith("| ")}
+    for name in ("1 unbatched", "1 batched", "2 unbatched", "2 batched"):
+        assert float(rows[name][0]) > 0 and float(rows[name][2]) > 0, (name, rows[name])  # fps, first frame ms

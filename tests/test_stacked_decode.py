@@ -5,8 +5,10 @@ import pytest
 import torch
 from tiny_components import seeded_wan_vae
 
+from rolldiff.models.tiny_autoencoder import TinyVideoAutoencoder
 from rolldiff.pipelines.codecs.stacked_decode import decode_stacked, stack_key
 from rolldiff.pipelines.codecs.streaming_decode import StreamingWanDecoder
+from rolldiff.pipelines.codecs.streaming_tiny_decode import StreamingTinyDecoder
 from rolldiff.serving.batching import DecodeCall, Lockstep
 
 Z_DIM = 4
@@ -133,3 +135,43 @@ def test_one_decoder_twice_and_unpaired_chunks_are_refused():
     with pytest.raises(ValueError, match="got 0 decoders"):
         decode_stacked([], [])
     assert decoder.latent_frames_decoded == 0
+
+
+# ----------------------------------------------------------------------------------------- the tiny decoder (TAEHV)
+def make_tiny():
+    torch.manual_seed(0)  # small channels, the real 4x time upscale
+    return TinyVideoAutoencoder(latent_channels=Z_DIM, encoder_channels=8, decoder_channels=(16, 8, 8, 8)).eval()
+
+
+def test_tiny_decoders_stack_and_continue_as_solo_ones():
+    """The same contract for `StreamingTinyDecoder` (the GPU rows' decoder): 3 streams, 3 chunks stacked (the first,
+    with its warm-up frames dropped, included), then a 4th decoded solo, each equal to its all-solo run."""
+    tiny = make_tiny()
+    videos = [chunks_of(seed) for seed in range(STREAMS)]
+    expected = []
+    for chunks in videos:
+        solo = StreamingTinyDecoder(tiny)
+        expected.append([solo.decode(chunk) for chunk in chunks])
+    decoders = [StreamingTinyDecoder(tiny) for _ in range(STREAMS)]
+    worst = 0.0
+    for index in range(CHUNKS - 1):
+        got = decode_stacked(decoders, [video[index] for video in videos])
+        for stream in range(STREAMS):
+            worst = max(worst, (got[stream] - expected[stream][index]).abs().max().item())
+            torch.testing.assert_close(got[stream], expected[stream][index], atol=TOLERANCE, rtol=0)
+    print(f"stacked vs solo tiny decode, max |difference| over {CHUNKS - 1} chunks x {STREAMS} streams: {worst:.3g}")
+    for stream, decoder in enumerate(decoders):
+        assert decoder.latent_frames_decoded == CHUNK * (CHUNKS - 1)
+        last = decoder.decode(videos[stream][-1])
+        torch.testing.assert_close(last, expected[stream][-1], atol=TOLERANCE, rtol=0)
+
+
+def test_a_tiny_decoder_never_stacks_with_a_wan_one_or_a_fresh_one():
+    tiny, chunks = make_tiny(), chunks_of(1)
+    older, fresh = StreamingTinyDecoder(tiny), StreamingTinyDecoder(tiny)
+    older.decode(chunks[0])
+    assert stack_key(older, chunks[1]) != stack_key(fresh, chunks[0])  # the first chunk drops warm-up frames
+    assert stack_key(fresh, chunks[0]) != stack_key(StreamingWanDecoder(make_vae()), chunks[0])
+    assert stack_key(fresh, torch.randn(1, Z_DIM + 1, CHUNK, 4, 4)) is None  # channels it would refuse
+    with pytest.raises(ValueError, match="distinct keys"):
+        decode_stacked([older, fresh], [chunks[1], chunks[0]])

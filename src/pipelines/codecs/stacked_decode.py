@@ -1,9 +1,10 @@
 """Several videos' next chunks decoded in one call: their causal feature caches stacked along the batch.
 
-Each stream owns a `StreamingWanDecoder` (a feature cache per causal conv, kept across chunks), so streams that
+Each stream owns a `StreamingWanDecoder` (a feature cache per causal conv, kept across chunks) or a
+`StreamingTinyDecoder` (TAEHV's carries, one per temporal layer), so streams that
 run side by side (sessions batched by `rolldiff serve`) would each pay a whole decode per chunk. When their caches
 are at the same state (per conv the same kind, empty / "Rep" / a tensor of the same shape, and all at their first
-chunk or all past it: equal `StreamingWanDecoder.stack_key`s), the decoder makes exactly the same calls for each of
+chunk or all past it: equal `stack_key`s), the decoder makes exactly the same calls for each of
 them, so one decode of their chunks stacked along the batch does all of them at once:
 
     cache slot i:  stream A (1, C, 2, h, w) + stream B (1, C, 2, h, w)  ->  (2, C, 2, h, w)  -> decode ->  row j back
@@ -24,24 +25,30 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from .streaming_decode import StreamingWanDecoder
+from .streaming_tiny_decode import StreamingTinyDecoder
 
 __all__ = ["decode_stacked", "stack_key"]
+
+StreamingDecoder = StreamingWanDecoder | StreamingTinyDecoder
+STACKABLE = (StreamingWanDecoder, StreamingTinyDecoder)  # exactly these classes: a subclass may decode otherwise
 
 
 def stack_key(decoder: object, latents: torch.Tensor) -> Hashable | None:
     """What must be equal for two streams' chunks to decode in one call; None: this one decodes alone (not a
-    `StreamingWanDecoder` exactly, so its decode may differ, or not a one-row chunk it would take)."""
-    if type(decoder) is not StreamingWanDecoder:
+    `StreamingWanDecoder` or `StreamingTinyDecoder` exactly, so its decode may differ, or not a one-row chunk it
+    would take)."""
+    if type(decoder) not in STACKABLE:
         return None
-    return decoder.stack_key(latents)
+    key = decoder.stack_key(latents)
+    return None if key is None else (type(decoder).__name__, key)
 
 
 @torch.no_grad()
-def decode_stacked(decoders: Sequence[StreamingWanDecoder], latents: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def decode_stacked(decoders: Sequence[StreamingDecoder], latents: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """`decoders[j].decode(latents[j])` for every j, in one decode of the stacked chunks.
 
     Args:
-        decoders: distinct `StreamingWanDecoder`s of one VAE whose `stack_key`s with their chunks are equal.
+        decoders: distinct streaming decoders of one VAE (`StreamingWanDecoder`, `StreamingTinyDecoder`) whose `stack_key`s with their chunks are equal.
         latents: one chunk per decoder, each `(1, z_dim, latent_frames, height, width)`.
 
     Returns:
@@ -62,7 +69,7 @@ def decode_stacked(decoders: Sequence[StreamingWanDecoder], latents: Sequence[to
     if None in keys or len(set(keys)) != 1:
         unstackable = [j for j, key in enumerate(keys) if key is None]
         raise ValueError(
-            "`decoders` must be StreamingWanDecoders at one cache state (all at their first chunk or all past it, "
+            "`decoders` must be StreamingWanDecoders or StreamingTinyDecoders of one VAE at one cache state (all at their first chunk or all past it, "
             "feature caches of equal shapes) with one-row `latents` of one shape: equal `stack_key`s, got "
             f"{len(set(keys))} distinct keys"
             + (f"; entries {unstackable} cannot stack at all." if unstackable else ".")
@@ -75,23 +82,24 @@ def decode_stacked(decoders: Sequence[StreamingWanDecoder], latents: Sequence[to
     return list(frames.split(1))
 
 
-def _stacked(decoders: Sequence[StreamingWanDecoder]) -> StreamingWanDecoder:
+def _stacked(decoders: Sequence[StreamingDecoder]) -> StreamingDecoder:
     """One decoder (the same VAE, settings and latent statistics) whose feature cache is `decoders`' caches stacked
-    along the batch (row j: decoder j), at the first one's position (all are at their first frame or all past it)."""
+    along the batch (row j: decoder j; the entries under its `row_state_prefix`), at the first one's position (all
+    are at their first frame or all past it)."""
     states = [decoder.state_dict() for decoder in decoders]
-    first = states[0]
+    first, prefix = states[0], decoders[0].row_state_prefix
     state = {
-        key: torch.cat([s[key] for s in states]) if key.startswith("feat_cache.") else value
-        for key, value in first.items()
+        key: torch.cat([s[key] for s in states]) if key.startswith(prefix) else value for key, value in first.items()
     }  # (rows, C, frames, h, w) per tensor slot
-    if first["video_shape"].numel():
-        state["video_shape"] = torch.tensor([len(decoders), *first["video_shape"].tolist()[1:]], dtype=torch.int64)
+    video_shape = first.get("video_shape")  # unknown before a tiny decoder's first chunk (an empty tensor for Wan's)
+    if video_shape is not None and video_shape.numel():
+        state["video_shape"] = torch.tensor([len(decoders), *video_shape.tolist()[1:]], dtype=torch.int64)
     stacked = copy.copy(decoders[0])
     stacked.load_state_dict(state)
     return stacked
 
 
-def _unstack(stacked: StreamingWanDecoder, decoders: Sequence[StreamingWanDecoder]) -> None:
+def _unstack(stacked: StreamingDecoder, decoders: Sequence[StreamingDecoder]) -> None:
     """After `stacked` decoded: each decoder takes its row of the cache (a copy: no row keeps the others' alive or
     shares their storage), advances by the frames decoded (decoders past their first frame may be at different
     positions) and keeps the video size, as its own decode would have left them."""
@@ -100,7 +108,7 @@ def _unstack(stacked: StreamingWanDecoder, decoders: Sequence[StreamingWanDecode
     position_key = stacked.position_key
     for row, decoder in enumerate(decoders):
         rows = {
-            key: value[row : row + 1].clone() if key.startswith("feat_cache.") else value
+            key: value[row : row + 1].clone() if key.startswith(stacked.row_state_prefix) else value
             for key, value in state.items()
         }
         rows["video_shape"] = torch.tensor([1, *state["video_shape"].tolist()[1:]], dtype=torch.int64)

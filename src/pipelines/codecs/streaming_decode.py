@@ -56,6 +56,7 @@ class StreamingWanDecoder(WanFeatureCacheStream):
     """
 
     position_key = "latent_frames_decoded"
+    row_state_prefix = "feat_cache."  # the `state_dict` entries that hold one row per video (`decode_stacked`)
 
     def __init__(self, vae: AutoencoderKLWan, denormalize: bool = False) -> None:
         self.denormalize = denormalize

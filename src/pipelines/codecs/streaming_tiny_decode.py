@@ -13,7 +13,7 @@ space), not `denormalize_wan_latents(...)` of them. Decoder and encoder keep the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 
 import torch
 from torch import Tensor
@@ -45,6 +45,13 @@ class _Stream:
     def __init__(self, autoencoder: TinyVideoAutoencoder) -> None:
         self.autoencoder = autoencoder
         self.reset()
+
+    row_state_prefix = _MEMORY_PREFIX  # the `state_dict` entries that hold one row per video (`decode_stacked`)
+
+    @property
+    def position_key(self) -> str:
+        """The `state_dict` key of the frame counter."""
+        return self._counter_name
 
     def reset(self) -> None:
         """Start a new video: drop the carries and forget the previous video's shape."""
@@ -124,6 +131,20 @@ class StreamingTinyDecoder(_Stream):
         """Pixel frames the next `decode` of `latent_frames` latent frames will return."""
         first = 1 if self._frames_seen == 0 and latent_frames > 0 else 0
         return first + (latent_frames - first) * self.temporal_upsample
+
+    def stack_key(self, latents: Tensor) -> Hashable | None:
+        """What must be equal for decoders to decode their next chunks in one call (`decode_stacked`): the model,
+        whether at the video's first frame (its warm-up frames are dropped), the chunk's shape, and each carry's
+        name, shape, dtype and device. None: `latents` is not a one-row chunk this decoder would take (it decodes
+        alone, and its own `decode` says what is wrong)."""
+        channels = self.autoencoder.config.latent_channels
+        if latents.ndim != 5 or latents.shape[0] != 1 or latents.shape[1] != channels:
+            return None
+        if self._video_shape not in (None, (1, *latents.shape[3:])):
+            return None
+        carries = tuple(sorted((name, tuple(c.shape), c.dtype, c.device) for name, c in self._memory.items()))
+        first = self._frames_seen == 0
+        return (id(self.autoencoder), first, tuple(latents.shape), latents.dtype, latents.device, carries)
 
     @torch.no_grad()
     def decode(self, latents: Tensor) -> Tensor:
