@@ -174,6 +174,7 @@ def test_cache_memory_is_flat_as_the_video_grows(pipe):
         (dict(denoising="pipelined", window_frames=3), "window_frames"),
         (dict(denoising="pipelined", first_chunk_steps=[1000, 750, 500, 250]), "first_chunk_steps"),
         (dict(recipe="rolling-sink", denoising="pipelined", chunk_frames=1), "sink_mode='rolling'"),
+        (dict(context_policy="recompute", denoising="pipelined"), "context_policy='recompute'"),
     ],
 )
 def test_bad_pipelined_arguments_are_refused_by_name(pipe, arguments, named):

@@ -196,6 +196,7 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
     latent_shape = (*geometry.chunk_shape[:2], geometry.num_latent_frames, *geometry.chunk_shape[3:])
     step_plan = _step_plan(pipe, call, call.denoising_steps, call.sigmas)
     denoising = check_choice("denoising", call.denoising, DENOISING_MODES)
+    _check_pipelined_policy(call, denoising)
     checked = dict(
         step_plan=step_plan,
         denoising=denoising,
@@ -262,6 +263,18 @@ def _check_context_window(layout: ChunkLayout) -> None:
         raise ValueError(
             f"`context_window_frames`={span} must be larger than `chunk_frames`={layout.chunk_frames}: the span a "
             "context pass attends to counts its chunk and must leave room for recent context (Rolling Forcing: 21)."
+        )
+
+
+def _check_pipelined_policy(call: VideoCall, denoising: str) -> None:
+    """The recompute policy rebuilds the whole context before each chunk from the clean frames alone, which has no
+    place for chunks already in flight; refused before its own window check (which pipelining could not pass)."""
+    if denoising == "pipelined" and call.context_policy == "recompute":
+        source = f" (set by the recipe {call.recipe!r})" if call.recipe else ""
+        raise ValueError(
+            f"`context_policy='recompute'`{source} rebuilds the context before each chunk from the clean frames, "
+            "and `denoising='pipelined'` keeps chunks in flight across chunk boundaries: the two do not combine; "
+            "use denoising='sequential' with it, or context_policy='rolling' with pipelined denoising."
         )
 
 
