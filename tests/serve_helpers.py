@@ -14,6 +14,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+
 
 def free_port() -> int:
     with socket.socket() as probe:
@@ -182,3 +184,27 @@ def reference_chunks(folder: Path, **spec) -> list:
     )
     with np.load(out) as saved:
         return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+
+def round_robin(clients: dict, limit: int) -> dict:
+    """Every client's chunks, read one chunk from each in turn (every session stays ready, so the server can make
+    their chunks together); at most `limit` passes."""
+    made = {name: [] for name in clients}
+    live = dict(clients)
+    for _ in range(limit):
+        if not live:
+            break
+        for name, client in list(live.items()):
+            chunk = next(client, None)
+            if chunk is None:
+                del live[name]
+            else:
+                made[name].append(chunk)
+    return made
+
+
+def max_difference(got: list, want: list, min_chunks: int = 1) -> int:
+    """Largest per-pixel difference (of 255) between two runs' chunks, which must pair up (`min_chunks` at least)."""
+    assert len(got) == len(want) >= min_chunks, (len(got), len(want))
+    assert all(a.shape == b.shape for a, b in zip(got, want))
+    return max(int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) for a, b in zip(got, want))

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from serve_helpers import Server, reference_chunks
+from serve_helpers import Server, max_difference, reference_chunks, round_robin
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
@@ -91,28 +91,6 @@ def test_a_seeded_raw_session_sends_exactly_the_librarys_frames(server, referenc
     assert live.done == {"type": "done", "frames": FRAMES, "reason": "complete"}
 
 
-def _round_robin(clients: dict) -> dict:
-    """Every client's chunks, read one chunk from each in turn (so every session stays ready: none waits for its
-    client, and the server can make their chunks together)."""
-    made = {name: [] for name in clients}
-    live = dict(clients)
-    for _ in range(4 * FRAMES):
-        if not live:
-            break
-        for name, client in list(live.items()):
-            chunk = next(client, None)
-            if chunk is None:
-                del live[name]
-            else:
-                made[name].append(chunk)
-    return made
-
-
-def _max_difference(got: list, want: list) -> int:
-    assert len(got) == len(want)
-    return max(int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()) for a, b in zip(got, want))
-
-
 def test_sessions_batched_side_by_side_each_stay_within_2_of_255_of_their_solo_runs(server, references):
     """Three sessions denoised together (one forward per step for all of them), joining at different chunks so that
     one batch holds caches at different positions and window fills, and leaving at different chunks: each session's
@@ -126,14 +104,14 @@ def test_sessions_batched_side_by_side_each_stay_within_2_of_255_of_their_solo_r
         clients = {"first": first}
         clients["second"] = connect(server.url, prompt=BLUE, seed=5, num_frames=FRAMES)
         clients["third"] = connect(server.url, prompt=RED, seed=7, num_frames=FRAMES)
-        made = _round_robin(clients)
+        made = round_robin(clients, limit=4 * FRAMES)
     finally:
         for client in [first, *clients.values()]:
             client.close()
     made["first"] = early + made["first"]
     assert server.http("/healthz")["batched_rows"] > shared_before
     for name, (prompt, seed) in specs.items():
-        assert _max_difference(made[name], references(prompt=prompt, seed=seed)) <= 2, name
+        assert max_difference(made[name], references(prompt=prompt, seed=seed)) <= 2, name
 
 
 def test_with_max_batch_1_sessions_take_turns_and_each_is_its_solo_video_bit_for_bit(references):
@@ -146,7 +124,7 @@ def test_with_max_batch_1_sessions_take_turns_and_each_is_its_solo_video_bit_for
             "second": connect(server.url, prompt=BLUE, seed=5, num_frames=FRAMES),
         }
         try:
-            made = _round_robin(clients)
+            made = round_robin(clients, limit=4 * FRAMES)
         finally:
             for client in clients.values():
                 client.close()
@@ -154,7 +132,7 @@ def test_with_max_batch_1_sessions_take_turns_and_each_is_its_solo_video_bit_for
     finally:
         server.stop()
     for name, prompt, seed in (("first", RED, 3), ("second", BLUE, 5)):
-        assert _max_difference(made[name], references(prompt=prompt, seed=seed)) == 0, name
+        assert max_difference(made[name], references(prompt=prompt, seed=seed)) == 0, name
 
 
 def test_a_prompt_switch_lands_at_the_chunk_it_names(server, references):
