@@ -169,3 +169,26 @@ def test_quantized_cache_sessions_batched_each_stay_within_2_of_255_of_their_sol
     check_each_is_its_solo_run(made, expected)
     plain = solo(_pipe(), RED, 3)  # quantization changes the video: the sessions did store int8
     assert max_difference(made["a"], plain) > 0
+
+
+def test_rolling_forcing_sessions_batched_each_stay_within_2_of_255_of_their_solo_runs(pipe):
+    """The pipelined recipe with its two views (elastic window, the clean pass's own span): two sessions share the
+    window forwards and the clean passes, each row through its own view and mask; 8 chunks, past the point where the
+    anchor leaves the clean pass's span (chunk 7), and the emptying windows at the end."""
+    frames = 24
+    server = InProcessServer(pipe, max_sessions=4)
+    try:
+        rows, _ = counters(server)
+        starts = {
+            "a": dict(prompt=RED, seed=3, num_frames=frames, recipe="rolling-forcing"),
+            "b": dict(prompt=BLUE, seed=4, num_frames=frames, recipe="rolling-forcing"),
+        }
+        made = run_together(server, starts)
+        assert counters(server)[0] > rows
+    finally:
+        server.stop()
+    expected = {
+        "a": solo(pipe, RED, 3, num_frames=frames, recipe="rolling-forcing"),
+        "b": solo(pipe, BLUE, 4, num_frames=frames, recipe="rolling-forcing"),
+    }
+    check_each_is_its_solo_run(made, expected)
