@@ -96,6 +96,61 @@ def _reference(pipe) -> list[torch.Tensor]:
     return made
 
 
+@torch.no_grad()
+def _recompute_reference(pipe, window: int) -> list[torch.Tensor]:
+    """The same loop under `context_policy="recompute"` (Krea's): before every forward after the first chunk left,
+    the context is rebuilt from clean frames alone ([chunk 0's first frame, the latest clean frames], at most
+    `window - steps x chunk`, at t = 0, bidirectional among themselves); the in-flight chunks see it all and each
+    other. Dense and cache-free, as `_reference`."""
+    model, generator = pipe.transformer, _seed()
+    text = pipe.encode_prompt([PROMPT], pipe.config.max_sequence_length)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
+    scheduler.set_timesteps(sigmas=[s / 1000 for s in STEPS])
+    sigmas, timesteps = scheduler.sigmas, scheduler.timesteps.float()
+    context_frames = window - len(STEPS) * CHUNK
+    shape = (1, 4, CHUNK, 4, 4)
+    in_flight, made, entering = [], [], 0
+    while len(made) < NUM_CHUNKS:
+        if entering < NUM_CHUNKS:
+            in_flight.append([torch.randn(shape, generator=generator), 0])
+            entering += 1
+        context = torch.zeros(*shape[:2], 0, *shape[3:])
+        if made:
+            first, recent = made[0][:, :, :1], torch.cat(made, dim=2)[:, :, -(context_frames - 1) :]
+            context = torch.cat([first, recent], dim=2)[:, :, :context_frames]
+        window_latents = torch.cat([latents for latents, _ in in_flight], dim=2)
+        held, total = context.shape[2], context.shape[2] + window_latents.shape[2]
+        mask = torch.ones(total, total, dtype=torch.bool)
+        mask[:held, held:] = False  # the rebuilt context sees only itself
+        step_of_frame = [timesteps[step] for _, step in in_flight for _ in range(CHUNK)]
+        velocity = model(
+            torch.cat([context, window_latents], dim=2), torch.tensor([[0.0] * held + step_of_frame]), text,
+            layout=pipe_layout(pipe), frame_indices=torch.arange(total), frame_mask=mask,
+        ).sample[:, :, held:]  # fmt: skip
+        going_on = []
+        for position, (latents, step) in enumerate(in_flight):
+            x0 = latents - sigmas[step] * velocity[:, :, position * CHUNK : (position + 1) * CHUNK]
+            if step + 1 == len(STEPS):
+                made.append(x0)
+                continue
+            noise = torch.randn(x0.shape, generator=generator)
+            going_on.append([(1 - sigmas[step + 1]) * x0 + sigmas[step + 1] * noise, step + 1])
+        in_flight = going_on
+    return made
+
+
+def test_pipelined_under_the_recompute_policy_equals_its_dense_reference(pipe):
+    """Krea's context policy with every step's chunk in flight: the context rebuilt before each chunk (3 frames:
+    the first frame and the latest 2) is what the in-flight window attends to, from 7 chunks on."""
+    window = len(STEPS) * CHUNK + 3
+    ours = _run(pipe, context_policy="recompute", recompute_first_frame="keep", sink_frames=0, window_frames=window)
+    reference = _recompute_reference(pipe, window)
+    errors = [float((a - b).abs().max()) for a, b in zip(ours, reference, strict=True)]
+    assert max(errors) < 1e-5, errors
+    rolling = _run(pipe, sink_frames=0, window_frames=window)  # the control: the same window, a context pass per chunk
+    assert max(float((a - b).abs().max()) for a, b in zip(ours[2:], rolling[2:])) > 1e-3
+
+
 def pipe_layout(pipe):
     return ChunkLayout(pipe.transformer.tokens_per_frame(4, 4), chunk_frames=CHUNK, sink_frames=0, window_frames=99)
 
@@ -174,7 +229,10 @@ def test_cache_memory_is_flat_as_the_video_grows(pipe):
         (dict(denoising="pipelined", window_frames=3), "window_frames"),
         (dict(denoising="pipelined", first_chunk_steps=[1000, 750, 500, 250]), "first_chunk_steps"),
         (dict(recipe="rolling-sink", denoising="pipelined", chunk_frames=1), "sink_mode='rolling'"),
-        (dict(context_policy="recompute", denoising="pipelined"), "context_policy='recompute'"),
+        (
+            dict(context_policy="recompute", denoising="pipelined", window_frames=10),
+            "rebuilds 4 context frames .* at most the 3 latent frames",
+        ),
     ],
 )
 def test_bad_pipelined_arguments_are_refused_by_name(pipe, arguments, named):

@@ -39,6 +39,7 @@ from .request import (
     check_num_frames,
     check_output_type,
     check_recache,
+    check_recompute_fits,
 )
 from .steps import StepMapping, StepPlan, plan_steps
 from .text_encoding import check_max_sequence_length
@@ -196,7 +197,6 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
     latent_shape = (*geometry.chunk_shape[:2], geometry.num_latent_frames, *geometry.chunk_shape[3:])
     step_plan = _step_plan(pipe, call, call.denoising_steps, call.sigmas)
     denoising = check_choice("denoising", call.denoising, DENOISING_MODES)
-    _check_pipelined_policy(call, denoising)
     checked = dict(
         step_plan=step_plan,
         denoising=denoising,
@@ -208,7 +208,7 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
             call.callback_on_step_end, call.callback_on_step_end_tensor_inputs, pipe.callback_tensor_inputs
         ),
         context_noise=check_context_noise(call.context_noise),
-        context_policy=check_context_policy(call.context_policy, layout),
+        context_policy=check_context_policy(call.context_policy),
         recompute_first_frame=check_first_frame(call.recompute_first_frame),
         recache_mode=check_recache(call.recache, pipe.recache_modes),
         overlap_decode=check_flag("overlap_decode", call.overlap_decode),
@@ -228,6 +228,7 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
         _check_stream_batch(pipe, call, options, schedule, guidance_scale, checked)
     if denoising == "pipelined":
         layout = _pipelined_layout(pipe, call, options, geometry, layout, len(step_plan.steps))
+    check_recompute_fits(checked["context_policy"], layout, pipelined=denoising == "pipelined")
     conditioning = build_conditioning(  # last: an input file's reader opens here, after every other check
         call.image,
         call.video,
@@ -263,18 +264,6 @@ def _check_context_window(layout: ChunkLayout) -> None:
         raise ValueError(
             f"`context_window_frames`={span} must be larger than `chunk_frames`={layout.chunk_frames}: the span a "
             "context pass attends to counts its chunk and must leave room for recent context (Rolling Forcing: 21)."
-        )
-
-
-def _check_pipelined_policy(call: VideoCall, denoising: str) -> None:
-    """The recompute policy rebuilds the whole context before each chunk from the clean frames alone, which has no
-    place for chunks already in flight; refused before its own window check (which pipelining could not pass)."""
-    if denoising == "pipelined" and call.context_policy == "recompute":
-        source = f" (set by the recipe {call.recipe!r})" if call.recipe else ""
-        raise ValueError(
-            f"`context_policy='recompute'`{source} rebuilds the context before each chunk from the clean frames, "
-            "and `denoising='pipelined'` keeps chunks in flight across chunk boundaries: the two do not combine; "
-            "use denoising='sequential' with it, or context_policy='rolling' with pipelined denoising."
         )
 
 

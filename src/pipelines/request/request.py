@@ -232,20 +232,29 @@ def check_size(name: str, size: Any, multiple: int, why: str) -> int:
 CONTEXT_POLICIES = ("rolling", "recompute", "last_step")
 
 
-def check_context_policy(policy: Any, layout: ChunkLayout) -> str:
-    """The policy; "recompute" writes its whole context (sink + window - chunk frames) in one pass, as one chunk;
-    "last_step" runs no context pass (each step writes the cache, the last step's K/V are committed)."""
-    check_choice(
+def check_context_policy(policy: Any) -> str:
+    """The policy: "rolling" (a context pass per chunk), "recompute" (the context rebuilt before each chunk; its size
+    is checked against the final layout, `check_recompute_fits`) or "last_step" (no context pass: each step writes
+    the cache, the last step's K/V are committed)."""
+    return check_choice(
         "context_policy", policy, CONTEXT_POLICIES, hint="'last_step': StreamDiffusionV2, no clean context pass"
     )
+
+
+def check_recompute_fits(policy: str, layout: ChunkLayout, pipelined: bool = False) -> None:
+    """ "recompute" writes its whole context (sink + window - chunk frames) in one pass, as one chunk: at most the
+    layout's chunk (`pipelined`: every chunk in flight, which the layout's chunk then is)."""
     context = layout.full_window_frames
     if policy == "recompute" and context > layout.chunk_frames:
+        limit = (
+            f"the {layout.chunk_frames} latent frames `denoising='pipelined'` keeps in flight"
+            if pipelined
+            else f"`chunk_frames`={layout.chunk_frames}"
+        )
         raise ValueError(
             f"`context_policy='recompute'` rebuilds {context} context frames (sink + window - chunk) in one pass, "
-            f"at most `chunk_frames`={layout.chunk_frames}: lower `window_frames` / `sink_frames` (Krea: sink 0, "
-            "window 6, chunk 3)."
+            f"at most {limit}: lower `window_frames` / `sink_frames` (Krea: sink 0, window 6, chunk 3)."
         )
-    return policy
 
 
 FIRST_FRAME_RULES = ("keep", "reencode")
