@@ -60,71 +60,27 @@ def _mask(committed: int, in_flight: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _reference(pipe) -> list[torch.Tensor]:
-    """Rolling Forcing's loop spelled out over a cache-free dense model (absolute positions)."""
+def _dense_loop(pipe, prefix_and_mask) -> list[torch.Tensor]:
+    """The pipelined loop spelled out over a cache-free dense model (absolute positions): each forward runs over
+    [a clean prefix at t = 0; the in-flight chunks at their own timesteps] under a mask, both from
+    `prefix_and_mask(made, in_flight_frames)`; the oldest chunk leaves clean, the others are re-noised."""
     model, generator = pipe.transformer, _seed()
     text = pipe.encode_prompt([PROMPT], pipe.config.max_sequence_length)
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
     scheduler.set_timesteps(sigmas=[s / 1000 for s in STEPS])
     sigmas, timesteps = scheduler.sigmas, scheduler.timesteps.float()
-    shape = (1, 4, CHUNK, 4, 4)
-    clean, in_flight, made, entering = [], [], [], 0
-    while len(made) < NUM_CHUNKS:
-        if entering < NUM_CHUNKS:
-            in_flight.append([torch.randn(shape, generator=generator), 0])
-            entering += 1
-        committed = torch.cat(clean, dim=2) if clean else torch.zeros(*shape[:2], 0, *shape[3:])
-        window = torch.cat([latents for latents, _ in in_flight], dim=2)
-        sequence = torch.cat([committed, window], dim=2)
-        step_of_frame = [timesteps[step] for _, step in in_flight for _ in range(CHUNK)]
-        timestep = torch.tensor([[0.0] * committed.shape[2] + step_of_frame])
-        frames = sequence.shape[2]
-        velocity = model(
-            sequence, timestep, text, layout=pipe_layout(pipe), frame_indices=torch.arange(frames),
-            frame_mask=_mask(committed.shape[2], window.shape[2]),
-        ).sample[:, :, committed.shape[2] :]  # fmt: skip
-        going_on = []
-        for position, (latents, step) in enumerate(in_flight):
-            x0 = latents - sigmas[step] * velocity[:, :, position * CHUNK : (position + 1) * CHUNK]
-            if step + 1 == len(STEPS):
-                made.append(x0)
-                clean.append(x0)
-                continue
-            noise = torch.randn(x0.shape, generator=generator)
-            going_on.append([(1 - sigmas[step + 1]) * x0 + sigmas[step + 1] * noise, step + 1])
-        in_flight = going_on
-    return made
-
-
-@torch.no_grad()
-def _recompute_reference(pipe, window: int) -> list[torch.Tensor]:
-    """The same loop under `context_policy="recompute"` (Krea's): before every forward after the first chunk left,
-    the context is rebuilt from clean frames alone ([chunk 0's first frame, the latest clean frames], at most
-    `window - steps x chunk`, at t = 0, bidirectional among themselves); the in-flight chunks see it all and each
-    other. Dense and cache-free, as `_reference`."""
-    model, generator = pipe.transformer, _seed()
-    text = pipe.encode_prompt([PROMPT], pipe.config.max_sequence_length)
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
-    scheduler.set_timesteps(sigmas=[s / 1000 for s in STEPS])
-    sigmas, timesteps = scheduler.sigmas, scheduler.timesteps.float()
-    context_frames = window - len(STEPS) * CHUNK
     shape = (1, 4, CHUNK, 4, 4)
     in_flight, made, entering = [], [], 0
     while len(made) < NUM_CHUNKS:
         if entering < NUM_CHUNKS:
             in_flight.append([torch.randn(shape, generator=generator), 0])
             entering += 1
-        context = torch.zeros(*shape[:2], 0, *shape[3:])
-        if made:
-            first, recent = made[0][:, :, :1], torch.cat(made, dim=2)[:, :, -(context_frames - 1) :]
-            context = torch.cat([first, recent], dim=2)[:, :, :context_frames]
-        window_latents = torch.cat([latents for latents, _ in in_flight], dim=2)
-        held, total = context.shape[2], context.shape[2] + window_latents.shape[2]
-        mask = torch.ones(total, total, dtype=torch.bool)
-        mask[:held, held:] = False  # the rebuilt context sees only itself
+        window = torch.cat([latents for latents, _ in in_flight], dim=2)
+        prefix, mask = prefix_and_mask(made, window.shape[2])
+        held, total = prefix.shape[2], prefix.shape[2] + window.shape[2]
         step_of_frame = [timesteps[step] for _, step in in_flight for _ in range(CHUNK)]
         velocity = model(
-            torch.cat([context, window_latents], dim=2), torch.tensor([[0.0] * held + step_of_frame]), text,
+            torch.cat([prefix, window], dim=2), torch.tensor([[0.0] * held + step_of_frame]), text,
             layout=pipe_layout(pipe), frame_indices=torch.arange(total), frame_mask=mask,
         ).sample[:, :, held:]  # fmt: skip
         going_on = []
@@ -137,6 +93,40 @@ def _recompute_reference(pipe, window: int) -> list[torch.Tensor]:
             going_on.append([(1 - sigmas[step + 1]) * x0 + sigmas[step + 1] * noise, step + 1])
         in_flight = going_on
     return made
+
+
+def _no_frames() -> torch.Tensor:
+    return torch.zeros(1, 4, 0, 4, 4)
+
+
+def _reference(pipe) -> list[torch.Tensor]:
+    """Rolling Forcing's loop: the prefix is every committed clean chunk, each seeing what its context pass saw."""
+
+    def prefix_and_mask(made, in_flight):
+        committed = torch.cat(made, dim=2) if made else _no_frames()
+        return committed, _mask(committed.shape[2], in_flight)
+
+    return _dense_loop(pipe, prefix_and_mask)
+
+
+def _recompute_reference(pipe, window: int) -> list[torch.Tensor]:
+    """The same loop under `context_policy="recompute"` (Krea's): before every forward after the first chunk left,
+    the context is rebuilt from clean frames alone ([chunk 0's first frame, the latest clean frames], at most
+    `window - steps x chunk`, at t = 0, bidirectional among themselves); the in-flight chunks see it all and each
+    other."""
+    context_frames = window - len(STEPS) * CHUNK
+
+    def prefix_and_mask(made, in_flight):
+        context = _no_frames()
+        if made:
+            first, recent = made[0][:, :, :1], torch.cat(made, dim=2)[:, :, -(context_frames - 1) :]
+            context = torch.cat([first, recent], dim=2)[:, :, :context_frames]
+        held = context.shape[2]
+        mask = torch.ones(held + in_flight, held + in_flight, dtype=torch.bool)
+        mask[:held, held:] = False  # the rebuilt context sees only itself
+        return context, mask
+
+    return _dense_loop(pipe, prefix_and_mask)
 
 
 def test_pipelined_under_the_recompute_policy_equals_its_dense_reference(pipe):
