@@ -506,10 +506,14 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         offload: bool,
     ) -> list[AdaptiveSinkLayer]:
         """One `AdaptiveSinkLayer` per block: dense, one window for all (its slots follow its own queue)."""
-        views = getattr(layout, "elastic_window", False) or getattr(layout, "context_window_frames", None) is not None
-        if window_frames_per_block is not None or quantization is not None or offload or layout.sink_mode != "fixed":
-            views = True
-        if views:
+        conflicts = (
+            window_frames_per_block is not None,
+            quantization is not None,
+            offload,
+            layout.sink_mode != "fixed",
+            layout.elastic_window or layout.context_window_frames is not None,
+        )
+        if any(conflicts):
             raise ValueError(
                 "`adaptive_sink` writes dense K/V in slots its eviction queue picks and attention reads them all: no "
                 "`window_frames_per_block`, `quantization`, `offload`, rolling `sink_mode` or window views with it."
@@ -524,7 +528,7 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         quantization: str | None,
         offload: bool,
     ) -> list[SlidingWindowLayer]:
-        layers = [
+        return [
             SlidingWindowLayer(
                 block.sink_tokens, block.window_tokens, block.chunk_tokens, quantization=quantization, offload=offload,
                 sink_mode=block.sink_mode, frame_tokens=block.tokens_per_frame, elastic_window=block.elastic_window,
@@ -532,7 +536,6 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
             )
             for block in self.block_layouts(layout, window_frames_per_block)
         ]  # fmt: skip
-        return layers
 
     @torch.no_grad()
     def prepare_conditioning(self, kv_cache: RollingKVCache, encoder_hidden_states: torch.Tensor) -> None:

@@ -399,10 +399,7 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         if given is not None and not self._inputs.is_video:
             clean = given.to(pipe.transformer.dtype)  # the start image's chunk: clean context, nothing to denoise
         else:
-            if batched:
-                clean = self._stream_batch_chunk(index)
-            else:
-                clean = self._pipelined_chunk(index) if pipelined else self._denoise_chunk(given)
+            clean = self._denoised(index, given, pipelined, batched)
             if clean is None:
                 return None
         if not torch.isfinite(clean).all():
@@ -411,11 +408,7 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
             )
         if index == 0 and recompute:
             self._first_frame = clean[:, :, :1].clone()  # a copy: a view would keep the whole chunk alive
-        if request.context_policy == "last_step":  # the last step's K/V are the chunk's (StreamDiffusionV2)
-            for cache in () if batched else self._caches:  # the stream batch commits each row's write itself
-                cache.commit()
-        elif not recompute:  # the recompute policy writes no context pass: the next chunk rebuilds its context
-            pipe.context_pass(clean, self._embeds, self._caches, request, timestep=request.context_noise)
+        self._commit_context(clean, batched)
         keep = (
             self._context_frames() - 1
             if recompute
@@ -425,6 +418,26 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         self._recent = torch.cat([self._recent, clean], dim=2)[:, :, max(0, held - keep) :]
         self._next_chunk += 1
         return clean
+
+    def _denoised(self, index: int, given: torch.Tensor | None, pipelined: bool, batched: bool) -> torch.Tensor | None:
+        """Chunk `index` made by the request's loop: the stream batch, the pipelined window or the sequential steps."""
+        if batched:
+            return self._stream_batch_chunk(index)
+        if pipelined:
+            return self._pipelined_chunk(index)
+        return self._denoise_chunk(given)
+
+    def _commit_context(self, clean: torch.Tensor, batched: bool) -> None:
+        """Make the chunk's K/V the context of the next ones, by the request's policy: a clean context pass
+        ("rolling"), the last step's writes ("last_step"; the stream batch commits each row's itself) or nothing
+        ("recompute": the next chunk rebuilds its context)."""
+        request = self._request
+        if request.context_policy == "last_step":
+            if not batched:
+                for cache in self._caches:
+                    cache.commit()
+        elif request.context_policy == "rolling":
+            self._pipe.context_pass(clean, self._embeds, self._caches, request, timestep=request.context_noise)
 
     def _context_frames(self) -> int:
         """Latent frames a rebuilt context holds (the recompute policy): the window less the chunk."""

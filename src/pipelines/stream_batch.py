@@ -147,9 +147,7 @@ class StreamBatchDenoising:
     def _commit_row(self, cache) -> None:
         """Commit a row's write; from its first real chunk on, its adaptive sink pops at every write."""
         cache.commit()
-        for layer in cache:
-            if isinstance(layer, AdaptiveSinkLayer) and layer.policy.forwards_per_chunk != 1:
-                layer.policy = AdaptiveSinkPolicy(layer.policy.threshold, 1)
+        _one_write_a_chunk(cache)
 
     def _after_batch_step(self, timestep: torch.Tensor) -> None:
         """The callback sees (and may replace) the rows that go on, along the frame axis, row 0 first."""
@@ -203,9 +201,7 @@ class StreamBatchDenoising:
             self._pipe.set_conditioning(cache, self._embeds[0])
         for row, cache in enumerate(self._row_caches):
             if self._forwards_done > row:  # it has committed a real chunk: one write a chunk from then on
-                for layer in cache:
-                    if isinstance(layer, AdaptiveSinkLayer):
-                        layer.policy = AdaptiveSinkPolicy(layer.policy.threshold, 1)
+                _one_write_a_chunk(cache)
         chunks, held = state["stream_batch.rows"].tolist()
         self._batch_rows = [
             BatchRow(
@@ -217,3 +213,10 @@ class StreamBatchDenoising:
             else None
             for i, (chunk, kept) in enumerate(zip(chunks, held))
         ]
+
+
+def _one_write_a_chunk(cache) -> None:
+    """A row's cache is written once a chunk after its first real chunk: its adaptive sinks pop at every write."""
+    for layer in cache:
+        if isinstance(layer, AdaptiveSinkLayer) and layer.policy.forwards_per_chunk != 1:
+            layer.policy = AdaptiveSinkPolicy(layer.policy.threshold, 1)
