@@ -32,8 +32,12 @@ class RemoteStream(Iterator[np.ndarray]):
 
     def __init__(self, url: str, first: dict[str, Any], token: str | None = None, timeout: float = 120.0) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else None
-        # entered here and left in `close`: this object is the context the connection lives in
-        self._socket = ws_connect(url, additional_headers=headers, max_size=None, open_timeout=timeout).__enter__()
+        # entered here and left in `close`: this object is the context the connection lives in. No keepalive pings:
+        # a caller that stops reading for a while (its frames pile up in the library's queue, so TCP stalls and the
+        # pong waits behind them) would otherwise be cut off with 1011; every read has its own `timeout` instead.
+        self._socket = ws_connect(
+            url, additional_headers=headers, max_size=None, open_timeout=timeout, ping_interval=None
+        ).__enter__()
         self._timeout = timeout
         self.events: list[dict[str, Any]] = []
         self._chunks: deque[np.ndarray] = deque()
