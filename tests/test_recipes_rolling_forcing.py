@@ -132,8 +132,9 @@ def test_a_rolling_forcing_stream_resumes_exactly():
         ({"context_window_frames": 0}, "`context_window_frames`"),
         ({"elastic_window": "yes"}, "`elastic_window`"),
         ({"elastic_window": True, "window_frames": "all", "denoising": "sequential"}, "an integer `window_frames`"),
+        ({"window_frames": 9}, r"Pass window_frames=18 .* 13 at least\.$"),  # no 'all': the views need a bound
     ],
-    ids=["span_of_one_chunk", "zero", "not_a_bool", "unbounded"],
+    ids=["span_of_one_chunk", "zero", "not_a_bool", "unbounded", "window_under_the_chunks_in_flight"],
 )
 def test_bad_views_are_refused_naming_the_argument(extra, match):
     golden = load_golden(RECIPE, "short")
