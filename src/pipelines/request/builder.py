@@ -303,11 +303,12 @@ def _pipelined_layout(
     if window != ALL_FRAMES and window <= in_flight:
         chunks = in_flight // geometry.chunk_frames
         views = layout.elastic_window or layout.context_window_frames is not None  # a bounded window only
+        unbounded = "" if views else ", or 'all'"
         raise ValueError(
             f"`window_frames`={window} must be larger than the {in_flight} latent frames "
             f"`denoising='pipelined'` keeps in flight ({chunks} chunks of {geometry.chunk_frames}, one per step): the "
             f"window counts them. Pass window_frames={in_flight + window - geometry.chunk_frames} to keep "
-            f"the committed context of sequential denoising, {in_flight + 1} at least{'' if views else ", or 'all'"}."
+            f"the committed context of sequential denoising, {in_flight + 1} at least{unbounded}."
         )
     pending = dataclasses.replace(options, chunk_frames=in_flight)
     pipelined = pipe.make_layout(layout.tokens_per_frame, pending, geometry.num_latent_frames)
