@@ -61,9 +61,10 @@ def _mask(committed: int, in_flight: int) -> torch.Tensor:
 
 @torch.no_grad()
 def _dense_loop(pipe, prefix_and_mask) -> list[torch.Tensor]:
-    """The pipelined loop spelled out over a cache-free dense model (absolute positions): each forward runs over
-    [a clean prefix at t = 0; the in-flight chunks at their own timesteps] under a mask, both from
-    `prefix_and_mask(made, in_flight_frames)`; the oldest chunk leaves clean, the others are re-noised."""
+    """The pipelined loop spelled out over a cache-free dense model: each forward runs over [a prefix; the in-flight
+    chunks at their own timesteps] under a mask, with the prefix, its timesteps, every frame's position and the mask
+    from `prefix_and_mask(made, in_flight)` (`in_flight`: `(latents, timestep, chunk index)` per chunk); the oldest
+    chunk leaves clean, the others are re-noised."""
     model, generator = pipe.transformer, _seed()
     text = pipe.encode_prompt([PROMPT], pipe.config.max_sequence_length)
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config)
@@ -73,24 +74,26 @@ def _dense_loop(pipe, prefix_and_mask) -> list[torch.Tensor]:
     in_flight, made, entering = [], [], 0
     while len(made) < NUM_CHUNKS:
         if entering < NUM_CHUNKS:
-            in_flight.append([torch.randn(shape, generator=generator), 0])
+            in_flight.append([torch.randn(shape, generator=generator), 0, entering])
             entering += 1
-        window = torch.cat([latents for latents, _ in in_flight], dim=2)
-        prefix, mask = prefix_and_mask(made, window.shape[2])
-        held, total = prefix.shape[2], prefix.shape[2] + window.shape[2]
-        step_of_frame = [timesteps[step] for _, step in in_flight for _ in range(CHUNK)]
+        window = torch.cat([latents for latents, _, _ in in_flight], dim=2)
+        prefix, prefix_timesteps, positions, mask = prefix_and_mask(
+            made, [(latents, timesteps[step], index) for latents, step, index in in_flight]
+        )
+        held = prefix.shape[2]
+        step_of_frame = [timesteps[step] for _, step, _ in in_flight for _ in range(CHUNK)]
         velocity = model(
-            torch.cat([prefix, window], dim=2), torch.tensor([[0.0] * held + step_of_frame]), text,
-            layout=pipe_layout(pipe), frame_indices=torch.arange(total), frame_mask=mask,
+            torch.cat([prefix, window], dim=2), torch.tensor([[*prefix_timesteps, *step_of_frame]]), text,
+            layout=pipe_layout(pipe), frame_indices=torch.tensor(positions), frame_mask=mask,
         ).sample[:, :, held:]  # fmt: skip
         going_on = []
-        for position, (latents, step) in enumerate(in_flight):
+        for position, (latents, step, index) in enumerate(in_flight):
             x0 = latents - sigmas[step] * velocity[:, :, position * CHUNK : (position + 1) * CHUNK]
             if step + 1 == len(STEPS):
                 made.append(x0)
                 continue
             noise = torch.randn(x0.shape, generator=generator)
-            going_on.append([(1 - sigmas[step + 1]) * x0 + sigmas[step + 1] * noise, step + 1])
+            going_on.append([(1 - sigmas[step + 1]) * x0 + sigmas[step + 1] * noise, step + 1, index])
         in_flight = going_on
     return made
 
@@ -99,12 +102,17 @@ def _no_frames() -> torch.Tensor:
     return torch.zeros(1, 4, 0, 4, 4)
 
 
+def _clean_prefix(prefix: torch.Tensor, mask: torch.Tensor):
+    """A prefix of clean frames at t = 0, every frame (the window's after it) at its place in the sequence."""
+    return prefix, [0.0] * prefix.shape[2], list(range(mask.shape[0])), mask
+
+
 def _reference(pipe) -> list[torch.Tensor]:
     """Rolling Forcing's loop: the prefix is every committed clean chunk, each seeing what its context pass saw."""
 
     def prefix_and_mask(made, in_flight):
         committed = torch.cat(made, dim=2) if made else _no_frames()
-        return committed, _mask(committed.shape[2], in_flight)
+        return _clean_prefix(committed, _mask(committed.shape[2], len(in_flight) * CHUNK))
 
     return _dense_loop(pipe, prefix_and_mask)
 
@@ -121,10 +129,54 @@ def _recompute_reference(pipe, window: int) -> list[torch.Tensor]:
         if made:
             first, recent = made[0][:, :, :1], torch.cat(made, dim=2)[:, :, -(context_frames - 1) :]
             context = torch.cat([first, recent], dim=2)[:, :, :context_frames]
-        held = context.shape[2]
-        mask = torch.ones(held + in_flight, held + in_flight, dtype=torch.bool)
+        held, frames = context.shape[2], len(in_flight) * CHUNK
+        mask = torch.ones(held + frames, held + frames, dtype=torch.bool)
         mask[:held, held:] = False  # the rebuilt context sees only itself
-        return context, mask
+        return _clean_prefix(context, mask)
+
+    return _dense_loop(pipe, prefix_and_mask)
+
+
+def _visible(frame: int, committed: int) -> bool:
+    """Whether committed `frame` is seen by a write after `committed` frames: the sink, then the latest `window -
+    steps x chunk` frames (the window counts the in-flight chunks)."""
+    recent = WINDOW - len(STEPS) * CHUNK
+    return frame < min(SINK, committed) or max(SINK, committed - recent) <= frame < committed
+
+
+def _last_step_reference(pipe) -> list[torch.Tensor]:
+    """The same loop under `context_policy="last_step"` (no context pass): chunk j's context is what the forward it
+    left in wrote, so the prefix unrolls those forwards. It holds, for every committed chunk j, the whole window of
+    that forward (its chunks at their timesteps then, at their own positions); those rows see each other and the
+    committed chunks before j as that forward saw them, and only their first chunk (chunk j) is seen by later rows.
+    The current window sees the committed chunks the same way."""
+    left_in: list[tuple] = []  # per committed chunk: (latents, timesteps, positions) of the forward it left in
+    last_forward: list[tuple] = []
+
+    def prefix_and_mask(made, in_flight):
+        if len(made) > len(left_in):
+            left_in.append(last_forward[0])
+        window = (
+            torch.cat([latents for latents, _, _ in in_flight], dim=2),
+            [float(t) for _, t, _ in in_flight for _ in range(CHUNK)],
+            [index * CHUNK + k for _, _, index in in_flight for k in range(CHUNK)],
+        )
+        last_forward[:] = [window]
+        groups = [*left_in, window]
+        owner = [g for g, (latents, _, _) in enumerate(groups) for _ in range(latents.shape[2])]
+        positions = [p for _, _, frames in groups for p in frames]
+        committed_key = [
+            g < len(left_in) and k < CHUNK for g, (lat, _, _) in enumerate(groups) for k in range(lat.shape[2])
+        ]
+        total = len(owner)
+        mask = torch.zeros(total, total, dtype=torch.bool)
+        for row in range(total):
+            end = owner[row] * CHUNK  # frames committed when the row's forward ran
+            for col in range(total):
+                same = owner[col] == owner[row]
+                mask[row, col] = same or (committed_key[col] and _visible(positions[col], end))
+        prefix = torch.cat([latents for latents, _, _ in left_in], dim=2) if left_in else _no_frames()
+        return prefix, [t for _, times, _ in left_in for t in times], positions, mask
 
     return _dense_loop(pipe, prefix_and_mask)
 
@@ -152,6 +204,16 @@ def test_pipelined_chunks_equal_the_dense_reference(pipe):
     assert max(errors) < 1e-5, errors
 
 
+def test_pipelined_under_the_last_step_policy_equals_its_dense_reference(pipe):
+    """StreamDiffusionV2's policy (no context pass) with every step's chunk in flight: the leaving chunk's K/V from
+    the forward it left in are committed, the other in-flight chunks' writes of that forward dropped."""
+    ours = _run(pipe, context_policy="last_step")
+    errors = [float((a - b).abs().max()) for a, b in zip(ours, _last_step_reference(pipe), strict=True)]
+    assert max(errors) < 1e-5, errors
+    rolling = _run(pipe)  # the control: a clean context pass per chunk
+    assert max(float((a - b).abs().max()) for a, b in zip(ours[1:], rolling[1:])) > 1e-3
+
+
 def test_pipelined_differs_from_sequential_but_keeps_the_shapes(pipe):
     pipelined = torch.cat(_run(pipe), dim=2)
     sequential = torch.cat(_run(pipe, denoising="sequential"), dim=2)
@@ -167,22 +229,27 @@ def test_call_stream_and_file_give_the_same_frames(pipe, tmp_path):
     np.testing.assert_array_equal(streamed, called)
 
 
-def test_resume_mid_window_continues_the_same_video(pipe):
-    whole = _run(pipe)
-    first = pipe.stream(PROMPT, _frames(pipe), generator=_seed(), output_type="latent", denoising="pipelined", **SIZE)
+POLICIES = ["rolling", "last_step"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_resume_mid_window_continues_the_same_video(pipe, policy):
+    whole = _run(pipe, context_policy=policy)
+    arguments = dict(output_type="latent", denoising="pipelined", context_policy=policy, **SIZE)
+    first = pipe.stream(PROMPT, _frames(pipe), generator=_seed(), **arguments)
     head = [next(first) for _ in range(3)]  # chunks 3.. are in flight at different steps now
     state = first.state_dict()
-    second = pipe.stream(
-        PROMPT, _frames(pipe), generator=_seed(7), output_type="latent", denoising="pipelined", **SIZE
-    )
+    second = pipe.stream(PROMPT, _frames(pipe), generator=_seed(7), **arguments)
     second.load_state_dict(state)
     for mine, theirs in zip(head + list(second), whole):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
 
 
-def test_a_prompt_switch_changes_only_the_chunks_after_it(pipe):
-    plain = _run(pipe)
-    stream = pipe.stream(PROMPT, _frames(pipe), generator=_seed(), output_type="latent", denoising="pipelined", **SIZE)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_prompt_switch_changes_only_the_chunks_after_it(pipe, policy):
+    plain = _run(pipe, context_policy=policy)
+    arguments = dict(output_type="latent", denoising="pipelined", context_policy=policy, **SIZE)
+    stream = pipe.stream(PROMPT, _frames(pipe), generator=_seed(), **arguments)
     chunks = [next(stream) for _ in range(3)]
     assert stream.switch_prompt("a blue square moving up") == 3
     chunks += list(stream)
@@ -194,18 +261,23 @@ def test_a_prompt_switch_changes_only_the_chunks_after_it(pipe):
 def test_guidance_image_and_video_inputs_run_pipelined(pipe):
     guided = _run(pipe, guidance_scale=3.0, negative_prompt="a green square")
     assert len(guided) == NUM_CHUNKS and all(torch.isfinite(chunk).all() for chunk in guided)
+    guided_last_step = _run(pipe, guidance_scale=3.0, negative_prompt="a green square", context_policy="last_step")
+    assert len(guided_last_step) == NUM_CHUNKS and not torch.allclose(guided_last_step[-1], guided[-1])
     image = np.random.default_rng(0).integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
     with_image = _run(pipe, image=image)
     assert len(with_image) == NUM_CHUNKS
     video = np.random.default_rng(1).integers(0, 256, size=(_frames(pipe), 16, 16, 3), dtype=np.uint8)
     from_video = _run(pipe, video=video, strength=0.7)  # 2 of 3 steps: 2 chunks in flight
     assert len(from_video) == NUM_CHUNKS
+    assert len(_run(pipe, video=video, strength=0.7, context_policy="last_step")) == NUM_CHUNKS
 
 
-def test_cache_memory_is_flat_as_the_video_grows(pipe):
+@pytest.mark.parametrize("policy", POLICIES)
+def test_cache_memory_is_flat_as_the_video_grows(pipe, policy):
     stream = pipe.stream(
-        PROMPT, _frames(pipe, 12), generator=_seed(), output_type="latent", denoising="pipelined", **SIZE
-    )
+        PROMPT, _frames(pipe, 12), generator=_seed(), output_type="latent", denoising="pipelined",
+        context_policy=policy, **SIZE,
+    )  # fmt: skip
     next(stream)
     early = stream.memory_bytes()
     list(stream)
@@ -238,8 +310,9 @@ def test_pipelined_is_refused_where_the_family_does_not_offer_it():
         sana.stream(PROMPT, sana.latent_to_frames(4), denoising="pipelined")
 
 
-def test_compiled_fullgraph_keeps_a_bounded_number_of_graphs_as_the_video_grows(pipe):
-    eager = _run(pipe)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compiled_fullgraph_keeps_a_bounded_number_of_graphs_as_the_video_grows(pipe, policy):
+    eager = _run(pipe, context_policy=policy)
     compiled_pipe = tiny_pipeline(
         chunk_frames=CHUNK, sink_frames=SINK, window_frames=WINDOW, denoising_steps=list(STEPS)
     )
@@ -247,9 +320,9 @@ def test_compiled_fullgraph_keeps_a_bounded_number_of_graphs_as_the_video_grows(
     torch.compiler.reset()
     try:
         compile_cached_step(compiled_pipe.transformer, backend=counter)  # fullgraph=True
-        compiled = _run(compiled_pipe)
+        compiled = _run(compiled_pipe, context_policy=policy)
         graphs = counter.frame_count
-        longer = _run(compiled_pipe, chunks=3 * NUM_CHUNKS)  # the window slid further
+        longer = _run(compiled_pipe, chunks=3 * NUM_CHUNKS, context_policy=policy)  # the window slid further
     finally:
         torch.compiler.reset()
     assert counter.frame_count == graphs  # no graph added as the video grows

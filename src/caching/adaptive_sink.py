@@ -181,6 +181,11 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         self._stream_batch = 1
         return keys, values
 
+    def check_partial_commit(self, num_tokens: int) -> None:
+        raise TypeError(
+            "AdaptiveSinkLayer commits whole chunks: its eviction queue is popped once per chunk's writes."
+        )
+
     def commit(self) -> None:
         self._require_pending()
         committed = self.committed_count + self.pending_tokens

@@ -143,17 +143,31 @@ class RollingKVCache(nn.Module):
     def has_pending(self) -> bool:
         return any(layer.pending_tokens > 0 for layer in self._stream_layers())
 
-    def commit(self) -> None:
-        """Make every layer's pending chunk permanent. All layers must hold one; checked before any changes."""
+    def commit(self, num_tokens: int | None = None) -> None:
+        """Make every layer's pending chunk permanent. All layers must hold one; checked before any changes.
+
+        `num_tokens`: commit only the first ones of each self-attention layer's pending tokens (the leaving chunk
+        of a pipelined window under `context_policy="last_step"`); every stream layer must be able to."""
         missing = [i for i, layer in enumerate(self.layers) if layer.pending_tokens == 0]
         if missing:
             raise RuntimeError(
                 f"RollingKVCache.commit() with nothing pending in layer(s) {missing[:8]}; "
                 "run the model on a chunk (update every layer) before committing."
             )
-        for layer in self._stream_layers():
-            if layer.pending_tokens > 0:
+        layers = [layer for layer in self._stream_layers() if layer.pending_tokens > 0]
+        if num_tokens is None:
+            for layer in layers:
                 layer.commit()
+            return
+        unable = sorted({type(layer).__name__ for layer in layers if not hasattr(layer, "check_partial_commit")})
+        if unable:
+            raise TypeError(
+                f"RollingKVCache.commit(num_tokens) needs layers that commit part of a chunk, not {unable}."
+            )
+        for layer in layers:
+            layer.check_partial_commit(num_tokens)
+        for layer in layers:
+            layer.commit(num_tokens)
 
     @contextlib.contextmanager
     def context_pass(self) -> Iterator[None]:

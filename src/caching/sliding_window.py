@@ -543,8 +543,30 @@ class SlidingWindowLayer(CacheLayer):
         offsets, positions, slots, scratch = self._home_index[:, : self.pending_tokens]
         return self._slots_for(torch.add(offsets, self._committed_count, out=positions), slots, scratch)
 
-    def commit(self) -> None:
+    def check_partial_commit(self, num_tokens: int) -> None:
+        """Refuse `commit(num_tokens)` unless 1 <= num_tokens <= the pending tokens (nothing changes)."""
         self._require_pending()
+        if self.rolling_sink is not None:
+            raise ValueError(
+                "`sink_mode='rolling'` rolls the chunk before each whole committed chunk; commit the whole chunk."
+            )
+        if (
+            isinstance(num_tokens, bool)
+            or not isinstance(num_tokens, int)
+            or not 1 <= num_tokens <= self.pending_tokens
+        ):
+            raise ValueError(
+                f"`num_tokens` must be an int from 1 to the {self.pending_tokens} pending tokens, got {num_tokens!r}."
+            )
+
+    def commit(self, num_tokens: int | None = None) -> None:
+        """Make the pending tokens permanent; with `num_tokens`, only the first ones (pipelined denoising under
+        `context_policy="last_step"`: the leaving chunk's writes of a window's forward, the rest written again by
+        the next update)."""
+        self._require_pending()
+        if num_tokens is not None:
+            self.check_partial_commit(num_tokens)
+            self.pending_tokens = num_tokens
         if self.offload:  # home only changes now (resident storage was written in place by `update`)
             self.storage.commit(self._commit_slots(), self._stream_batch or self.keys.shape[0])
         start, pending = self._committed_count, self.pending_tokens

@@ -433,9 +433,11 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         ("recompute": the next chunk rebuilds its context)."""
         request = self._request
         if request.context_policy == "last_step":
+            # pipelined: the forward wrote every in-flight chunk; only the leaving (first) one is committed
+            tokens = clean.shape[2] * request.layout.tokens_per_frame if request.denoising == "pipelined" else None
             if not batched:
                 for cache in self._caches:
-                    cache.commit()
+                    cache.commit(tokens)
         elif request.context_policy == "rolling":
             self._pipe.context_pass(clean, self._embeds, self._caches, request, timestep=request.context_noise)
 

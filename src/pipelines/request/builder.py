@@ -345,13 +345,11 @@ def _step_mapping(pipe: RequestPipeline, call: VideoCall) -> StepMapping:
 def _check_last_step_and_adaptive_sink(
     call: VideoCall, options: CacheOptions, geometry: VideoGeometry, checked: dict[str, Any]
 ) -> None:
-    """StreamDiffusionV2's options together: no context pass to commit a start image or to follow pipelined
-    chunks; the adaptive sink's one-frame chunks, one queue (batch 1) and the same writes in every chunk."""
-    last_step = checked["context_policy"] == "last_step"
-    if last_step and (call.image is not None or checked["denoising"] == "pipelined"):
-        given = "`image`" if call.image is not None else "`denoising='pipelined'`"
+    """StreamDiffusionV2's options together: no context pass to commit a start image; the adaptive sink's one-frame
+    chunks, one queue (batch 1) and the same writes in every chunk."""
+    if checked["context_policy"] == "last_step" and call.image is not None:
         raise ValueError(
-            f"`context_policy='last_step'` commits what the denoising steps wrote, and {given} needs a context pass "
+            "`context_policy='last_step'` commits what the denoising steps wrote, and `image` needs a context pass "
             "to commit its chunk; use context_policy='rolling'."
         )
     if not getattr(options, "adaptive_sink", False):
