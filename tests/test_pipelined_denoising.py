@@ -16,6 +16,7 @@ from diffusers import FlowMatchEulerDiscreteScheduler
 from tiny_components import tiny_pipeline
 from torch._dynamo.testing import CompileCounter
 
+from rolldiff.caching.rolling_sink import source_frame
 from rolldiff.models import ChunkLayout
 from rolldiff.pipelines.acceleration import compile_cached_step
 
@@ -181,6 +182,68 @@ def _last_step_reference(pipe) -> list[torch.Tensor]:
     return _dense_loop(pipe, prefix_and_mask)
 
 
+def _rolling_sink_reference(pipe) -> list[torch.Tensor]:
+    """The same loop under Rolling Sink (`sink_mode="rolling"`, no fixed sink): a write after `e` committed frames
+    sees the latest `R = window - steps x chunk` of them, where a frame past the source (the first `R` frames) and
+    older than the last committed chunk holds source frame `m(p)` (walked forward and back) at its own position p.
+    A cache-free model holds that as a copy of source frames `0..m(p)` (clean, each seeing the frames before it, as
+    when committed) shifted by `p - m(p)`: relative positions make its last frame's keys the source's, seen at p."""
+    source = WINDOW - len(STEPS) * CHUNK
+
+    def providers(committed: int) -> list[tuple[str, int]]:
+        seen = range(max(0, committed - source), committed)
+        return [("real", q) if q < source or q >= committed - CHUNK else ("copy", q) for q in seen]
+
+    def prefix_and_mask(made, in_flight):
+        frames, positions, groups, provides = [], [], [], {}
+        for j, latents in enumerate(made):  # each committed chunk as its context pass wrote it
+            for k in range(CHUNK):
+                provides[("real", j * CHUNK + k)] = len(frames)
+                frames.append(latents[:, :, k : k + 1]), positions.append(j * CHUNK + k), groups.append(("chunk", j))
+        committed_frames = torch.cat(made, dim=2) if made else _no_frames()
+        ends = [j * CHUNK for j in range(len(made))] + [len(made) * CHUNK]
+        rolled = sorted({q for end in ends for kind, q in providers(end) if kind == "copy"})
+        for q in rolled:
+            m = source_frame(q, source)
+            for k in range(m + 1):
+                frames.append(committed_frames[:, :, k : k + 1]), positions.append(k + q - m)
+                groups.append(("copy", q, k))
+            provides[("copy", q)] = len(frames) - 1
+        held = len(frames)
+        for _, _, index in in_flight:
+            for k in range(CHUNK):
+                positions.append(index * CHUNK + k), groups.append(("window",))
+        mask = torch.zeros(len(groups), len(groups), dtype=torch.bool)
+        for row, group in enumerate(groups):
+            if group[0] == "copy":  # a source frame sees the source frames before it
+                cols = [c for c, other in enumerate(groups) if other[:2] == group[:2] and other[2] <= group[2]]
+            else:
+                committed = group[1] * CHUNK if group[0] == "chunk" else len(made) * CHUNK
+                cols = [provides[provider] for provider in providers(committed)]
+                cols += [c for c, other in enumerate(groups) if other == group]
+            mask[row, cols] = True
+        prefix = torch.cat(frames, dim=2) if frames else _no_frames()
+        return prefix, [0.0] * held, positions, mask
+
+    return _dense_loop(pipe, prefix_and_mask)
+
+
+ROLLING_SINK = dict(sink_frames=0, position_mode="relative", sink_mode="rolling")
+
+
+def test_pipelined_rolling_sink_equals_its_dense_reference(pipe):
+    """Rolling Sink with every step's chunk in flight: the source is the committed part of the window (2 frames
+    here: 5 less the 3 in flight; `window_frames=30` keeps the recipe's 18 at its 4 steps of 3 frames), walked
+    back and forth over frames 2..5 (source frames 1, 0, 0, 1)."""
+    ours = _run(pipe, **ROLLING_SINK)
+    errors = [float((a - b).abs().max()) for a, b in zip(ours, _rolling_sink_reference(pipe), strict=True)]
+    assert max(errors) < 1e-5, errors
+    fixed = _run(pipe, **(ROLLING_SINK | dict(sink_mode="fixed")))  # the control: the same window, no roll
+    for a, b in zip(ours[:4], fixed[:4]):  # nothing rolled is seen before frame 3 is committed
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert min(float((a - b).abs().max()) for a, b in zip(ours[4:], fixed[4:])) > 1e-3
+
+
 def test_pipelined_under_the_recompute_policy_equals_its_dense_reference(pipe):
     """Krea's context policy with every step's chunk in flight: the context rebuilt before each chunk (3 frames:
     the first frame and the latest 2) is what the in-flight window attends to, from 7 chunks on."""
@@ -229,13 +292,18 @@ def test_call_stream_and_file_give_the_same_frames(pipe, tmp_path):
     np.testing.assert_array_equal(streamed, called)
 
 
-POLICIES = ["rolling", "last_step"]
+POLICIES = {  # the cache policies pipelined denoising runs under, by name
+    "rolling": {},
+    "last_step": dict(context_policy="last_step"),
+    "rolling_sink": ROLLING_SINK,
+    "rolling_sink_last_step": ROLLING_SINK | dict(context_policy="last_step"),
+}
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_resume_mid_window_continues_the_same_video(pipe, policy):
-    whole = _run(pipe, context_policy=policy)
-    arguments = dict(output_type="latent", denoising="pipelined", context_policy=policy, **SIZE)
+    whole = _run(pipe, **POLICIES[policy])
+    arguments = dict(output_type="latent", denoising="pipelined", **POLICIES[policy], **SIZE)
     first = pipe.stream(PROMPT, _frames(pipe), generator=_seed(), **arguments)
     head = [next(first) for _ in range(3)]  # chunks 3.. are in flight at different steps now
     state = first.state_dict()
@@ -247,8 +315,8 @@ def test_resume_mid_window_continues_the_same_video(pipe, policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_a_prompt_switch_changes_only_the_chunks_after_it(pipe, policy):
-    plain = _run(pipe, context_policy=policy)
-    arguments = dict(output_type="latent", denoising="pipelined", context_policy=policy, **SIZE)
+    plain = _run(pipe, **POLICIES[policy])
+    arguments = dict(output_type="latent", denoising="pipelined", **POLICIES[policy], **SIZE)
     stream = pipe.stream(PROMPT, _frames(pipe), generator=_seed(), **arguments)
     chunks = [next(stream) for _ in range(3)]
     assert stream.switch_prompt("a blue square moving up") == 3
@@ -276,7 +344,7 @@ def test_guidance_image_and_video_inputs_run_pipelined(pipe):
 def test_cache_memory_is_flat_as_the_video_grows(pipe, policy):
     stream = pipe.stream(
         PROMPT, _frames(pipe, 12), generator=_seed(), output_type="latent", denoising="pipelined",
-        context_policy=policy, **SIZE,
+        **POLICIES[policy], **SIZE,
     )  # fmt: skip
     next(stream)
     early = stream.memory_bytes()
@@ -290,7 +358,6 @@ def test_cache_memory_is_flat_as_the_video_grows(pipe, policy):
         (dict(denoising="rolling"), "`denoising`"),
         (dict(denoising="pipelined", window_frames=3), "window_frames"),
         (dict(denoising="pipelined", first_chunk_steps=[1000, 750, 500, 250]), "first_chunk_steps"),
-        (dict(recipe="rolling-sink", denoising="pipelined", chunk_frames=1), "sink_mode='rolling'"),
         (
             dict(context_policy="recompute", denoising="pipelined", window_frames=10),
             "rebuilds 4 context frames .* at most the 3 latent frames",
@@ -312,7 +379,7 @@ def test_pipelined_is_refused_where_the_family_does_not_offer_it():
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_compiled_fullgraph_keeps_a_bounded_number_of_graphs_as_the_video_grows(pipe, policy):
-    eager = _run(pipe, context_policy=policy)
+    eager = _run(pipe, **POLICIES[policy])
     compiled_pipe = tiny_pipeline(
         chunk_frames=CHUNK, sink_frames=SINK, window_frames=WINDOW, denoising_steps=list(STEPS)
     )
@@ -320,9 +387,9 @@ def test_compiled_fullgraph_keeps_a_bounded_number_of_graphs_as_the_video_grows(
     torch.compiler.reset()
     try:
         compile_cached_step(compiled_pipe.transformer, backend=counter)  # fullgraph=True
-        compiled = _run(compiled_pipe, context_policy=policy)
+        compiled = _run(compiled_pipe, **POLICIES[policy])
         graphs = counter.frame_count
-        longer = _run(compiled_pipe, chunks=3 * NUM_CHUNKS, context_policy=policy)  # the window slid further
+        longer = _run(compiled_pipe, chunks=3 * NUM_CHUNKS, **POLICIES[policy])  # the window slid further
     finally:
         torch.compiler.reset()
     assert counter.frame_count == graphs  # no graph added as the video grows

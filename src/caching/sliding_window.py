@@ -546,10 +546,6 @@ class SlidingWindowLayer(CacheLayer):
     def check_partial_commit(self, num_tokens: int) -> None:
         """Refuse `commit(num_tokens)` unless 1 <= num_tokens <= the pending tokens (nothing changes)."""
         self._require_pending()
-        if self.rolling_sink is not None:
-            raise ValueError(
-                "`sink_mode='rolling'` rolls the chunk before each whole committed chunk; commit the whole chunk."
-            )
         if (
             isinstance(num_tokens, bool)
             or not isinstance(num_tokens, int)

@@ -288,12 +288,6 @@ def _pipelined_layout(
             "`first_chunk_steps` gives the first chunk more steps than the others, but `denoising='pipelined'` moves "
             "every in-flight chunk one step per forward; drop one of them."
         )
-    if getattr(options, "sink_mode", "fixed") == "rolling":
-        raise ValueError(
-            "`sink_mode='rolling'` (Rolling Sink) rolls its source over `window_frames - chunk_frames` frames, and "
-            "`denoising='pipelined'` would shrink that by the chunks in flight (unproven against its authors' "
-            "code); use one of them."
-        )
     if geometry.first_chunk_frames != geometry.chunk_frames and call.image is None:
         raise ValueError("`denoising='pipelined'` needs chunks of one size; give `num_frames` as whole chunks.")
     if call.video is not None:
