@@ -65,6 +65,7 @@ FLAGS = {
     "window_frames": "--window-frames",
     "position_mode": "--position-mode",
     "sink_mode": "--sink-mode",
+    "context_policy": "--context-policy",
     "elastic_window": "--elastic-window",
     "context_window_frames": "--context-window-frames",
     "kv_quantization": "--kv-quantization",
@@ -249,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--position-mode", help="RoPE positions: absolute or relative (default: the model's)")
     generate.add_argument(
         "--sink-mode", help="fixed, or rolling (Rolling Sink's sliding sink; needs relative positions)"
+    )
+    generate.add_argument(
+        "--context-policy",
+        help="how a chunk becomes context: rolling (a clean pass, the default), recompute (Krea: rebuilt each chunk) "
+        "or last_step (StreamDiffusionV2: the last step's K/V, no clean pass)",
     )
     generate.add_argument(
         "--elastic-window",
@@ -468,6 +474,7 @@ def _call_arguments(args: argparse.Namespace, image) -> dict:
         window_frames=args.window_frames,
         position_mode=args.position_mode,
         sink_mode=args.sink_mode,
+        context_policy=args.context_policy,
         elastic_window=args.elastic_window,
         context_window_frames=args.context_window_frames,
         kv_quantization=args.kv_quantization,

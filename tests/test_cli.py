@@ -98,6 +98,7 @@ def test_native_size_comes_from_the_pipeline_config_else_480x832(model_dir, tmp_
         (["--prompt", RED, "--steps", "1000,fast"], "expected comma-separated integers"),
         (["--prompt", RED, "--steps", "250,500"], "strictly decreasing"),
         (["--prompt", RED, "--position-mode", "sideways"], "--position-mode (`position_mode`) must be one of"),
+        (["--prompt", RED, "--context-policy", "clean"], "--context-policy (`context_policy`) must be one of"),
         (["--seconds", "1"], "Either --prompt (`prompt`) or --prompt-at (`prompt_schedule`) is required"),
         (["--prompt", RED, "--out", "video.gif"], "--out (`path`) must end in .mp4"),
         (["--prompt", RED, "--quality", "11"], "--quality: expected a number from 1 to 10, got '11'"),
@@ -232,3 +233,20 @@ def test_a_window_longer_than_the_video_runs_under_a_6_gb_address_space(tmp_path
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, preexec_fn=limit_address_space)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and out.exists()
+
+
+def test_context_policy_flag_reaches_the_stream(model_dir, tmp_path):
+    """`--context-policy last_step --denoising pipelined` is that call's video (the leaving chunk's writes
+    committed, no clean pass)."""
+    out = tmp_path / "last_step.mp4"
+    flags = ["--context-policy", "last_step", "--denoising", "pipelined", "--window-frames", "all"]
+    assert _generate(model_dir, out, "--prompt", RED, *flags, "--seconds", "1") == 0
+    rolling = tmp_path / "rolling.mp4"
+    assert _generate(model_dir, rolling, "--prompt", RED, *flags[2:], "--seconds", "1") == 0
+    assert not np.array_equal(_read(out), _read(rolling))  # the flag changed the video
+    pipe = KreaRealtimeVideoPipeline.from_pretrained(model_dir)
+    expected = tmp_path / "expected.mp4"
+    pipe.generate_to_file(expected, RED, fps=8, num_frames=len(_read(out)), height=16, width=16,
+                          generator=torch.Generator().manual_seed(0), context_policy="last_step",
+                          denoising="pipelined", window_frames="all")  # fmt: skip
+    np.testing.assert_array_equal(_read(out), _read(expected))
