@@ -48,6 +48,16 @@ ROWS = (
     ("self-forcing, pipelined", "self-forcing", {"denoising": "pipelined"}),
     ("causal-forcing-framewise, pipelined", "causal-forcing-framewise", {"denoising": "pipelined"}),
     (
+        "self-forcing, pipelined, last_step (no context pass)",
+        "self-forcing",
+        {"denoising": "pipelined", "context_policy": "last_step"},
+    ),
+    (
+        "rolling-sink, pipelined (window 30: its 18-frame source)",
+        "rolling-sink",
+        {"denoising": "pipelined", "window_frames": 30},
+    ),
+    (
         "Rolling Forcing's window (sink 3 + 18, relative, pipelined)",
         None,
         {"denoising": "pipelined", "sink_frames": 3, "window_frames": 18, "position_mode": "relative"},
