@@ -102,9 +102,10 @@ def _exact_pixels(golden: Golden, monkeypatch):
     return ((video[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).numpy()
 
 
-def _replay(golden: Golden, monkeypatch, **extra):
+def _replay(golden: Golden, monkeypatch, switch_at: int | None = None, **extra):
     """Our stream under the recipe on the golden's input: each chunk's latents and, after every chunk but the first,
-    each transformer block's eviction queue."""
+    each transformer block's eviction queue. `switch_at`: `switch_prompt` to the golden's prompt "b" before that
+    chunk."""
     pipe = _pipeline(golden)
     draws = _inject(golden, monkeypatch)
     video = _exact_pixels(golden, monkeypatch)
@@ -117,6 +118,8 @@ def _replay(golden: Golden, monkeypatch, **extra):
         chunks.append(chunk.float())
         if len(chunks) > 1 and isinstance(stream.caches[0][0], AdaptiveSinkLayer):
             queues.append([list(layer.queue) for layer in stream.caches[0]])
+        if len(chunks) == switch_at:
+            assert stream.switch_prompt(prompt_embeds=golden.text["b"]) == switch_at
     return stream, chunks, queues, draws
 
 
@@ -143,6 +146,24 @@ def test_the_recipe_matches_upstream_block_by_block(scenario, monkeypatch):
     assert max(errors) <= TOLERANCE, errors
     assert queues == golden.settings["evict_queues"]
     assert sum(refreshes) > 0  # the adaptive sink rewrote a sink frame in OUR run
+
+
+@torch.no_grad()
+def test_a_prompt_switch_matches_upstreams_switch_with_the_cache_kept(monkeypatch):
+    """`switch_prompt` before chunk 5 against the authors' loop switched as their `prepare()` does when it finds a
+    cache (the text K/V refilled, the self-attention cache and its sink kept; their demos restart the session
+    instead): every block within 1e-4, the eviction queues upstream's, and the chunks from 5 on differ from the
+    unswitched golden's (the switch is seen)."""
+    golden = load_golden(RECIPE, "prompt_switch")
+    switch = golden.settings["switch_block"]
+    stream, chunks, queues, draws = _replay(golden, monkeypatch, switch_at=switch)
+    errors = _errors(golden, chunks)
+    print(f"\n{RECIPE}/prompt_switch: max |ours - upstream| {max(errors):.1e}, floor {golden.floor:.1e}")
+    assert draws.exhausted
+    assert max(errors) <= TOLERANCE, errors
+    assert queues == golden.settings["evict_queues"]
+    unswitched = load_golden(RECIPE, "v2v").clean
+    assert min(float((a - b).abs().max()) for a, b in zip(chunks[switch:], unswitched[switch:])) > 100 * TOLERANCE
 
 
 @torch.no_grad()

@@ -22,7 +22,11 @@ Upstream: github.com/chenfengxu714/StreamDiffusionV2 at c5a0f20, `configs/wan_ca
 
 Scenarios: `plain` (noise_scale 1: the input's latents are multiplied by 0, pure noise in), `v2v` (a moving seeded
 input video at noise_scale 0.7; the adaptive sink refreshes), `stream_batch` (the same input through the stream
-batch). Stubs to run it on a CPU-only torch (nothing else is changed):
+batch), `prompt_switch` (`v2v` with prompt "b" from block 5 on). The drivers never change the prompt inside a stream
+(the demo restarts the session at a new prompt: `demo/vid2vid.py:551-568`, `inference_wo_batch.py:140-150`); the
+recording switches the way the authors' `prepare()` does when it finds a cache (`causal_stream_inference.py:139-158`):
+the text re-encoded into `conditional_dict` and every cross-attention cache marked `is_init = False`, the
+self-attention cache (and its adaptive sink) kept. Nothing else is changed. Stubs to run it on a CPU-only torch (nothing else is changed):
 - the model and text-encoder wrappers' `from_pretrained` / checkpoint reads: the tiny `CausalWanModel`, stored
   embeddings; `load_generator_state_dict` returns the tiny weights; `omegaconf` is not needed (the config is a plain
   attribute dict with the YAML's keys and the CLI's).
@@ -80,7 +84,7 @@ CONFIG = {
     "adapt_sink_threshold": 0.2, "t2v": False, "height": HEIGHT, "width": WIDTH, "profile": False,
     "use_taehv": False, "use_tensorrt": False, "target_fps": None, "fixed_noise_scale": False,
 }  # fmt: skip
-PROMPTS = {"a": 5}
+PROMPTS = {"a": 5, "b": 4}
 VAE_CONFIG = {
     "dim": 2, "z_dim": 16, "dim_mult": [1, 2, 4, 4], "num_res_blocks": 2, "attn_scales": [],
     "temperal_downsample": [False, True, True], "dropout": 0.0,
@@ -91,6 +95,8 @@ SCENARIOS = {
     "plain": {"driver": "wo_batch", "noise_scale": 1.0},
     "v2v": {"driver": "wo_batch", "noise_scale": 0.7},
     "stream_batch": {"driver": "stream_batch", "noise_scale": 0.7},
+    # prompt "b" from block 5 on (after the 6-frame window wrapped), the cache kept
+    "prompt_switch": {"driver": "wo_batch", "noise_scale": 0.7, "switch_block": 5},
 }
 
 
@@ -209,6 +215,8 @@ def run_scenario(up, weights, vae_weights, embeds, scenario: dict, tape: NoiseTa
     original = manager.pipeline.inference_wo_batch if scenario["driver"] == "wo_batch" else None
 
     def traced(*args, **kwargs):
+        if len(steps_fed) + 1 == scenario.get("switch_block"):  # block 0 ran in prepare(); this call makes block k
+            switch_prompt(manager.pipeline, "b")
         out = original(*args, **kwargs)
         steps_fed.append([int(t) for t in manager.pipeline.denoising_step_list])
         queues.append(sink_events(manager.pipeline))
@@ -228,6 +236,14 @@ def run_scenario(up, weights, vae_weights, embeds, scenario: dict, tape: NoiseTa
         "clean": clean, "timesteps": [float(t) for t in STEPS], "sigmas": table_sigmas(scheduler, STEPS),
         "steps_fed": steps_fed, "queues": queues, "video": video, "encoded": vae.encoded,
     }  # fmt: skip
+
+
+def switch_prompt(pipeline, prompt: str) -> None:
+    """`prepare()`'s own switch when a cache exists (`causal_stream_inference.py:139-158`): the new text encoded, the
+    cross-attention caches to be refilled, the self-attention cache kept."""
+    pipeline.conditional_dict = pipeline.text_encoder(text_prompts=[prompt])
+    for cache in pipeline.crossattn_cache:
+        cache["is_init"] = False
 
 
 def contextlib_nested(managers):
@@ -255,6 +271,8 @@ def record(upstream: Path, out: Path) -> None:
         fp64 = run_scenario(up, weights, vae_weights, embeds, scenario, NoiseTape(1, replay=tape.draws), torch.float64)
         floor = max_abs(fp32["clean"], fp64["clean"])
         tensors = {"text.a": embeds["a"], "video": fp32["video"]}
+        if "switch_block" in scenario:
+            tensors["text.b"] = embeds["b"]
         tensors |= {f"draw.{i}": draw for i, draw in enumerate(tape.draws)}
         tensors |= {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
         tensors |= {f"encoded.{i}": e for i, e in enumerate(fp32["encoded"])}  # (batch, channels, frames, h, w)
