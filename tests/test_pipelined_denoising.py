@@ -406,3 +406,16 @@ def test_a_video_shorter_than_the_window_checks_the_window_asked_for(pipe):
         ValueError, match=r"`window_frames`=3 must be larger than the 3 latent frames .* Pass window_frames=5"
     ):
         pipe.stream(PROMPT, _frames(pipe), window_frames=3, denoising="pipelined", **SIZE)
+
+
+@pytest.mark.parametrize("denoising", ["sequential", "pipelined"])
+def test_under_last_step_a_start_image_is_committed_by_its_context_pass(pipe, denoising):
+    """The image's chunk runs no denoising step, so its one write is a context pass, as under the rolling policy:
+    the first denoised chunk, which sees only the image and the chunks in flight with it, is the rolling policy's
+    bit for bit; the next one sees the last step's K/V of that chunk instead of its clean pass, and differs."""
+    image = np.random.default_rng(0).integers(0, 256, size=(16, 16, 3), dtype=np.uint8)
+    last_step = _run(pipe, image=image, denoising=denoising, context_policy="last_step")
+    rolling = _run(pipe, image=image, denoising=denoising)
+    for a, b in zip(last_step[:2], rolling[:2]):  # the image's chunk and the first denoised one
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert float((last_step[2] - rolling[2]).abs().max()) > 1e-3

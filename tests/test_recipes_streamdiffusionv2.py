@@ -655,11 +655,12 @@ def test_bad_streamdiffusionv2_options_are_refused_naming_the_argument(case):
         pipe.stream(**call)
 
 
-def test_a_start_image_needs_a_context_pass():
+def test_a_start_image_is_refused_by_the_adaptive_sink():
+    """Upstream has no image-to-video path, and the adaptive sink's queue is written once per denoised chunk."""
     golden = load_golden(RECIPE, "plain")
     pipe = _pipeline(golden)
     image = torch.rand(32, 48, 3).numpy()
-    with pytest.raises(ValueError, match=r"`context_policy='last_step'` commits .* `image`"):
+    with pytest.raises(ValueError, match=r"`adaptive_sink=True` .* got \['image'\]"):
         pipe.stream(num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], image=image, recipe=RECIPE)
 
 

@@ -396,7 +396,8 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         given = self._inputs.latents(index, chunk_frames) if reads_input else None
         if given is None and reads_input and self._inputs.is_video:
             return None  # the input ended: the output ends with it, at its last whole chunk
-        if given is not None and not self._inputs.is_video:
+        denoised = given is None or self._inputs.is_video
+        if not denoised:
             clean = given.to(pipe.transformer.dtype)  # the start image's chunk: clean context, nothing to denoise
         else:
             clean = self._denoised(index, given, pipelined, batched)
@@ -408,7 +409,7 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
             )
         if index == 0 and recompute:
             self._first_frame = clean[:, :, :1].clone()  # a copy: a view would keep the whole chunk alive
-        self._commit_context(clean, batched)
+        self._commit_context(clean, batched, denoised)
         keep = (
             self._context_frames() - 1
             if recompute
@@ -427,18 +428,19 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
             return self._pipelined_chunk(index)
         return self._denoise_chunk(given)
 
-    def _commit_context(self, clean: torch.Tensor, batched: bool) -> None:
+    def _commit_context(self, clean: torch.Tensor, batched: bool, denoised: bool = True) -> None:
         """Make the chunk's K/V the context of the next ones, by the request's policy: a clean context pass
         ("rolling"), the last step's writes ("last_step"; the stream batch commits each row's itself) or nothing
-        ("recompute": the next chunk rebuilds its context)."""
+        ("recompute": the next chunk rebuilds its context). A start image's chunk ran no step: under "last_step"
+        its context pass is the one write it gets."""
         request = self._request
-        if request.context_policy == "last_step":
+        if request.context_policy == "last_step" and denoised:
             # pipelined: the forward wrote every in-flight chunk; only the leaving (first) one is committed
             tokens = clean.shape[2] * request.layout.tokens_per_frame if request.denoising == "pipelined" else None
             if not batched:
                 for cache in self._caches:
                     cache.commit(tokens)
-        elif request.context_policy == "rolling":
+        elif request.context_policy in ("rolling", "last_step"):
             self._pipe.context_pass(clean, self._embeds, self._caches, request, timestep=request.context_noise)
 
     def _context_frames(self) -> int:

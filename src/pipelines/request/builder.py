@@ -223,7 +223,7 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
         step_mapping=_step_mapping(pipe, call),
     )
     _check_vae_needs(pipe, call, checked)
-    _check_last_step_and_adaptive_sink(call, options, geometry, checked)
+    _check_adaptive_sink(call, options, geometry, checked)
     if denoising == "stream_batch":
         _check_stream_batch(pipe, call, options, schedule, guidance_scale, checked)
     if denoising == "pipelined":
@@ -336,16 +336,10 @@ def _step_mapping(pipe: RequestPipeline, call: VideoCall) -> StepMapping:
     return StepMapping(call.sigma_mapping, float(shift), bool(call.integer_timesteps))
 
 
-def _check_last_step_and_adaptive_sink(
+def _check_adaptive_sink(
     call: VideoCall, options: CacheOptions, geometry: VideoGeometry, checked: dict[str, Any]
 ) -> None:
-    """StreamDiffusionV2's options together: no context pass to commit a start image; the adaptive sink's one-frame
-    chunks, one queue (batch 1) and the same writes in every chunk."""
-    if checked["context_policy"] == "last_step" and call.image is not None:
-        raise ValueError(
-            "`context_policy='last_step'` commits what the denoising steps wrote, and `image` needs a context pass "
-            "to commit its chunk; use context_policy='rolling'."
-        )
+    """StreamDiffusionV2's adaptive sink: one-frame chunks, one queue (batch 1) and the same writes in every chunk."""
     if not getattr(options, "adaptive_sink", False):
         return
     conflicts = {

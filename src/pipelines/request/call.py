@@ -233,7 +233,8 @@ Args:
         `"rolling"` (commit each chunk's K/V once, from a clean context pass; the default), `"recompute"` (Krea:
         each chunk rebuilds its context from the last clean latents in one t = 0 pass) or `"last_step"`
         (StreamDiffusionV2, `models/wan/causal_stream_inference.py:298-348`: no context pass, every denoising step
-        writes the cache and the last step's K/V are what is committed; no start image, no pipelined denoising).
+        writes the cache and the last step's K/V are what is committed; under `denoising="pipelined"`, the leaving
+        chunk's writes of the forward it left in; a start image's chunk, which runs no step, by its context pass).
     first_chunk (`str`, *optional*):
         `"whole"` (every chunk alike; the default), `"remainder"` (the first chunk takes the leftover frames:
         LongSANA), `"frame"` (one latent frame: a start image's, with `image_mode="frame"`) or `"extra_frame"`
