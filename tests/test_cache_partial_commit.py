@@ -35,6 +35,7 @@ OPTIONS = {
     "int8": dict(quantization="int8"),
     "offload": dict(offload=True),
     "rolling_sink": dict(sink_mode="rolling", frame_tokens=1),  # the roll follows the committed tokens alone
+    "elastic_window": dict(elastic_window=True, frame_tokens=1),  # Rolling Forcing's view: a ring of 19 slots
 }
 
 
