@@ -174,8 +174,12 @@ def test_save_and_load_round_trip(tmp_path):
     for pipe in (loaded, again, original):
         pipe.set_progress_bar_config(disable=True)
     expected = generate(original, **kwargs)
-    assert_same(generate(loaded, **kwargs), expected)
-    assert_same(generate(again, **kwargs), expected)
+    # The loaded weights are bit for bit the originals, but safetensors may place one at an address that is not
+    # 64-byte aligned, and the CPU GEMM then sums in another order: 1.7e-6 measured in the prior's vision tower
+    # (transformers 5.24, safetensors 0.8), where the in-memory pipelines above agree bitwise.
+    np.testing.assert_allclose(generate(loaded, **kwargs), expected, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(generate(again, **kwargs), expected, rtol=0, atol=1e-5)
+    assert np.abs(generate(again, prompt="make it red", image=[reference_image(seed=8)]) - expected).max() > 1e-3
 
 
 class NoWork:
