@@ -640,7 +640,10 @@ BAD_CALLS = {
         dict(denoising="stream_batch", recipe=None, context_policy="last_step", num_frames=33),
         r"`denoising='stream_batch'`.*adaptive_sink=True.*got \['adaptive_sink=False'\]",
     ),
-    "stream batch, image": (dict(denoising="stream_batch", image=np.zeros((32, 48, 3))), r"`image` needs a context"),
+    "stream batch, image": (
+        dict(denoising="stream_batch", image=np.zeros((32, 48, 3))),
+        r"`adaptive_sink=True` .* got \['image'\]",
+    ),
     "stream batch, misspelt": (dict(denoising="batch"), r"`denoising` must be one of .*'stream_batch'"),
 }
 

@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from record_taehv_golden import load_key_shapes, seeded_frames, seeded_latents, seeded_state_dict  # noqa: E402
 
 DATA = Path(__file__).parent / "data" / "taehv"
-FLOOR = 2e-6  # chunked vs whole, fp32, in [0, 1] units: batching frames differently changes conv rounding
+FLOOR = 5e-6  # chunked vs whole, fp32, in [0, 1] units: batching frames differently changes conv rounding
+# (at most 1.9e-6 on one Intel machine, 2.8e-6 on an AMD EPYC: the CPU picks the convolution kernels)
 GOLDEN_TOLERANCE = 1e-4
 
 # Narrow variants (the published widths are 64 / 256-128-64-64) for the flags' code paths, fast on CPU.
