@@ -45,18 +45,22 @@ def _run(pipe, chunks: int = NUM_CHUNKS, **kwargs) -> list[torch.Tensor]:
     return list(pipe.stream(PROMPT, _frames(pipe, chunks), **arguments))
 
 
+def _visible(frame: int, committed: int) -> bool:
+    """Whether committed `frame` is seen by a write after `committed` frames: the sink, then the latest `window -
+    steps x chunk` frames (the window counts the in-flight chunks)."""
+    recent = WINDOW - len(STEPS) * CHUNK
+    return frame < min(SINK, committed) or max(SINK, committed - recent) <= frame < committed
+
+
 def _mask(committed: int, in_flight: int) -> torch.Tensor:
-    """`(frames, frames)` True = attend, over [committed frames; in-flight frames]."""
-    recent = WINDOW - len(STEPS) * CHUNK  # committed frames seen after the sink (the window counts the pending)
+    """`(frames, frames)` True = attend, over [committed frames; in-flight frames]: each committed chunk as its
+    context pass saw the cache, the in-flight frames what a write after all committed frames sees, and each other."""
     total = committed + in_flight
     mask = torch.zeros(total, total, dtype=torch.bool)
-    for start in range(0, committed, CHUNK):  # each committed chunk, as its context pass saw the cache
-        rows = slice(start, start + CHUNK)
-        mask[rows, : min(SINK, start)] = True
-        mask[rows, min(max(SINK, start - recent), start) : start + CHUNK] = True
-    rows = slice(committed, total)
-    mask[rows, : min(SINK, committed)] = True
-    mask[rows, min(max(SINK, committed - recent), committed) :] = True  # the latest committed and every in-flight
+    for start in [*range(0, committed, CHUNK), committed]:
+        rows = slice(start, start + CHUNK if start < committed else total)
+        mask[rows, [frame for frame in range(start) if _visible(frame, start)]] = True
+        mask[rows, rows] = True
     return mask
 
 
@@ -136,13 +140,6 @@ def _recompute_reference(pipe, window: int) -> list[torch.Tensor]:
         return _clean_prefix(context, mask)
 
     return _dense_loop(pipe, prefix_and_mask)
-
-
-def _visible(frame: int, committed: int) -> bool:
-    """Whether committed `frame` is seen by a write after `committed` frames: the sink, then the latest `window -
-    steps x chunk` frames (the window counts the in-flight chunks)."""
-    recent = WINDOW - len(STEPS) * CHUNK
-    return frame < min(SINK, committed) or max(SINK, committed - recent) <= frame < committed
 
 
 def _last_step_reference(pipe) -> list[torch.Tensor]:

@@ -559,8 +559,9 @@ class SlidingWindowLayer(CacheLayer):
         """Make the pending tokens permanent; with `num_tokens`, only the first ones (pipelined denoising under
         `context_policy="last_step"`: the leaving chunk's writes of a window's forward, the rest written again by
         the next update)."""
-        self._require_pending()
-        if num_tokens is not None:
+        if num_tokens is None:
+            self._require_pending()
+        else:
             self.check_partial_commit(num_tokens)
             self.pending_tokens = num_tokens
         if self.offload:  # home only changes now (resident storage was written in place by `update`)
