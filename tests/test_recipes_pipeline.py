@@ -210,7 +210,9 @@ def inject_upstream_noise(golden: Golden, monkeypatch) -> InjectedNoise:
     return noise
 
 
-CAUSAL_FORCING = ("chunkwise", "framewise", "framewise_2step", "framewise_1step")
+CAUSAL_FORCING = (
+    "chunkwise", "framewise", "framewise_2step", "framewise_1step", "switch_chunkwise", "switch_framewise_2step",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("scenario", CAUSAL_FORCING)
@@ -232,8 +234,37 @@ def test_causal_forcing_recipes_match_upstream(scenario, monkeypatch):
     assert list(request.step_plan.timesteps) == pytest.approx(golden.settings["timesteps"], abs=1e-3)
     if first is not None:
         assert list(request.first_step_plan.timesteps) == pytest.approx(first, abs=1e-3)
-    made = list(stream)
+    switch = golden.settings.get("switch")  # upstream has none: recorded as `switch_prompt` defines it
+    made = []
+    for index in range(stream.num_chunks):
+        if switch is not None and index == switch["before_block"]:
+            assert stream.switch_prompt(prompt_embeds=golden.text[switch["to"]]) == index
+        made.append(next(stream))
     errors = _errors(golden, made)
     print(f"\ncausal-forcing/{scenario} through the pipeline: max {max(errors):.1e}, floor {golden.floor:.1e}")
     assert noise.noise.exhausted
     assert max(errors) <= TOLERANCE, errors
+
+
+@torch.no_grad()
+def test_causal_forcing_switch_golden_sees_the_switch_and_the_recache(monkeypatch):
+    """Controls for `switch_chunkwise`: after the switch upstream's chunks differ from the unswitched video's, and a
+    stream that switched the text K/V without re-caching its context misses them (the re-cache is what matched)."""
+    golden = load_golden("causal-forcing", "switch_chunkwise")
+    switch = golden.settings["switch"]["before_block"]
+    plain = load_golden("causal-forcing", "chunkwise").clean
+    assert min(float((a - b).abs().max()) for a, b in zip(golden.clean[switch:], plain[switch:])) > 100 * TOLERANCE
+    pipe = krea_golden_pipeline(golden)
+    inject_upstream_noise(golden, monkeypatch)
+    monkeypatch.setattr(pipe, "recache", lambda *args, **kwargs: None)
+    stream = pipe.stream(
+        num_frames=pipe.latent_to_frames(21), prompt_embeds=golden.text["a"], output_type="latent",
+        recipe="causal-forcing",
+    )  # fmt: skip
+    made = []
+    for index in range(stream.num_chunks):
+        if index == switch:
+            stream.switch_prompt(prompt_embeds=golden.text["b"])
+        made.append(next(stream))
+    errors = _errors(golden, made)
+    assert max(errors[:switch]) <= TOLERANCE and min(errors[switch:]) > 10 * TOLERANCE, errors

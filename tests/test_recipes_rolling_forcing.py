@@ -83,6 +83,33 @@ def test_rolling_forcing_recipe_matches_upstream(scenario, monkeypatch):
 
 
 @torch.no_grad()
+def test_a_prompt_switch_matches_upstream_switched_alike(monkeypatch):
+    """`switch_prompt` before block 4 with 3 blocks in flight: the committed blocks after the anchor re-cached under
+    the new prompt, every later forward (the in-flight blocks' too) under it. The tree has no switch: its loop was
+    switched as `switch_prompt` defines it (`tools/_wan_upstream.py` `SwitchingGenerator`, the anchor kept).
+    Control: after the switch the blocks differ from the unswitched run's."""
+    golden = load_golden(RECIPE, "prompt_switch")
+    switch = golden.settings["switch"]["before_block"]
+    pipe = krea_golden_pipeline(golden)
+    noise = _inject(golden, monkeypatch)
+    stream = pipe.stream(
+        num_frames=pipe.latent_to_frames(golden.settings["latent_frames"]), prompt_embeds=golden.text["a"],
+        output_type="latent", recipe=RECIPE,
+    )  # fmt: skip
+    made = []
+    for index in range(stream.num_chunks):
+        if index == switch:
+            assert stream.switch_prompt(prompt_embeds=golden.text["b"]) == switch
+        made.append(next(stream))
+    errors = _errors(golden, torch.cat(made, dim=2))
+    print(f"\nrolling-forcing/prompt_switch: max |ours - upstream| {max(errors):.1e}, floor {golden.floor:.1e}")
+    assert noise.noise.exhausted
+    assert max(errors) <= TOLERANCE, errors
+    plain = load_golden(RECIPE, "plain").clean
+    assert min(float((a - b).abs().max()) for a, b in zip(golden.clean[switch:], plain[switch:])) > 100 * TOLERANCE
+
+
+@torch.no_grad()
 def test_the_goldens_see_both_views(monkeypatch):
     """Without the elastic window the emptying windows at the end differ; with a clean pass that sees the whole
     video (a span longer than it) the blocks after the anchor leaves upstream's 21 frames differ; the blocks before
@@ -193,8 +220,10 @@ GEOMETRIES = {  # sink, window, chunk (the most in flight), frame, elastic, span
 @pytest.mark.parametrize("seed", range(3))
 def test_the_views_follow_the_hand_written_rule_over_a_random_walk(geometry, seed):
     """Forwards of any whole-frame size up to the chunk, a context pass of part of it (inside
-    `RollingKVCache.context_pass()`), commit; sometimes an aborted forward (no commit): every update sees exactly
-    the reference view, every visible slot holding its own token, over enough chunks to wrap the ring 3 times."""
+    `RollingKVCache.context_pass()`), commit; sometimes an aborted forward (no commit), sometimes a rewind as deep as
+    a view reaches (a re-cache): every update sees exactly the reference view less what the ring no longer holds
+    (modelled slot by slot; it matters only after a rewind), every visible slot holding its own token, over enough
+    chunks to wrap the ring 3 times."""
     sink, window, chunk, frame, elastic, span = geometry
     rng = random.Random(seed)
     layer = SlidingWindowLayer(
@@ -202,24 +231,55 @@ def test_the_views_follow_the_hand_written_rule_over_a_random_walk(geometry, see
     )
     cache = RollingKVCache([layer])
     assert layer.ring_tokens == ring_length(window, chunk, frame, elastic, span)
-    committed = 0
+    committed, held = 0, {}  # held: slot -> the position last written to it (the ring, modelled by hand)
+
+    def slot(position: int) -> int:
+        return position if position < sink else sink + (position - sink) % layer.ring_tokens
+
+    def write(count: int) -> torch.Tensor:
+        held.update({slot(p): p for p in range(committed, committed + count)})
+        return _write(layer, committed, count)
+
+    def expected(pending: int, context: bool) -> list[int]:
+        view = reference_view(committed, pending, sink, window, chunk, elastic, span, context)
+        return [p for p in view if held.get(slot(p)) == p]
+
     while committed < sink + 3 * layer.ring_tokens:
         pending = frame * rng.randint(1, chunk // frame)
         for _ in range(rng.randint(1, 2)):  # the steps of one forward write the same slots
-            keys = _write(layer, committed, pending)
-            assert _seen(layer, keys) == reference_view(committed, pending, sink, window, chunk, elastic, span, False)
+            keys = write(pending)
+            assert _seen(layer, keys) == expected(pending, False)
         if rng.random() < 0.2:
             continue  # aborted: the next forward starts over at the same position
         kept = frame * rng.randint(1, pending // frame)
         if span is None or kept <= span:
             with cache.context_pass():
-                keys = _write(layer, committed, kept)
-                assert _seen(layer, keys) == reference_view(committed, kept, sink, window, chunk, elastic, span, True)
+                keys = write(kept)
+                assert _seen(layer, keys) == expected(kept, True)
         else:
-            keys = _write(layer, committed, kept)
+            keys = write(kept)
         layer.commit()
         committed += kept
         assert layer.committed_count == committed
+        if rng.random() < 0.15:  # a re-cache: back as far as any view reaches, then written again as the walk goes
+            reach = committed - max(sink, committed - (layer.ring_tokens - chunk))
+            with pytest.raises(ValueError, match="can be rewound"):
+                layer.rewind(reach + 1)
+            if reach:
+                rewound = rng.randint(1, reach)
+                layer.rewind(rewound)
+                committed -= rewound
+
+
+def test_the_recache_reaches_every_committed_frame_a_view_reads():
+    """A prompt switch re-caches what any later update may see: with 4 blocks in flight the window forward reads 6
+    committed frames, the clean pass up to 20 (the recipe's layout: sink 3, window 18, chunk 12, span 21)."""
+    layout = ChunkLayout(
+        1, chunk_frames=12, sink_frames=3, window_frames=18, elastic_window=True, context_window_frames=21
+    )  # fmt: skip
+    assert [layout.rewindable_frames(n) for n in (3, 12, 23, 40)] == [0, 9, 20, 20]
+    plain = ChunkLayout(1, chunk_frames=3, sink_frames=3, window_frames=9)
+    assert [plain.rewindable_frames(n) for n in (3, 6, 30)] == [0, 3, 6]
 
 
 def test_a_context_pass_ends_with_its_block_even_on_an_error():

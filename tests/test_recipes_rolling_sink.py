@@ -97,6 +97,33 @@ def test_rolling_sink_recipe_past_the_rope_table_matches_upstream(monkeypatch):
 
 
 @torch.no_grad()
+def test_a_prompt_switch_before_the_roll_matches_upstream_switched_alike(monkeypatch):
+    """`switch_prompt` before chunk 4, then on past the roll: the source frames the roll walks were re-cached under
+    the new prompt. The tree has no switch: its loop was switched as `switch_prompt` defines it (text K/V reset,
+    every committed block's clean pass re-run under the new prompt; `tools/_wan_upstream.py` `SwitchingGenerator`).
+    Control: after the switch the chunks differ from the unswitched run's."""
+    golden = load_golden(RECIPE, "prompt_switch")
+    switch = golden.settings["switch_before_block"]
+    pipe = _pipeline(golden)
+    noise = _inject(golden, monkeypatch)
+    stream = pipe.stream(
+        num_frames=pipe.latent_to_frames(3 * len(golden.clean)), prompt_embeds=golden.text["a"],
+        output_type="latent", recipe=RECIPE,
+    )  # fmt: skip
+    made = []
+    for index in range(stream.num_chunks):
+        if index == switch:
+            assert stream.switch_prompt(prompt_embeds=golden.text["b"]) == switch
+        made.append(next(stream))
+    errors = _errors(golden, made)
+    print(f"\nrolling-sink/prompt_switch through the stream: max {max(errors):.1e}, floor {golden.floor:.1e}")
+    assert noise.noise.exhausted
+    assert max(errors) <= TOLERANCE, errors
+    plain = load_golden(RECIPE, "plain").clean
+    assert min(float((a - b).abs().max()) for a, b in zip(golden.clean[switch:], plain[switch:])) > 100 * TOLERANCE
+
+
+@torch.no_grad()
 def test_the_plain_self_forcing_window_differs_from_upstream_once_it_rolls(monkeypatch):
     """The goldens see the roll: the same window without it (`sink_mode="fixed"`) matches the 7 chunks before the
     first roll and misses every chunk after it."""

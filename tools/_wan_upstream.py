@@ -384,3 +384,55 @@ def load_causal_tree(root: Path, patches: dict, memory_module: str, **extra_modu
         causal_inference=tree.module("pipeline.causal_inference"),
         **{name: tree.module(module) for name, module in extra_modules.items()},
     )
+
+
+class SwitchingGenerator(torch.nn.Module):
+    """A Self-Forcing-family tree's generator with a prompt switch the trees do not have, performed as rolldiff's
+    `switch_prompt` defines it (`recache="causal"`), through the authors' own forward and K/V cache only.
+
+    Before the first call of block `switch_start` (a token offset, `current_start`): the text K/V are reset (the
+    trees' own `crossattn_cache[i]["is_init"] = False`, as LongLive's interactive loop and the trees' `inference`
+    do for a new video) and every earlier block's clean context pass is called again under the new prompt, oldest
+    first, at its own `current_start` (the sink's blocks, `sink_tokens`, left as they are: rolldiff's re-cache never
+    rewrites the sink). The trees' cache takes a write at an earlier position in place
+    (`causal_model.py`: `local_end_index = local_end + current_end - global_end`, then `global_end_index` set to
+    `current_end`), so this is the chunk-by-chunk re-cache, each block seeing its past as the next block will.
+    From then on every call runs under the new prompt. Context passes are recognised by their timestep 0 (the
+    recorded configs' `context_noise: 0`); denoising steps never feed 0. Only for a switch while every committed
+    block is still in the buffer (nothing evicted yet): the re-runs rewrite every block, as rolldiff's re-cache
+    rewrites its whole visible window."""
+
+    def __init__(self, generator, new_conditional: dict, switch_start: int, sink_tokens: int = 0) -> None:
+        super().__init__()
+        self.generator, self.new_conditional, self.switch_start = generator, new_conditional, switch_start
+        self.sink_tokens = sink_tokens  # blocks starting before it are the sink: the re-cache leaves them
+        self.context_passes: dict[int, torch.Tensor] = {}  # current_start -> its last clean pass before the switch
+        self.switched = False
+
+    def forward(
+        self, *, noisy_image_or_video, conditional_dict, timestep, kv_cache, crossattn_cache, current_start, **extra
+    ):
+        """The tree's call, switched (`extra`: a tree's own keywords, e.g. Rolling Forcing's `updating_cache`)."""
+        call = dict(kv_cache=kv_cache, crossattn_cache=crossattn_cache, **extra)
+        if current_start < self.switch_start:
+            if bool((timestep == 0).all()):
+                self.context_passes[current_start] = noisy_image_or_video.clone()
+            return self.generator(
+                noisy_image_or_video=noisy_image_or_video, conditional_dict=conditional_dict, timestep=timestep,
+                current_start=current_start, **call,
+            )  # fmt: skip
+        if not self.switched:
+            self.switched = True
+            for block in crossattn_cache:
+                block["is_init"] = False
+            for start, clean in sorted(self.context_passes.items()):
+                if start >= self.sink_tokens:
+                    zeros = torch.zeros(clean.shape[:2], dtype=timestep.dtype)
+                    self.generator(
+                        noisy_image_or_video=clean, conditional_dict=self.new_conditional, timestep=zeros,
+                        current_start=start, **call,
+                    )  # fmt: skip
+        return self.generator(
+            noisy_image_or_video=noisy_image_or_video, conditional_dict=self.new_conditional, timestep=timestep,
+            current_start=current_start, **call,
+        )  # fmt: skip

@@ -57,6 +57,7 @@ from _wan_upstream import (
     TOKENS_PER_FRAME,
     WIDTH,
     NoiseTape,
+    SwitchingGenerator,
     causal_pipeline,
     kv_buffer_patches,
     load_causal_tree,
@@ -75,16 +76,18 @@ from safetensors.torch import save_file
 
 UPSTREAM = {"repo": "thu-ml/Causal-Forcing", "commit": "1fc7bbc19a503c1bce80ecef08158b20e702f386"}
 MODEL_KWARGS = {"local_attn_size": -1, "sink_size": 0}
-PROMPTS = {"a": 5}
+PROMPTS = {"a": 5, "b": 4}  # "a" is drawn first: adding "b" left "a" as it was
 FOUR_STEPS = [1000, 750, 500, 250]
-SCENARIOS = {  # name -> (recipe, chunk frames, latent frames, steps, first-chunk steps, start image)
-    "chunkwise": ("causal-forcing", 3, 21, FOUR_STEPS, None, False),
-    "framewise": ("causal-forcing-framewise", 1, 9, FOUR_STEPS, None, False),
-    "framewise_2step": ("causal-forcing-2step", 1, 9, [1000, 500], FOUR_STEPS, False),
-    "framewise_1step": ("causal-forcing-1step", 1, 9, [1000], FOUR_STEPS, False),
-    "i2v_framewise": ("causal-forcing-framewise", 1, 9, FOUR_STEPS, None, True),
-    "i2v_framewise_2step": ("causal-forcing-2step", 1, 9, [1000, 500], FOUR_STEPS, True),
-    "i2v_framewise_1step": ("causal-forcing-1step", 1, 9, [1000], FOUR_STEPS, True),
+SCENARIOS = {  # name -> (recipe, chunk frames, latent frames, steps, first-chunk steps, start image, switch block)
+    "chunkwise": ("causal-forcing", 3, 21, FOUR_STEPS, None, False, None),
+    "framewise": ("causal-forcing-framewise", 1, 9, FOUR_STEPS, None, False, None),
+    "framewise_2step": ("causal-forcing-2step", 1, 9, [1000, 500], FOUR_STEPS, False, None),
+    "framewise_1step": ("causal-forcing-1step", 1, 9, [1000], FOUR_STEPS, False, None),
+    "i2v_framewise": ("causal-forcing-framewise", 1, 9, FOUR_STEPS, None, True, None),
+    "i2v_framewise_2step": ("causal-forcing-2step", 1, 9, [1000, 500], FOUR_STEPS, True, None),
+    "i2v_framewise_1step": ("causal-forcing-1step", 1, 9, [1000], FOUR_STEPS, True, None),
+    "switch_chunkwise": ("causal-forcing", 3, 21, FOUR_STEPS, None, False, 3),
+    "switch_framewise_2step": ("causal-forcing-2step", 1, 9, [1000, 500], FOUR_STEPS, False, 4),
 }
 IMAGE_SEED = 4
 ENCODE_PATCH = (  # `encode_to_latent`'s cast to fp32 (the floor run is fp64)
@@ -141,8 +144,12 @@ def make_pipeline(up, weights, embeds, chunk_frames: int, steps, first_steps, dt
 
 def run_scenario(up, weights, embeds, scenario, tape: NoiseTape, dtype: torch.dtype, image=None) -> dict:
     """One scenario; `image`: `(vae_weights, uint8 picture)` for image-to-video (`initial_latent`), else None."""
-    _, chunk_frames, frames, steps, first_steps, _ = scenario
+    _, chunk_frames, frames, steps, first_steps, _, switch_block = scenario
     pipeline = make_pipeline(up, weights, embeds, chunk_frames, steps, first_steps, dtype)
+    if switch_block is not None:  # to prompt "b" before that block, as rolldiff's `switch_prompt` (no upstream path)
+        new = {"prompt_embeds": embeds["b"].to(dtype).clone()}
+        start = switch_block * chunk_frames * TOKENS_PER_FRAME
+        pipeline.generator = SwitchingGenerator(pipeline.generator, new, start)
     start = None if image is None else initial_latent(up, *image, dtype)
     denoised = frames - (0 if start is None else start.shape[1])  # --i2v: noise for num_output_frames - 1
     noise = tape.randn(1, denoised, TINY_MODEL["in_dim"], *LATENT_SIZE).to(dtype)
@@ -169,7 +176,7 @@ def record(upstream: Path, out: Path) -> None:
     save_file(vae_weights, out / "vae.safetensors")
     scenarios = {}
     for name, scenario in SCENARIOS.items():
-        recipe, chunk_frames, frames, steps, first_steps, with_image = scenario
+        recipe, chunk_frames, frames, steps, first_steps, with_image, switch_block = scenario
         extra: dict = {}
         given = (vae_weights, image) if with_image else None
 
@@ -181,14 +188,15 @@ def record(upstream: Path, out: Path) -> None:
         first_count = None if first_steps is None else len(first_steps)
         num_chunks = (frames - with_image) // chunk_frames  # the denoised blocks
         tensors = {"image": image} if with_image else None
-        recorded = record_scenario(
-            run, out, name, num_chunks, chunk_frames, {"a": embeds["a"]}, first_count, extra=tensors
-        )
+        texts = {key: embeds[key] for key in ("a",) + (() if switch_block is None else ("b",))}
+        recorded = record_scenario(run, out, name, num_chunks, chunk_frames, texts, first_count, extra=tensors)
         scenarios[name] = {
             "recipe": recipe, "num_chunks": num_chunks + with_image, "chunk_frames": chunk_frames,
             "latent_frames": frames, "image": with_image, "prompt": "a", "raw_steps": steps,
             "raw_first_chunk_steps": first_steps, **recorded, **extra,
         }  # fmt: skip
+        if switch_block is not None:
+            scenarios[name]["switch"] = {"before_block": switch_block, "to": "b", "recache": "causal"}
     statistics = upstream_vae(up, vae_weights, torch.float32)  # the wrapper's hard-coded latent mean / std
     meta = {
         "upstream": UPSTREAM,

@@ -67,6 +67,7 @@ from _wan_upstream import (
     TINY_MODEL,
     TOKENS_PER_FRAME,
     NoiseTape,
+    SwitchingGenerator,
     UpstreamTree,
     causal_pipeline,
     cpu_cuda_stubs,
@@ -91,8 +92,11 @@ UPSTREAM = {
 MODEL_KWARGS = {"local_attn_size": -1, "sink_size": 0}
 CHUNK_FRAMES = 3  # num_frame_per_block
 STEPS = [1000, 750, 500, 250]
-PROMPTS = {"a": 5}
-SCENARIOS = {"plain": 14, "short": 5}  # name -> blocks
+PROMPTS = {"a": 5, "b": 4}  # "a" is drawn first: adding "b" left "a" as it was
+SCENARIOS = {"plain": 14, "short": 5, "prompt_switch": 14}  # name -> blocks
+# name -> the block before which the prompt becomes "b" (the tree has none: `SwitchingGenerator` performs it as
+# rolldiff's `switch_prompt` does, the anchor kept; block 4 while all committed frames are still in the buffer)
+SWITCHES = {"prompt_switch": 4}
 
 
 def size_patches() -> dict:
@@ -140,13 +144,16 @@ def key_frames_log(causal_model: types.ModuleType):
         causal_model.attention = routed
 
 
-def run_scenario(up, weights, embeds, num_blocks: int, tape: NoiseTape, dtype: torch.dtype) -> dict:
+def run_scenario(up, weights, embeds, num_blocks: int, tape: NoiseTape, dtype: torch.dtype, switch=None) -> dict:
     generator = tiny_wrapper(up.wan_wrapper, up.causal_model, weights, dtype, timestep_shift=5.0, **MODEL_KWARGS)
     args = types.SimpleNamespace(
         denoising_step_list=STEPS, warp_denoising_step=True, num_frame_per_block=CHUNK_FRAMES,
         independent_first_frame=False, context_noise=0,
     )  # fmt: skip
     pipeline = causal_pipeline(up.rolling.CausalInferencePipeline, args, generator, embeds, dtype)
+    if switch is not None:
+        new, block_tokens = {"prompt_embeds": embeds["b"].to(dtype).clone()}, CHUNK_FRAMES * TOKENS_PER_FRAME
+        pipeline.generator = SwitchingGenerator(pipeline.generator, new, switch * block_tokens, block_tokens)
     noise = tape.randn(1, num_blocks * CHUNK_FRAMES, TINY_MODEL["in_dim"], *LATENT_SIZE).to(dtype)  # inference.py:164
     with (
         proxied_torch([up.rolling], tape, dtype),
@@ -199,12 +206,14 @@ def record(upstream: Path, out: Path) -> None:
     save_file(weights, out / "transformer.safetensors")
     scenarios = {}
     for name, num_blocks in SCENARIOS.items():
-        tape = NoiseTape(NOISE_SEED)
-        fp32 = run_scenario(up, weights, embeds, num_blocks, tape, torch.float32)
-        fp64 = run_scenario(up, weights, embeds, num_blocks, NoiseTape(NOISE_SEED, replay=tape.draws), torch.float64)
+        tape, switch = NoiseTape(NOISE_SEED), SWITCHES.get(name)
+        fp32 = run_scenario(up, weights, embeds, num_blocks, tape, torch.float32, switch)
+        replay = NoiseTape(NOISE_SEED, replay=tape.draws)
+        fp64 = run_scenario(up, weights, embeds, num_blocks, replay, torch.float64, switch)
         floor = max_abs(fp32["clean"], fp64["clean"])
         noise, order = pipelined_noise(tape, num_blocks)
-        tensors = {"text.a": embeds["a"]} | noise | {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
+        texts = {"text.a": embeds["a"]} | ({} if switch is None else {"text.b": embeds["b"]})
+        tensors = texts | noise | {f"clean.{i}": c for i, c in enumerate(fp32["clean"])}
         save_file({k: v.contiguous() for k, v in tensors.items()}, out / f"golden.{name}.safetensors")
         print(f"{name}: {num_blocks} blocks, floor (fp32 vs fp64) {floor:.3e}")
         scenarios[name] = {
@@ -212,6 +221,9 @@ def record(upstream: Path, out: Path) -> None:
             "prompt": "a", "raw_steps": STEPS, "timesteps": fp32["timesteps"], "sigmas": fp32["sigmas"],
             "noise_order": order, "floor": floor, "key_frames": fp32["key_frames"],
         }  # fmt: skip
+        if switch is not None:  # the re-cache's calls join the log: the key frames are the plain run's
+            del scenarios[name]["key_frames"]
+            scenarios[name]["switch"] = {"before_block": switch, "to": "b", "recache": "causal", "anchor": "kept"}
     meta = {
         "upstream": UPSTREAM,
         "recipe": "rolling-forcing",

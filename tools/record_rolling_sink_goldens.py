@@ -50,6 +50,7 @@ from _wan_upstream import (
     TINY_MODEL,
     TOKENS_PER_FRAME,
     NoiseTape,
+    SwitchingGenerator,
     causal_pipeline,
     kv_buffer_patches,
     load_causal_tree,
@@ -68,9 +69,14 @@ UPSTREAM = {"repo": "haodong2000/RollingSink", "commit": "d7fc0d9f1ebd2345256063
 MODEL_KWARGS = {"local_attn_size": -1, "sink_size": 0}  # CausalWanModel's defaults, as the released config keeps
 CHUNK_FRAMES = 3
 BUFFER_FRAMES = 21  # 32760 tokens / 1560 per frame: the buffer every layer rolls through
-PROMPTS = {"a": 5}
+PROMPTS = {"a": 5, "b": 4}  # "a" is drawn first: adding "b" left "a" as it was
 ROPE_TABLE_SHORT = 24  # our model's RoPE table in `past_rope_table`: above the window (21), below the run (60)
-SCENARIOS = {"plain": {"num_chunks": 14}, "past_rope_table": {"num_chunks": 20, "rope_max_seq_len": ROPE_TABLE_SHORT}}
+SCENARIOS = {
+    "plain": {"num_chunks": 14},
+    "past_rope_table": {"num_chunks": 20, "rope_max_seq_len": ROPE_TABLE_SHORT},
+    # to prompt "b" before block 4 (frame 12), then on past the roll (frame 21): the source frames re-cached under b
+    "prompt_switch": {"num_chunks": 14, "switch_before_block": 4},
+}
 
 
 def size_patches() -> dict:
@@ -112,8 +118,14 @@ def make_pipeline(up, weights, embeds, dtype: torch.dtype):
     return pipeline
 
 
-def run_scenario(up, weights, embeds, num_chunks: int, tape: NoiseTape, dtype: torch.dtype) -> dict:
+def run_scenario(up, weights, embeds, scenario: dict, tape: NoiseTape, dtype: torch.dtype) -> dict:
+    num_chunks, switch_block = scenario["num_chunks"], scenario.get("switch_before_block")
     pipeline = make_pipeline(up, weights, embeds, dtype)
+    if switch_block is not None:  # as rolldiff's `switch_prompt` (the tree has no switch)
+        new = {"prompt_embeds": embeds["b"].to(dtype).clone()}
+        pipeline.generator = SwitchingGenerator(
+            pipeline.generator, new, switch_block * CHUNK_FRAMES * TOKENS_PER_FRAME
+        )
     frames = num_chunks * CHUNK_FRAMES
     drawn = tape.randn(1, frames, TINY_MODEL["in_dim"], *LATENT_SIZE)
     noise = drawn[:, :CHUNK_FRAMES].repeat(1, num_chunks, 1, 1, 1)  # inference.py:165-170
@@ -142,12 +154,13 @@ def record(upstream: Path, out: Path) -> None:
     for name, scenario in SCENARIOS.items():
         rolls = {}
 
-        def run(tape, dtype, num_chunks=scenario["num_chunks"], rolls=rolls):
-            result = run_scenario(up, weights, embeds, num_chunks, tape, dtype)
+        def run(tape, dtype, scenario=scenario, rolls=rolls):
+            result = run_scenario(up, weights, embeds, scenario, tape, dtype)
             rolls[dtype] = result.pop("rolls")
             return result
 
-        recorded = record_scenario(run, out, name, scenario["num_chunks"], CHUNK_FRAMES, {"a": embeds["a"]})
+        texts = {key: embeds[key] for key in ("a", "b") if key == "a" or "switch_before_block" in scenario}
+        recorded = record_scenario(run, out, name, scenario["num_chunks"], CHUNK_FRAMES, texts)
         # upstream's own log of each roll (block 0): which source frames went where
         scenarios[name] = {**scenario, "prompt": "a", "upstream_rolls": rolls[torch.float32], **recorded}
     meta = {

@@ -173,8 +173,14 @@ class ChunkLayout:
         return [*sink, *range(min(self.window_start(chunk_start), chunk_start), end)]
 
     def rewindable_frames(self, committed_frames: int) -> int:
-        """Committed frames the next chunk sees after the sink: what a re-cache rewrites (never the sink)."""
-        return max(0, committed_frames - self.window_start(committed_frames))
+        """Committed frames after the sink that a later update may still see: what a re-cache rewrites (never the
+        sink). The next chunk's window, or more where a view reaches further back (`elastic_window`, a context
+        pass's `context_window_frames`: Rolling Forcing's clean pass reads up to 20 committed frames while a window
+        of 4 blocks in flight reads 6)."""
+        if self.unbounded or (not self.elastic_window and self.context_window_frames is None):
+            return max(0, committed_frames - self.window_start(committed_frames))
+        seen = ring_length(self.window_frames, self.chunk_frames, 1, self.elastic_window, self.context_window_frames)
+        return max(0, committed_frames - max(self.sink_frames, committed_frames - (seen - self.chunk_frames)))
 
     def frame_position(self, frame: int | torch.Tensor, chunk_start: int) -> int | torch.Tensor:
         """RoPE frame index of `frame` as seen from the chunk starting at `chunk_start`.

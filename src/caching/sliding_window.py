@@ -671,14 +671,19 @@ class SlidingWindowLayer(CacheLayer):
         super().check_rewind(num_tokens)
         if self.pending_tokens:
             raise RuntimeError("rewind() with a chunk pending; commit it first.")
-        rewindable = (
-            0 if self.chunk_tokens is None else self._committed_count - self._window_start(self._committed_count)
-        )
+        rewindable = 0 if self.chunk_tokens is None else self._committed_count - self._reach_start()
         if num_tokens > rewindable:
             raise ValueError(
                 f"`num_tokens`={num_tokens} exceeds the {max(rewindable, 0)} committed window tokens that can "
                 "be rewound (the sink and evicted tokens cannot)."
             )
+
+    def _reach_start(self) -> int:
+        """The oldest committed token after the sink that some later update may see: the next chunk's window, or
+        further back where a view reaches (the ring holds exactly those beside the largest chunk)."""
+        if not self.has_views:
+            return self._window_start(self._committed_count)
+        return max(self.sink_tokens, self._committed_count - (self.ring_tokens - self.chunk_tokens))
 
     def rewind(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` committed tokens so they can be written again (a re-cache).

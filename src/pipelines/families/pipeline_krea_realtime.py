@@ -264,8 +264,9 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             return
         recent = recent[:, :, recent.shape[2] - frames :]
         cache.rewind(frames * layout.tokens_per_frame)
-        for start in range(0, frames, layout.chunk_frames):
-            self.context_pass(recent[:, :, start : start + layout.chunk_frames], [embeds], [cache], request)
+        block = request.geometry.chunk_frames  # one chunk a pass, as made (pipelined: the layout's chunk is S of them)
+        for start in range((frames - 1) % block + 1 - block, frames, block):
+            self.context_pass(recent[:, :, max(0, start) : start + block], [embeds], [cache], request)
 
     def _longlive_recache(self, recent, embeds, cache: RollingKVCache, request: VideoRequest) -> None:
         """LongLive's pass, computed in a small scratch cache at the frames' own positions, then written in place
