@@ -116,7 +116,7 @@ RECIPES: dict[str, Recipe] = {
             "Causal Forcing's minute-long videos (checkpoint chunkwise/longvideo.pt; TencentARC/RollingForcing's loop): "
             "4 chunks in flight at staggered noise levels, one forward per chunk; the leaving chunk's clean pass writes "
             "its K/V seeing the last 21 frames, the anchor only while the video is that short. Upstream has no prompt "
-            "switch (a prompt_schedule runs our recache='causal', unproven) and no image-to-video (its --i2v path "
+            "switch (a prompt_schedule runs our recache='causal', proven on its loop switched alike) and no image-to-video (its --i2v path "
             "reads `current_start_frame` before assigning it, :141); videos shorter than 4 chunks differ (its filling "
             "windows redraw a block's noise, :215-219).",
         ),
