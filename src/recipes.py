@@ -86,13 +86,14 @@ RECIPES: dict[str, Recipe] = {
                 first_chunk="extra_frame",  # block 0 is 1 + 4 pixel frames: 2 latent frames (inference_wo_batch.py:257)
                 video_noise_mix="motion",  # noise*s + x*(1-s), s and the first step from the motion (inference.py:51-57)
                 normalize_input_latents=False,  # stream_encode(..., is_scale=False) (wan_wrapper.py:134-141)
+                image_mode="frame",  # ours (upstream has no image input): the image is the lone first pixel frame
             ),
             "Video-to-video in real time (`video=`, a file or a webcam iterator; `strength` is upstream's "
             "--noise_scale, 0.8 by default as upstream's): one latent frame a chunk after a first chunk of two, "
             "steps 700/500/400/200 with the first chosen by the input's motion, no context pass, and a 3-frame sink "
             "refreshed when a new frame stops resembling it. Text-to-video runs the same loop from noise with "
             "1000/750/500/250; upstream's t2v uses another config (chunks of 3, a 21-frame cache, no sink), so that "
-            "use is not proven. Upstream moves positions past frame 50 back to frame 5 (t_refresh, "
+            "use is not proven. image= (not upstream's) is the lone first pixel frame, committed by one t=0 pass. Upstream moves positions past frame 50 back to frame 5 (t_refresh, "
             "inference_wo_batch.py:314-316); ours keep counting (RoPE table of 1024 frames).",
         ),
         Recipe(

@@ -642,7 +642,7 @@ BAD_CALLS = {
     ),
     "stream batch, image": (
         dict(denoising="stream_batch", image=np.zeros((32, 48, 3))),
-        r"`adaptive_sink=True` .* got \['image'\]",
+        r"`denoising='stream_batch'` .* got \['a start image'\]",
     ),
     "stream batch, misspelt": (dict(denoising="batch"), r"`denoising` must be one of .*'stream_batch'"),
 }
@@ -658,13 +658,37 @@ def test_bad_streamdiffusionv2_options_are_refused_naming_the_argument(case):
         pipe.stream(**call)
 
 
-def test_a_start_image_is_refused_by_the_adaptive_sink():
-    """Upstream has no image-to-video path, and the adaptive sink's queue is written once per denoised chunk."""
-    golden = load_golden(RECIPE, "plain")
+@torch.no_grad()
+def test_image_to_video_matches_upstreams_pieces(monkeypatch):
+    """`image=` under the recipe: the image's latent frame committed by one t=0 pass into the fresh adaptive sink,
+    then 8 one-frame chunks from noise in 4 steps. Upstream has no image input: the golden is its own VAE encode,
+    model, adaptive-sink cache and `inference_wo_batch` put together so (tools/record_streamdiffusionv2_goldens.py
+    `run_i2v_scenario`). Every chunk within 1e-4 (the image's encoding too), the eviction queues upstream's after
+    every chunk (the image's one-frame write is decided too, against the unwritten sink, as upstream's rule does)."""
+    golden = load_golden(RECIPE, "i2v")
     pipe = _pipeline(golden)
-    image = torch.rand(32, 48, 3).numpy()
-    with pytest.raises(ValueError, match=r"`adaptive_sink=True` .* got \['image'\]"):
-        pipe.stream(num_frames=NUM_FRAMES, prompt_embeds=golden.text["a"], image=image, recipe=RECIPE)
+    draws = _inject(golden, monkeypatch)
+    image = golden.tensor("image").numpy()
+    stream = pipe.stream(
+        num_frames=1 + 4 * 8, prompt_embeds=golden.text["a"], image=image, output_type="latent", recipe=RECIPE
+    )
+    assert stream.request.geometry.first_chunk_frames == 1
+    chunks, queues = [], []
+    for chunk in stream:
+        chunks.append(chunk.float())
+        if len(chunks) > 1:
+            queues.append([list(layer.queue) for layer in stream.caches[0]])
+    errors = _errors(golden, chunks)
+    print(f"\n{RECIPE}/i2v: max |ours - upstream| {max(errors):.1e} (image {errors[0]:.1e}), floor {golden.floor:.1e}")
+    assert draws.exhausted
+    assert max(errors) <= TOLERANCE, errors
+    assert queues == golden.settings["evict_queues"]
+    _inject(golden, monkeypatch)  # the control: another picture, the same noise, and the video after it differs
+    other = pipe.stream(
+        num_frames=1 + 4 * 8, prompt_embeds=golden.text["a"], image=image[::-1].copy(), output_type="latent",
+        recipe=RECIPE,
+    )  # fmt: skip
+    assert min(_errors(golden, [chunk.float() for chunk in other])[1:]) > 100 * TOLERANCE
 
 
 # ----------------------------------------------------------------------------------------- resume, normalisation

@@ -97,7 +97,11 @@ SCENARIOS = {
     "stream_batch": {"driver": "stream_batch", "noise_scale": 0.7},
     # prompt "b" from block 5 on (after the 6-frame window wrapped), the cache kept
     "prompt_switch": {"driver": "wo_batch", "noise_scale": 0.7, "switch_block": 5},
+    # a start image (no upstream path): its latent frame written by one t=0 forward, then 8 one-frame blocks from noise
+    "i2v": {"driver": "i2v", "noise_scale": 1.0},
 }
+I2V_STEPS = [1000, 750, 500, 250]  # the recipe's text-to-video list (configs/wan_causal_dmd_t2v.yaml's)
+IMAGE_SEED = 5
 
 
 class Config(dict):
@@ -201,7 +205,56 @@ def sink_events(pipeline) -> list[list[int]]:
     return [list(block.self_attn.evict_idx[0]) for block in pipeline.generator.model.blocks]
 
 
+def start_image() -> torch.Tensor:
+    """A seeded `(height, width, 3)` uint8 picture at the output size."""
+    generator = torch.Generator().manual_seed(IMAGE_SEED)
+    return torch.randint(0, 256, (HEIGHT, WIDTH, 3), generator=generator, dtype=torch.uint8)
+
+
+def run_i2v_scenario(up, weights, vae_weights, embeds, tape: NoiseTape, dtype) -> dict:
+    """Image-to-video, which the tree does not have, done with its own pieces only: the image (`/ 127.5 - 1`, one
+    pixel frame) through the authors' `WanVAE_.encode` (unnormalised, as `stream_encode`) is block 0, written into the fresh adaptive-sink cache by ONE
+    forward at t=0 (`prepare()`'s set-up, `causal_stream_inference.py:139-158`, then its generator call with the
+    step list's t = 0 entry instead of a denoising loop); then 8 one-frame blocks from noise through
+    `inference_wo_batch` (`:298-348`) with the text-to-video steps 1000/750/500/250, each block's noise drawn
+    before it (as the drivers' `torch.randn_like` of the block's latents)."""
+    config = dict(CONFIG, denoising_step_list=I2V_STEPS + [0])
+    with mock.patch.dict(CONFIG, config):
+        _, manager, vae = build_manager(up, "wo_batch", weights, vae_weights, embeds, dtype)
+    pipeline, image = manager.pipeline, start_image()
+    pixels = (image.to(torch.float64) / 127.5 - 1.0).permute(2, 0, 1)[None, :, None].to(dtype)
+    # `stream_encode` takes 1 + 4 frames first; the model's own `encode` takes one (its first causal chunk), scale
+    # (0, 1) keeping the latents unnormalised as `stream_encode(is_scale=False)` does
+    encoded = vae.model.encode(pixels, (0.0, 1.0))
+    vae.encoded.append(encoded.clone())
+    latent = encoded.transpose(2, 1).contiguous()  # (1, 1, C, h, w)
+    frame = pipeline.frame_seq_length
+    queues, steps_fed, clean = [], [], [latent]
+    with proxied_torch([up.stream], tape, dtype):
+        pipeline.conditional_dict = pipeline.text_encoder(text_prompts=["a"])
+        pipeline._initialize_kv_cache(batch_size=1, dtype=dtype, device="cpu")
+        pipeline._initialize_crossattn_cache(batch_size=1, dtype=dtype, device="cpu")
+        pipeline.generator(
+            noisy_image_or_video=latent, conditional_dict=pipeline.conditional_dict,
+            timestep=torch.zeros(1, 1, dtype=torch.int64), kv_cache=pipeline.kv_cache1,
+            crossattn_cache=pipeline.crossattn_cache, current_start=torch.tensor([0]), current_end=torch.tensor([frame]),
+        )  # fmt: skip
+        for block in range(1, NUM_BLOCKS - 1):
+            noise = tape.randn(1, 1, TINY_MODEL["in_dim"], *LATENT_SIZE).to(dtype)
+            pred = pipeline.inference_wo_batch(noise, block * frame, (block + 1) * frame, I2V_STEPS[0])
+            clean.append(pred)
+            steps_fed.append([int(t) for t in pipeline.denoising_step_list])
+            queues.append(sink_events(pipeline))
+    return {
+        "clean": [to_diffusers_layout(block) for block in clean], "timesteps": [float(t) for t in I2V_STEPS],
+        "sigmas": table_sigmas(pipeline.scheduler, I2V_STEPS), "steps_fed": steps_fed, "queues": queues,
+        "image": image, "encoded": vae.encoded,
+    }  # fmt: skip
+
+
 def run_scenario(up, weights, vae_weights, embeds, scenario: dict, tape: NoiseTape, dtype) -> dict:
+    if scenario["driver"] == "i2v":
+        return run_i2v_scenario(up, weights, vae_weights, embeds, tape, dtype)
     module, manager, vae = build_manager(up, scenario["driver"], weights, vae_weights, embeds, dtype)
     pixels = 1 + 4 * (NUM_BLOCKS - 1)
     video = input_video(pixels).to(dtype)
@@ -270,7 +323,7 @@ def record(upstream: Path, out: Path) -> None:
         fp32 = run_scenario(up, weights, vae_weights, embeds, scenario, tape, torch.float32)
         fp64 = run_scenario(up, weights, vae_weights, embeds, scenario, NoiseTape(1, replay=tape.draws), torch.float64)
         floor = max_abs(fp32["clean"], fp64["clean"])
-        tensors = {"text.a": embeds["a"], "video": fp32["video"]}
+        tensors = {"text.a": embeds["a"]} | {k: fp32[k] for k in ("video", "image") if k in fp32}
         if "switch_block" in scenario:
             tensors["text.b"] = embeds["b"]
         tensors |= {f"draw.{i}": draw for i, draw in enumerate(tape.draws)}

@@ -139,7 +139,7 @@ def first_chunk_rule(call: VideoCall) -> str:
     if call.image_mode is None or call.image is None or call.image_mode == "chunk":
         rule = call.first_chunk or "whole"
         return check_choice("first_chunk", rule, FIRST_CHUNK_RULES)
-    if call.first_chunk not in (None, "frame"):
+    if call.first_chunk not in (None, "frame", "extra_frame"):  # extra_frame: the image is the lone first pixel frame
         raise ValueError(
             f"`image_mode='frame'` makes the first chunk one latent frame, but `first_chunk`={call.first_chunk!r} "
             "(given or set by the recipe) asks otherwise; pass first_chunk='frame' or image_mode='chunk'."
@@ -344,7 +344,6 @@ def _check_adaptive_sink(
         return
     conflicts = {
         "chunk_frames": geometry.chunk_frames != 1,
-        "image": call.image is not None,
         "first_chunk_steps": call.first_chunk_steps is not None,
         "denoising": checked["denoising"] == "pipelined",
         "batch": geometry.batch_size != 1,
@@ -353,7 +352,7 @@ def _check_adaptive_sink(
         raise ValueError(
             "`adaptive_sink=True` decides a refresh for one-frame chunks (upstream's `v.shape[1] <= frame_seqlen`), "
             "keeps one eviction queue per stream and pops it once per chunk's writes: it needs chunk_frames=1, "
-            "batch 1, no `image`, no `first_chunk_steps`, denoising='sequential' or 'stream_batch'; got "
+            "batch 1, no `first_chunk_steps`, denoising='sequential' or 'stream_batch'; got "
             f"{[name for name, conflict in conflicts.items() if conflict]} otherwise."
         )
 
@@ -376,6 +375,7 @@ def _check_stream_batch(
         f"guidance_scale={guidance_scale}": guidance_scale > 1.0,
         "a prompt switch (`prompt_schedule`)": len(schedule.entries) > 1,
         "`first_chunk_steps`": call.first_chunk_steps is not None,
+        "a start image": call.image is not None,  # its first chunk is committed, not denoised, and not copied per step
     }
     found = [name for name, conflict in conflicts.items() if conflict]
     if found:
@@ -383,7 +383,7 @@ def _check_stream_batch(
             "`denoising='stream_batch'` is StreamDiffusionV2's stream batch: one forward of a row per step, each row "
             "through its own copy of the adaptive-sink cache, committed as written. It needs a Krea-like pipeline, "
             "context_policy='last_step' and adaptive_sink=True (recipe='streamdiffusionv2'), guidance_scale=1, one "
-            f"prompt and no `first_chunk_steps`; got {found}. Pass denoising='sequential' otherwise."
+            f"prompt, no `first_chunk_steps` and no `image`; got {found}. Pass denoising='sequential' otherwise."
         )
 
 
