@@ -627,6 +627,10 @@ BAD_CALLS = {
     "mix without video": (dict(video_noise_mix="motion", recipe=None), r"`video_noise_mix` applies to `video="),
     "steps without video": (dict(video_denoising_steps=[700, 500], recipe=None), r"`video_denoising_steps` applies"),
     "normalize without input": (dict(normalize_input_latents=False, recipe=None), r"`normalize_input_latents`"),
+    "normalize an image": (
+        dict(normalize_input_latents=False, image=np.zeros((32, 48, 3)), num_frames=33),
+        r"`normalize_input_latents` applies to an input video .* a start image is frame 0",
+    ),
     "stream batch, context pass": (
         dict(denoising="stream_batch", context_policy="rolling"),
         r"`denoising='stream_batch'`.*context_policy='last_step'.*\"context_policy='rolling'\"",
@@ -717,6 +721,31 @@ def test_a_streamdiffusionv2_stream_resumes_exactly(monkeypatch):
     rest = list(resumed)
     assert len(rest) == 3
     for made, expected in zip(rest, whole[6:]):
+        torch.testing.assert_close(made, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("saved_after", [1, 5])  # right after the image's chunk; after the buffer filled
+@torch.no_grad()
+def test_an_image_to_video_stream_resumes_exactly(saved_after):
+    """An image-to-video stream saved after chunk `saved_after` and loaded into a fresh one (another seed: the state
+    carries the generator) gives the uninterrupted stream's chunks, bit for bit."""
+    golden = load_golden(RECIPE, "i2v")
+    pipe = _pipeline(golden)
+    image = golden.tensor("image").numpy()
+
+    def stream(seed: int = 3):
+        return pipe.stream(
+            num_frames=1 + 4 * 8, prompt_embeds=golden.text["a"], image=image, output_type="latent", recipe=RECIPE,
+            generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+
+    whole = [chunk.clone() for chunk in stream()]
+    first = stream()
+    for _ in range(saved_after):
+        next(first)
+    resumed = stream(seed=99)
+    resumed.load_state_dict(first.state_dict())
+    for made, expected in zip(list(resumed), whole[saved_after:], strict=True):
         torch.testing.assert_close(made, expected, atol=0, rtol=0)
 
 

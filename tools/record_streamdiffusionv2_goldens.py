@@ -223,8 +223,9 @@ def run_i2v_scenario(up, weights, vae_weights, embeds, tape: NoiseTape, dtype) -
         _, manager, vae = build_manager(up, "wo_batch", weights, vae_weights, embeds, dtype)
     pipeline, image = manager.pipeline, start_image()
     pixels = (image.to(torch.float64) / 127.5 - 1.0).permute(2, 0, 1)[None, :, None].to(dtype)
-    # `stream_encode` takes 1 + 4 frames first; the model's own `encode` takes one (its first causal chunk), scale
-    # (0, 1) keeping the latents unnormalised as `stream_encode(is_scale=False)` does
+    # `stream_encode` takes 1 + 4 frames first; the model's own `encode` takes one (its first causal chunk). Scale
+    # (0, 1): the tiny VAE's statistics are the identity here (`vae_diffusers_config`), so this is also the
+    # normalised latent rolldiff encodes a start image to (frame 0 of the output, in the decoder's space)
     encoded = vae.model.encode(pixels, (0.0, 1.0))
     vae.encoded.append(encoded.clone())
     latent = encoded.transpose(2, 1).contiguous()  # (1, 1, C, h, w)

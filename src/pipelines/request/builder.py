@@ -127,9 +127,10 @@ def check_input_options(call: VideoCall) -> None:
     for name in ("video_denoising_steps", "video_noise_mix"):
         if getattr(call, name) is not None and call.video is None:
             raise ValueError(f"`{name}` applies to `video=` (video-to-video) only; pass a `video` or drop it.")
-    if call.normalize_input_latents is not None and call.video is None and call.image is None:
+    if call.normalize_input_latents is not None and call.video is None:
         raise ValueError(
-            "`normalize_input_latents` applies to an encoded input (`video=` or `image=`) only; pass one or drop it."
+            "`normalize_input_latents` applies to an input video (`video=`) only (a start image is frame 0 of the "
+            "output: it is always encoded in the space the decoder reads); pass a `video` or drop it."
         )
 
 
@@ -219,7 +220,9 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
         video_noise_mix=check_choice(
             "video_noise_mix", call.video_noise_mix, VIDEO_NOISE_MIXES, hint="'motion': StreamDiffusionV2's"
         ),
-        normalize_input_latents=check_flag("normalize_input_latents", call.normalize_input_latents),
+        # a start image is frame 0 of the output: encoded in the space the decoder reads, whatever the recipe says
+        normalize_input_latents=check_flag("normalize_input_latents", call.normalize_input_latents)
+        or call.video is None,
         step_mapping=_step_mapping(pipe, call),
     )
     _check_vae_needs(pipe, call, checked)

@@ -276,7 +276,8 @@ Args:
         difference of a pixel frame from the one before, over 0.2, at most 1), and its first step is fed
         `int(1000 s) - 100` (`streamv2v/inference.py:51-57`).
     normalize_input_latents (`bool`, *optional*):
-        With `video` or `image`: `False` feeds the transformer the input's latents as the VAE encodes them,
-        without Wan's per-channel `(x - mean) / std` (StreamDiffusionV2's `stream_encode(..., is_scale=False)`,
-        `models/wan/wan_wrapper.py:134-141`; its decoder still denormalises). Defaults to `True`.
+        With `video`: `False` feeds the transformer the input's latents as the VAE encodes them, without Wan's
+        per-channel `(x - mean) / std` (StreamDiffusionV2's `stream_encode(..., is_scale=False)`,
+        `models/wan/wan_wrapper.py:134-141`; its decoder still denormalises). Defaults to `True`. A start image is
+        frame 0 of the output, so it is always normalised (the decoder's space), under any recipe.
 """
