@@ -629,7 +629,7 @@ BAD_CALLS = {
     "normalize without input": (dict(normalize_input_latents=False, recipe=None), r"`normalize_input_latents`"),
     "normalize an image": (
         dict(normalize_input_latents=False, image=np.zeros((32, 48, 3)), num_frames=33),
-        r"`normalize_input_latents` applies to an input video .* a start image is frame 0",
+        r"`normalize_input_latents` applies to an input video .*a start image is frame 0",
     ),
     "stream batch, context pass": (
         dict(denoising="stream_batch", context_policy="rolling"),
