@@ -335,6 +335,15 @@ def test_guidance_image_and_video_inputs_run_pipelined(pipe):
     from_video = _run(pipe, video=video, strength=0.7)  # 2 of 3 steps: 2 chunks in flight
     assert len(from_video) == NUM_CHUNKS
     assert len(_run(pipe, video=video, strength=0.7, context_policy="last_step")) == NUM_CHUNKS
+    # StreamDiffusionV2's mix: every input chunk mixed at `strength` runs all 3 steps, so 3 chunks are in flight
+    # (sized so before any forward: this once failed mid-video, the window sized for the strength-cut 2)
+    mixed = pipe.stream(
+        PROMPT, _frames(pipe), generator=_seed(), output_type="latent", denoising="pipelined", video=video,
+        strength=0.7, video_noise_mix="strength", **SIZE,
+    )  # fmt: skip
+    assert mixed.request.in_flight_frames == 3 * CHUNK
+    mixed_chunks = list(mixed)
+    assert len(mixed_chunks) == NUM_CHUNKS and not torch.allclose(mixed_chunks[0], from_video[0])
 
 
 @pytest.mark.parametrize("policy", POLICIES)
@@ -355,6 +364,10 @@ def test_cache_memory_is_flat_as_the_video_grows(pipe, policy):
         (dict(denoising="rolling"), "`denoising`"),
         (dict(denoising="pipelined", window_frames=3), "window_frames"),
         (dict(denoising="pipelined", first_chunk_steps=[1000, 750, 500, 250]), "first_chunk_steps"),
+        (
+            dict(denoising="pipelined", video=np.zeros((9, 16, 16, 3), np.uint8), video_noise_mix="motion"),
+            r"`video_noise_mix='motion'` .* one step list; pass video_noise_mix='strength'",
+        ),
         (
             dict(context_policy="recompute", denoising="pipelined", window_frames=10),
             "rebuilds 4 context frames .* at most the 3 latent frames",

@@ -621,7 +621,10 @@ BAD_CALLS = {
     "threshold": (dict(adaptive_sink_threshold=1.5), r"`adaptive_sink_threshold` must be a number in \[-1, 1\]"),
     "threshold kind": (dict(adaptive_sink_threshold="high"), r"`adaptive_sink_threshold`"),
     "flag": (dict(adaptive_sink="yes"), r"`adaptive_sink` must be True or False"),
-    "pipelined": (dict(denoising="pipelined"), r"`adaptive_sink=True`.*'stream_batch'; got \['denoising'\]"),
+    "pipelined with the motion mix": (
+        dict(denoising="pipelined", video=np.zeros((NUM_FRAMES, 32, 48, 3))),
+        r"`video_noise_mix='motion'`",
+    ),
     "extra frame alone": (dict(adaptive_sink=False), r"needs the adaptive sink"),
     "policy": (dict(context_policy="clean"), r"`context_policy` must be one of .*'last_step'"),
     "mix without video": (dict(video_noise_mix="motion", recipe=None), r"`video_noise_mix` applies to `video="),

@@ -18,6 +18,14 @@ Per forward (each denoising step, `update`), for one batch row, exactly as upstr
    so its later steps write the next slot of the queue and the following chunk's first step overwrites them.
 3. attention reads every filled slot (`:339-348`), the chunk's own included: no mask once full.
 
+Pipelined denoising (`policy.in_flight_frames`, rolldiff's: upstream pipelines by its stream batch instead): the chunks in
+flight live in a region after the written slots, `[filled, filled + n)` while the buffer fills, `[capacity,
+capacity + n)` once full, written by every forward outside a context pass with no decision and no queue move;
+attention reads the written slots and that region. `commit(num_tokens)` (`context_policy="last_step"`) then writes the
+leaving chunk as ONE write of a sequential layer whose every write pops (`forwards_per_chunk=1`): decided, and moved
+to the slot the queue picks. A context pass (`"rolling"`) writes its chunk that way itself. So the committed slots are
+always what a sequential layer fed each committed chunk once would hold.
+
 There is no context pass: what the steps wrote stays (the stream's `context_policy="last_step"`). Keys are stored
 after RoPE at their absolute positions (the model's `position_mode="absolute"`), as upstream compares them.
 
@@ -49,10 +57,12 @@ class AdaptiveSinkPolicy:
 
     threshold: float = 0.2
     forwards_per_chunk: int = 4
+    in_flight_frames: int = 0  # `denoising="pipelined"`: the latent frames in flight, in a region after the slots
 
     def __post_init__(self) -> None:
         check_number("adaptive_sink_threshold", self.threshold, -1, 1, hint="a cosine similarity; -1 never refreshes")
         check_int("forwards_per_chunk", self.forwards_per_chunk, 1)
+        check_int("in_flight_frames", self.in_flight_frames, 0, hint="0: not pipelined")
 
 
 class AdaptiveSinkLayer(SlidingWindowLayer):
@@ -80,10 +90,12 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         frame_tokens: int,
         policy: AdaptiveSinkPolicy,
     ) -> None:
-        super().__init__(sink_tokens, window_tokens, chunk_tokens)
-        self.frame_tokens = check_positive("frame_tokens", frame_tokens)
         if not isinstance(policy, AdaptiveSinkPolicy):
             raise TypeError(f"`policy` must be an AdaptiveSinkPolicy, got {type(policy).__name__}.")
+        in_flight = policy.in_flight_frames * check_positive("frame_tokens", frame_tokens)
+        object.__setattr__(self, "_in_flight_tokens", in_flight)  # read by `_set_chunk_tokens` below
+        super().__init__(sink_tokens, window_tokens, chunk_tokens)
+        self.frame_tokens = check_positive("frame_tokens", frame_tokens)
         if sink_tokens < frame_tokens or sink_tokens % frame_tokens or window_tokens % frame_tokens:
             raise ValueError(
                 f"The adaptive sink refreshes whole frames of {frame_tokens} tokens: `sink_tokens`={sink_tokens} and "
@@ -93,6 +105,21 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         self.is_compileable = False
         self._reset_queue()
 
+    def _set_chunk_tokens(self, chunk_tokens: int) -> None:
+        """The largest chunk, inside the window; pipelined, an update may be the in-flight region (every chunk in
+        flight), which may exceed the window: it lies after the slots."""
+        super()._set_chunk_tokens(chunk_tokens)
+        self.chunk_tokens = max(chunk_tokens, self._in_flight_tokens)
+
+    @property
+    def _in_flight_region(self) -> bool:
+        return self._in_flight_tokens > 0
+
+    @property
+    def buffer_tokens(self) -> int:
+        """The slots, and after them the in-flight region when pipelined."""
+        return self.capacity + self._in_flight_tokens
+
     def _reset_queue(self) -> None:
         self.queue: list[int] = []  # token ends of the slots to write next, front first (upstream's `evict_idx[0]`)
         self.steps_left = self.policy.forwards_per_chunk  # upstream's `kv_cache["current_step"]`
@@ -100,6 +127,7 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         self.written_end = 0  # the stream position after the last write (upstream's `global_end_index`)
         self.chunk_writes = 0  # writes since the last commit
         self.refreshes = 0  # sink slots rewritten by a newer frame since the last reset
+        self.in_flight_start = 0  # pipelined: the first slot of the in-flight region the last forward wrote
 
     # ----------------------------------------------------------------------------------------- the decision
     def _refresh_index(self, key: torch.Tensor, value: torch.Tensor) -> int | None:
@@ -108,7 +136,10 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         sink_frames = self.sink_tokens // self.frame_tokens
         similarities = []
         for new, stored in ((key, self.keys), (value, self.values)):
-            sink_mean = stored[:1, : self.sink_tokens].reshape(sink_frames, self.frame_tokens, -1).mean(1)
+            sink = stored[:1, : self.sink_tokens]
+            if self._in_flight_region and self.filled < self.sink_tokens:  # in-flight chunks sit in unwritten slots
+                sink = torch.cat([sink[:, : self.filled], torch.zeros_like(sink[:, self.filled :])], 1)
+            sink_mean = sink.reshape(sink_frames, self.frame_tokens, -1).mean(1)
             new_mean = new.reshape(1, self.frame_tokens, -1).mean(1)
             similarities.append(torch.cosine_similarity(sink_mean, new_mean, dim=-1))  # (sink_frames,)
         average = (similarities[0] + similarities[1]) / 2
@@ -146,12 +177,15 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
     # ----------------------------------------------------------------------------------------- the contract
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Decide, write the chunk `(1, tokens, heads, head_dim)` (keys after RoPE) where upstream writes it, and
-        return the whole buffers `(1, capacity, heads, head_dim)`; attention reads `visible_prefix` of them."""
+        return the whole buffers `(1, buffer_tokens, heads, head_dim)`; attention reads `visible_prefix` of them.
+        Pipelined, outside a context pass: the in-flight chunks, into their region (no decision)."""
         if key.ndim == 4 and key.shape[0] != 1:
             raise ValueError(
                 f"The adaptive sink keeps one eviction queue per stream and takes batch 1, got batch {key.shape[0]}; "
                 "run the rows as streams of their own."
             )
+        if self._in_flight_region and not self._context_pass:
+            return self._write_in_flight(key, value)
         if self.chunk_writes >= self.policy.forwards_per_chunk:
             raise RuntimeError(
                 f"The adaptive sink took {self.chunk_writes} writes since the last commit, its chunk's "
@@ -181,16 +215,61 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         self._stream_batch = 1
         return keys, values
 
-    def check_partial_commit(self, num_tokens: int) -> None:
-        raise TypeError(
-            "AdaptiveSinkLayer commits whole chunks: its eviction queue is popped once per chunk's writes."
-        )
+    def _write_in_flight(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunks in flight `(1, n, heads, head_dim)`, right after the written slots: no decision, no queue."""
+        check_key_value(key, value)
+        num_pending = key.shape[1]
+        self._check_chunk(num_pending)
+        if self.keys is None:
+            _, _, heads, head_dim = key.shape
+            self._allocate(1, heads, head_dim, key.dtype, key.device)
+        check_matches_buffer("key", key, self.keys, dtype=self.compute_dtype, device=self.slot_positions.device)
+        self.in_flight_start = min(self.filled, self.capacity)
+        slots = torch.add(self._offsets[:num_pending], self.in_flight_start, out=self._pending_slots[:num_pending])
+        keys, values = self.storage.write(slots, key, value)
+        self.pending_tokens, self._stream_batch = num_pending, 1
+        return keys, values
 
-    def commit(self) -> None:
+    def check_partial_commit(self, num_tokens: int) -> None:
+        if not self._in_flight_region:
+            raise TypeError(
+                "AdaptiveSinkLayer commits whole chunks: its eviction queue is popped once per chunk's writes "
+                "(pipelined denoising commits the leaving chunk of its in-flight region: `policy.pipelined`)."
+            )
+        super().check_partial_commit(num_tokens)
+        if num_tokens % self.frame_tokens or num_tokens > self.window_tokens:
+            raise ValueError(
+                f"`num_tokens`={num_tokens} must be whole frames of {self.frame_tokens} tokens, at most the window's "
+                f"{self.window_tokens}: the leaving chunk goes into the slots the queue picks."
+            )
+
+    def commit(self, num_tokens: int | None = None) -> None:
+        """Make the pending chunk permanent. `num_tokens` (pipelined): the leaving chunk, the first `num_tokens` of
+        the in-flight region, written as one write of a sequential layer (decided, into the slots the queue picks)."""
+        if num_tokens is not None:
+            self.check_partial_commit(num_tokens)
+            self._commit_leaving(num_tokens)
         self._require_pending()
         committed = self.committed_count + self.pending_tokens
         self.pending_tokens, self.chunk_writes = 0, 0
         self._set_counters(committed, committed)
+
+    def _commit_leaving(self, num_tokens: int) -> None:
+        start = self.in_flight_start
+        key = self.keys[:1, start : start + num_tokens].clone()  # the region may be written over below
+        value = self.values[:1, start : start + num_tokens].clone()
+        if num_tokens == self.frame_tokens:
+            refresh = self._refresh_index(key, value)
+            if refresh is not None:
+                self.queue.insert(0, (refresh + 1) * self.frame_tokens)
+        end = self._target_end(num_tokens)
+        offsets = self._offsets[:num_tokens]
+        slots = torch.add(offsets, end - num_tokens, out=self._pending_slots[:num_tokens])
+        positions = torch.add(offsets, self.committed_count, out=self._pending_positions[:num_tokens])
+        self.slot_positions.index_copy_(0, slots, positions)
+        self._mask[: self.filled].fill_(True)
+        self.storage.write(slots, key, value)
+        self.pending_tokens = num_tokens
 
     def reset(self) -> None:
         super().reset()
@@ -198,7 +277,10 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
 
     # ----------------------------------------------------------------------------------------- for attention
     def visible_prefix(self, num_pending: int) -> int | None:
-        """Attention reads slots `0 .. filled - 1`: the written prefix while filling, every slot once full."""
+        """Attention reads slots `0 .. filled - 1`: the written prefix while filling, every slot once full (pipelined,
+        outside a context pass: and the in-flight region right after them)."""
+        if self._in_flight_region and not self._context_pass:
+            return self.in_flight_start + num_pending
         return self.filled or None
 
     @property

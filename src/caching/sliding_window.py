@@ -223,8 +223,13 @@ class SlidingWindowLayer(CacheLayer):
         else:
             self._allocate(batch_size, num_heads, head_dim, dtype, device)
 
+    @property
+    def buffer_tokens(self) -> int:
+        """Slots the K/V buffers hold: the capacity (a subclass may keep a region of its own after it)."""
+        return self.capacity
+
     def _allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.storage.allocate((batch, self.capacity, heads, head_dim), self.chunk_tokens, dtype, device)
+        self.storage.allocate((batch, self.buffer_tokens, heads, head_dim), self.chunk_tokens, dtype, device)
         self.slot_positions = torch.full((self.capacity,), -1, dtype=torch.long, device=device)
         if self.rolling_sink is not None:
             self.rolling_sink.allocate(self.keys)

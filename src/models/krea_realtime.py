@@ -707,8 +707,11 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
             )
         if kv_cache is None:
             return
-        if grid_frames > layout.chunk_frames:
-            raise ValueError(f"A chunk of {grid_frames} frames exceeds `chunk_frames`={layout.chunk_frames}.")
+        # the layers may take more in one update than a chunk (the adaptive sink's pipelined in-flight region)
+        layer_tokens = getattr(kv_cache[0], "chunk_tokens", None) or 0 if len(kv_cache) else 0
+        largest = max(layout.chunk_frames, layer_tokens // layout.tokens_per_frame)
+        if grid_frames > largest:
+            raise ValueError(f"A chunk of {grid_frames} frames exceeds `chunk_frames`={largest}.")
         if layout.position_mode == "absolute" and not torch.compiler.is_compiling():
             self.check_frame_budget(self.committed_frames(kv_cache, layout) + grid_frames, layout)
 

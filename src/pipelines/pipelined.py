@@ -79,7 +79,12 @@ class PipelinedDenoising:
             if given is None:  # the input ended: nothing enters any more, the window empties
                 self._next_entering = request.num_chunks
                 return
-        sigma = None if given is None else self._schedule(plan, self._pipe.execution_device)[0].sigmas[0]
+        sigma = None
+        if given is not None:  # noised to its first sigma, or at the mix's own level (`video_noise_mix="strength"`)
+            if self._inputs.noise_mix is not None:
+                plan, sigma = self._inputs.noise_mix.plan_and_level(plan, request.step_mapping)
+            if sigma is None:
+                sigma = self._schedule(plan, self._pipe.execution_device)[0].sigmas[0]
         noisy = self._starting_latents(index, given, sigma)
         self._in_flight.append(InFlightChunk(index, noisy, 0))
         self._next_entering = index + 1

@@ -224,7 +224,10 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         options = request.options
         storage = {"quantization": options.kv_quantization, "offload": options.kv_offload}
         if options.adaptive_sink:  # upstream pops its queue once per `total_steps` writes: one chunk's
-            storage["adaptive_sink"] = AdaptiveSinkPolicy(options.adaptive_sink_threshold, request.writes_per_chunk)
+            in_flight = request.in_flight_frames if request.denoising == "pipelined" else 0
+            storage["adaptive_sink"] = AdaptiveSinkPolicy(
+                options.adaptive_sink_threshold, request.writes_per_chunk, in_flight_frames=in_flight
+            )
         return storage
 
     def transformer_step(

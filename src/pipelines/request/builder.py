@@ -230,7 +230,7 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
     if denoising == "stream_batch":
         _check_stream_batch(pipe, call, options, schedule, guidance_scale, checked)
     if denoising == "pipelined":
-        layout = _pipelined_layout(pipe, call, options, geometry, layout, len(step_plan.steps))
+        layout, checked["in_flight_frames"] = _pipelined_layout(pipe, call, options, geometry, layout, checked)
     check_recompute_fits(checked["context_policy"], layout, pipelined=denoising == "pipelined")
     conditioning = build_conditioning(  # last: an input file's reader opens here, after every other check
         call.image,
@@ -276,11 +276,12 @@ def _pipelined_layout(
     options: CacheOptions,
     geometry: VideoGeometry,
     layout: ChunkLayout,
-    num_steps: int,
-) -> ChunkLayout:
-    """The cache layout of `denoising="pipelined"`: its pending region holds every in-flight chunk (as many as
-    there are steps, fewer in a shorter video), all written and attended to in one forward. Strength cuts the
-    steps of a video-to-video chunk, and so the chunks in flight."""
+    checked: dict[str, Any],
+) -> tuple[ChunkLayout, int]:
+    """The cache layout of `denoising="pipelined"` and the latent frames in flight at most: its pending region holds
+    every in-flight chunk (as many as there are steps, fewer in a shorter video), all written and attended to in one
+    forward. Strength cuts the steps of a video-to-video chunk, and so the chunks in flight. The adaptive sink keeps
+    its layout: its in-flight region lies after its slots (`AdaptiveSinkPolicy.in_flight_frames`)."""
     if not getattr(pipe, "offers_pipelined_denoising", False):
         raise ValueError(
             f"`denoising='pipelined'` is offered by the Krea-like pipeline, not by {type(pipe).__name__}; "
@@ -291,13 +292,26 @@ def _pipelined_layout(
             "`first_chunk_steps` gives the first chunk more steps than the others, but `denoising='pipelined'` moves "
             "every in-flight chunk one step per forward; drop one of them."
         )
-    if geometry.first_chunk_frames != geometry.chunk_frames and call.image is None:
+    adaptive = getattr(options, "adaptive_sink", False)  # its in-flight region lies after its slots
+    if geometry.first_chunk_frames != geometry.chunk_frames and call.image is None and not adaptive:
         raise ValueError("`denoising='pipelined'` needs chunks of one size; give `num_frames` as whole chunks.")
-    if call.video is not None:
-        num_steps = strength_steps(num_steps, resolve_strength(call.strength))
+    num_steps = len(checked["step_plan"].steps)
+    if call.video is not None:  # the steps an input chunk runs (`VideoRequest.step_plan_for`)
+        mix = checked["video_noise_mix"]
+        if mix == "motion":
+            raise ValueError(
+                "`video_noise_mix='motion'` picks each input chunk's first step from its motion, but "
+                "`denoising='pipelined'` moves every chunk in flight along one step list; pass "
+                "video_noise_mix='strength' or 'sigma' (or, under recipe='streamdiffusionv2', its own pipelining: "
+                "denoising='stream_batch')."
+            )
+        num_steps = len((checked["video_step_plan"] or checked["step_plan"]).steps)
+        if mix == "sigma":
+            num_steps = strength_steps(num_steps, resolve_strength(call.strength))
     in_flight = min(num_steps, geometry.num_chunks) * geometry.chunk_frames
+    in_flight += max(0, geometry.first_chunk_frames - geometry.chunk_frames)  # StreamDiffusionV2's larger first one
     window = options.window_frames  # as asked: `layout`'s may be fitted to a short video
-    if window != ALL_FRAMES and window <= in_flight:
+    if window != ALL_FRAMES and window <= in_flight and not adaptive:
         chunks = in_flight // geometry.chunk_frames
         views = layout.elastic_window or layout.context_window_frames is not None  # a bounded window only
         unbounded = "" if views else ", or 'all'"
@@ -307,10 +321,12 @@ def _pipelined_layout(
             f"window counts them. Pass window_frames={in_flight + window - geometry.chunk_frames} to keep "
             f"the committed context of sequential denoising, {in_flight + 1} at least{unbounded}."
         )
+    if adaptive:
+        return layout, in_flight
     pending = dataclasses.replace(options, chunk_frames=in_flight)
     pipelined = pipe.make_layout(layout.tokens_per_frame, pending, geometry.num_latent_frames)
     pipe.transformer.check_frame_budget(geometry.num_latent_frames, pipelined)
-    return pipelined
+    return pipelined, in_flight
 
 
 def _check_vae_needs(pipe: RequestPipeline, call: VideoCall, checked: dict[str, Any]) -> None:
@@ -348,14 +364,13 @@ def _check_adaptive_sink(
     conflicts = {
         "chunk_frames": geometry.chunk_frames != 1,
         "first_chunk_steps": call.first_chunk_steps is not None,
-        "denoising": checked["denoising"] == "pipelined",
         "batch": geometry.batch_size != 1,
     }
     if any(conflicts.values()):
         raise ValueError(
             "`adaptive_sink=True` decides a refresh for one-frame chunks (upstream's `v.shape[1] <= frame_seqlen`), "
             "keeps one eviction queue per stream and pops it once per chunk's writes: it needs chunk_frames=1, "
-            "batch 1, no `first_chunk_steps`, denoising='sequential' or 'stream_batch'; got "
+            "batch 1 and no `first_chunk_steps`; got "
             f"{[name for name, conflict in conflicts.items() if conflict]} otherwise."
         )
 

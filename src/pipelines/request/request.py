@@ -154,6 +154,7 @@ class VideoRequest:
     video_noise_mix: str = "sigma"  # how an input chunk is noised: "sigma", "strength" or "motion" (StreamDiffusionV2)
     normalize_input_latents: bool = True  # False: input latents as the VAE encodes them (StreamDiffusionV2)
     step_mapping: StepMapping | None = None  # how steps map to sigmas, for a first step chosen at run time
+    in_flight_frames: int = 0  # pipelined: the latent frames in flight at most (one chunk per step)
 
     def step_plan_for(self, chunk: int) -> StepPlan:
         """The steps chunk `chunk` is denoised with: the first denoised chunk's own plan, if any (a start image's
@@ -175,7 +176,10 @@ class VideoRequest:
     @property
     def writes_per_chunk(self) -> int:
         """Cache writes of one denoised chunk: its steps, plus the context pass unless the last step's K/V are what
-        is committed (`context_policy="last_step"`). The same for every chunk (checked where it matters)."""
+        is committed (`context_policy="last_step"`); pipelined, one (its commit or its context pass). The same for every
+        chunk (checked where it matters)."""
+        if self.denoising == "pipelined":
+            return 1
         return len(self.step_plan_for(1).steps) + (self.context_policy != "last_step")
 
     @property

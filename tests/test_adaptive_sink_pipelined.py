@@ -1,0 +1,144 @@
+"""`denoising="pipelined"` with StreamDiffusionV2's adaptive sink (rolldiff's: upstream pipelines by its stream batch).
+
+The spec, on the layer: a pipelined `AdaptiveSinkLayer` (`in_flight_frames`) is a sequential one whose every write pops
+(`forwards_per_chunk=1`), fed each committed chunk ONCE, plus the in-flight chunks: every forward sees exactly that
+sequential layer's written slots followed by the window, and after every commit its slots, queue, fill and refreshes
+are that layer's. Checked over random walks of window forwards (1 to S chunks in flight), commits of the leaving chunk
+(`context_policy="last_step"`) and context passes (`"rolling"`), on random keys, so refreshes are frequent.
+
+On the model: with a threshold that never refreshes the adaptive sink is a fixed sink plus a FIFO ring, so a pipelined
+stream under the recipe equals the sliding-window pipelined stream with the same visible frames (sink 3, the latest 3
+committed frames, the window); with refreshes it does not (the control).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from recipe_goldens import load_golden
+from test_recipes_streamdiffusionv2 import RECIPE, _pipeline
+
+from rolldiff.caching import AdaptiveSinkLayer, AdaptiveSinkPolicy, RollingKVCache
+
+SINK, WINDOW, FRAME = 3, 3, 2  # frames of the recipe's geometry, 2 tokens a frame
+
+
+def _layers(threshold: float, in_flight: int) -> tuple[AdaptiveSinkLayer, AdaptiveSinkLayer]:
+    pipelined = AdaptiveSinkLayer(
+        SINK * FRAME, WINDOW * FRAME, 2 * FRAME, frame_tokens=FRAME,
+        policy=AdaptiveSinkPolicy(threshold, 1, in_flight_frames=in_flight),
+    )  # fmt: skip
+    sequential = AdaptiveSinkLayer(
+        SINK * FRAME, WINDOW * FRAME, 2 * FRAME, frame_tokens=FRAME, policy=AdaptiveSinkPolicy(threshold, 1)
+    )
+    return pipelined, sequential
+
+
+def _written(layer: AdaptiveSinkLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    if layer.keys is None:  # nothing written yet
+        return torch.zeros(1, 0, 1, 4), torch.zeros(1, 0, 1, 4)
+    return layer.keys[:, : layer.filled], layer.values[:, : layer.filled]
+
+
+@pytest.mark.parametrize("policy", ["last_step", "rolling"])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_pipelined_layer_is_a_sequential_one_plus_the_window(policy, seed):
+    rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
+    steps = 4
+    pipelined, sequential = _layers(threshold=0.2, in_flight=steps + 1)
+    cache = RollingKVCache([pipelined])
+    first = True
+    for _ in range(40):  # enough commits to fill the buffer and wrap its ring several times
+        chunk = 2 if first else 1  # StreamDiffusionV2's first chunk of two latent frames
+        frames = chunk + rng.randint(0, steps - 1)  # the leaving chunk and those still in flight behind it
+        for _ in range(rng.randint(1, 2)):  # a forward, or an aborted one and the next at the same place
+            key = torch.randn(1, frames * FRAME, 1, 4, generator=generator)
+            value = torch.randn(1, frames * FRAME, 1, 4, generator=generator)
+            keys, values = pipelined.update(key, value)
+            visible = pipelined.visible_prefix(key.shape[1])
+            held_keys, held_values = _written(sequential)
+            torch.testing.assert_close(keys[:, :visible], torch.cat([held_keys, key], 1), rtol=0, atol=0)
+            torch.testing.assert_close(values[:, :visible], torch.cat([held_values, value], 1), rtol=0, atol=0)
+        leaving = slice(0, chunk * FRAME)
+        if policy == "last_step":
+            cache.commit(chunk * FRAME)  # the leaving chunk's writes of the forward it left in
+        else:
+            key, value = torch.randn(2, 1, chunk * FRAME, 1, 4, generator=generator)  # its clean pass
+            with cache.context_pass():
+                pipelined.update(key, value)
+            cache.commit()
+        sequential.update(key[:, leaving], value[:, leaving])
+        sequential.commit()
+        first = False
+        assert (pipelined.queue, pipelined.filled, pipelined.refreshes) == (
+            sequential.queue, sequential.filled, sequential.refreshes,
+        )  # fmt: skip
+        assert pipelined.committed_count == sequential.committed_count
+        for mine, theirs in zip(_written(pipelined), _written(sequential)):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    assert sequential.refreshes > 0  # the walk exercised the decisions
+
+
+def test_the_pipelined_layer_refuses_what_it_cannot_commit():
+    pipelined, sequential = _layers(threshold=0.2, in_flight=5)
+    pipelined.update(torch.randn(1, 5 * FRAME, 1, 4), torch.randn(1, 5 * FRAME, 1, 4))
+    with pytest.raises(ValueError, match="whole frames"):
+        pipelined.commit(FRAME + 1)
+    with pytest.raises(ValueError, match="at most the window's"):
+        RollingKVCache([pipelined]).commit(4 * FRAME)
+    sequential.update(torch.randn(1, FRAME, 1, 4), torch.randn(1, FRAME, 1, 4))
+    with pytest.raises(TypeError, match="commits whole chunks"):
+        sequential.commit(FRAME)
+    with pytest.raises(ValueError, match="`in_flight_frames`"):
+        AdaptiveSinkPolicy(0.2, 1, in_flight_frames=-1)
+
+
+# ----------------------------------------------------------------------------------------- the model
+def _stream_latents(pipe, golden, **extra) -> list[torch.Tensor]:
+    call = dict(num_frames=1 + 4 * 12, prompt_embeds=golden.text["a"], output_type="latent", recipe=RECIPE)
+    stream = pipe.stream(**call, generator=torch.Generator().manual_seed(0), denoising="pipelined", **extra)
+    return [chunk.float() for chunk in stream], stream
+
+
+@torch.no_grad()
+def test_without_refreshes_a_pipelined_adaptive_sink_is_the_sliding_window():
+    """Threshold -1, the recipe's `context_policy="last_step"`: the sink keeps frames 0-2 and the ring holds the
+    latest 3 committed frames, exactly what a sliding window of 3 + the 4 in-flight frames shows a pipelined window;
+    the streams agree chunk by chunk. (Under "rolling" they part on purpose: the adaptive sink's context pass writes
+    its chunk into the ring, over the oldest of the 3, as a sequential one does; the layer walk above covers it.)"""
+    golden = load_golden(RECIPE, "plain")
+    pipe = _pipeline(golden)
+    common = dict(first_chunk="whole")
+    adaptive, stream = _stream_latents(pipe, golden, adaptive_sink_threshold=-1.0, **common)
+    assert stream.caches[0][0].buffer_tokens > stream.caches[0][0].capacity  # the in-flight region
+    sliding, _ = _stream_latents(pipe, golden, adaptive_sink=False, window_frames=3 + 4, **common)
+    errors = [float((a - b).abs().max()) for a, b in zip(adaptive, sliding, strict=True)]
+    assert max(errors) <= 1e-5, errors
+    refreshing, stream = _stream_latents(pipe, golden, adaptive_sink_threshold=0.99, **common)
+    assert sum(layer.refreshes for layer in stream.caches[0]) > 0
+    assert max(float((a - b).abs().max()) for a, b in zip(refreshing, sliding)) > 1e-3  # the control
+
+
+@torch.no_grad()
+def test_the_recipe_runs_pipelined_with_its_first_chunk_of_two_and_resumes_exactly():
+    """`recipe="streamdiffusionv2", denoising="pipelined"` keeps the recipe's first chunk of two latent frames; a
+    stream saved mid-window and loaded into a fresh one continues bit for bit; the cache is allocated once."""
+    golden = load_golden(RECIPE, "plain")
+    pipe = _pipeline(golden)
+    whole, stream = _stream_latents(pipe, golden, adaptive_sink_threshold=0.9)
+    assert [chunk.shape[2] for chunk in whole[:2]] == [2, 1]
+    assert stream.request.in_flight_frames == 5  # 4 chunks of 1, the first one frame larger
+    first = pipe.stream(
+        num_frames=1 + 4 * 12, prompt_embeds=golden.text["a"], output_type="latent", recipe=RECIPE,
+        denoising="pipelined", adaptive_sink_threshold=0.9, generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    head = [next(first).float() for _ in range(6)]
+    resumed = pipe.stream(
+        num_frames=1 + 4 * 12, prompt_embeds=golden.text["a"], output_type="latent", recipe=RECIPE,
+        denoising="pipelined", adaptive_sink_threshold=0.9, generator=torch.Generator().manual_seed(5),
+    )  # fmt: skip
+    resumed.load_state_dict(first.state_dict())
+    for made, expected in zip(head + [chunk.float() for chunk in resumed], whole, strict=True):
+        torch.testing.assert_close(made, expected, rtol=0, atol=0)
