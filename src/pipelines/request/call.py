@@ -257,7 +257,8 @@ Args:
         advancing one step; the cleanest leaves clean (context pass, commit) and a fresh noisy chunk enters, so a
         chunk costs one forward of a longer sequence instead of one forward per step. The in-flight chunks count in
         `window_frames` (attention sees the sink, the `window_frames - steps x chunk_frames` latest committed frames
-        and every in-flight chunk); not with `first_chunk_steps`. Krea-like pipelines. Or `"stream_batch"`
+        and every in-flight chunk; the adaptive sink keeps them in a region after its slots instead); not with
+        `first_chunk_steps` or `video_noise_mix="motion"`. Krea-like pipelines. Or `"stream_batch"`
         (StreamDiffusionV2's stream batch, chenfengxu714/StreamDiffusionV2 `streamv2v/inference.py:298-371`,
         `models/wan/causal_stream_inference.py:202-296`): the first chunk is denoised alone, its cache is then copied
         into one cache per step, and every later forward is a batch of one row per step, row r holding the chunk
