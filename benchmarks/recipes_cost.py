@@ -42,6 +42,7 @@ ROWS = (
     ("rolling-sink", "rolling-sink", {}),
     ("streamdiffusionv2 (from noise)", "streamdiffusionv2", {}),
     ("streamdiffusionv2, stream batch", "streamdiffusionv2", {"denoising": "stream_batch"}),
+    ("streamdiffusionv2, pipelined (in-flight region)", "streamdiffusionv2", {"denoising": "pipelined"}),
     ("rolling-forcing (pipelined, its two views)", "rolling-forcing", {}),
     # denoising="pipelined": every step's chunk in flight, one forward for all (the in-flight chunks count in the window)
     ("rolling, pipelined (sink 3 + window 15)", None, {"denoising": "pipelined", "window_frames": 15}),

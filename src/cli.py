@@ -74,6 +74,7 @@ FLAGS = {
     "image_mode": "--image-mode",
     "video": "--video",
     "strength": "--strength",
+    "video_noise_mix": "--video-noise-mix",
     "recipe": "--recipe",
     "overlap_decode": "--overlap-decode",
     "path": "--out",
@@ -316,6 +317,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --video: how much of each input chunk is regenerated, in (0, 1] (default 0.8)",
     )
     generate.add_argument(
+        "--video-noise-mix",
+        help="with --video: sigma (noised to the step --strength cuts at; the default), strength (noise*s + "
+        "input*(1-s), every step runs) or motion (StreamDiffusionV2's: s and the first step follow the input's "
+        "motion; its recipe's)",
+    )
+    generate.add_argument(
         "--quality",
         type=_quality,
         default=5.0,
@@ -483,6 +490,7 @@ def _call_arguments(args: argparse.Namespace, image) -> dict:
         image_mode=args.image_mode,
         video=None if args.video is None else str(args.video),
         strength=args.strength,
+        video_noise_mix=args.video_noise_mix,
         recipe=args.recipe,
         overlap_decode=args.overlap_decode,
     )

@@ -88,6 +88,7 @@ def test_image_to_video_resumes_to_the_uninterrupted_video(tmp_path, monkeypatch
         (["--strength", "0.5"], "strength"),
         (["--image-mode", "frame"], "--image-mode (`image_mode`) applies to"),
         (["--image-mode", "tile"], "--image-mode"),
+        (["--video-noise-mix", "strength"], "--video-noise-mix (`video_noise_mix`) applies to"),
     ],
 )
 def test_bad_conditioning_flags_exit_2_with_the_flag_named(tmp_path, capsys, extra, message):
@@ -137,6 +138,15 @@ def test_video_to_video_builds_its_stream_once(tmp_path, monkeypatch):
     monkeypatch.setattr(ChunkedVideoPipeline, "stream", counted)
     assert main([*BASE, "--video", str(source), "--strength", "0.5", "--out", str(tmp_path / "video.mp4")]) == 0
     assert built == [str(source)]
+    mixes = []
+    monkeypatch.setattr(
+        ChunkedVideoPipeline,
+        "stream",
+        lambda self, *a, **k: mixes.append(k.get("video_noise_mix")) or real_stream(self, *a, **k),
+    )
+    arguments = ["--video", str(source), "--video-noise-mix", "strength", "--out", str(tmp_path / "mixed.mp4")]
+    assert main([*BASE, *arguments]) == 0
+    assert mixes == ["strength"]
 
 
 def test_the_recipe_a_pipeline_folder_names_sets_the_length_of_an_image_to_video(tmp_path):
