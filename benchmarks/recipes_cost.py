@@ -47,7 +47,11 @@ ROWS = (
     # denoising="pipelined": every step's chunk in flight, one forward for all (the in-flight chunks count in the window)
     ("rolling, pipelined (sink 3 + window 15)", None, {"denoising": "pipelined", "window_frames": 15}),
     ("self-forcing, pipelined", "self-forcing", {"denoising": "pipelined"}),
+    ("causal-forcing, pipelined", "causal-forcing", {"denoising": "pipelined"}),
     ("causal-forcing-framewise, pipelined", "causal-forcing-framewise", {"denoising": "pipelined"}),
+    ("longlive, pipelined (window 21)", "longlive", {"denoising": "pipelined", "window_frames": 21}),
+    ("krea-realtime, pipelined (window 18)", "krea-realtime", {"denoising": "pipelined", "window_frames": 18}),
+    ("rolling-forcing, sequential (its views)", "rolling-forcing", {"denoising": "sequential"}),
     (
         "self-forcing, pipelined, last_step (no context pass)",
         "self-forcing",

@@ -211,7 +211,8 @@ def inject_upstream_noise(golden: Golden, monkeypatch) -> InjectedNoise:
 
 
 CAUSAL_FORCING = (
-    "chunkwise", "framewise", "framewise_2step", "framewise_1step", "switch_chunkwise", "switch_framewise_2step",
+    "chunkwise", "framewise", "framewise_2step", "framewise_1step",
+    "switch_chunkwise", "switch_framewise", "switch_framewise_2step", "switch_framewise_1step",
 )  # fmt: skip
 
 

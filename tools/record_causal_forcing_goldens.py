@@ -87,7 +87,9 @@ SCENARIOS = {  # name -> (recipe, chunk frames, latent frames, steps, first-chun
     "i2v_framewise_2step": ("causal-forcing-2step", 1, 9, [1000, 500], FOUR_STEPS, True, None),
     "i2v_framewise_1step": ("causal-forcing-1step", 1, 9, [1000], FOUR_STEPS, True, None),
     "switch_chunkwise": ("causal-forcing", 3, 21, FOUR_STEPS, None, False, 3),
+    "switch_framewise": ("causal-forcing-framewise", 1, 9, FOUR_STEPS, None, False, 4),
     "switch_framewise_2step": ("causal-forcing-2step", 1, 9, [1000, 500], FOUR_STEPS, False, 4),
+    "switch_framewise_1step": ("causal-forcing-1step", 1, 9, [1000], FOUR_STEPS, False, 4),
 }
 IMAGE_SEED = 4
 ENCODE_PATCH = (  # `encode_to_latent`'s cast to fp32 (the floor run is fp64)
