@@ -142,3 +142,20 @@ def test_the_recipe_runs_pipelined_with_its_first_chunk_of_two_and_resumes_exact
     resumed.load_state_dict(first.state_dict())
     for made, expected in zip(head + [chunk.float() for chunk in resumed], whole, strict=True):
         torch.testing.assert_close(made, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["module.compile", "compile_cached_step"])
+def test_a_compiled_transformer_is_refused_before_any_work(how):
+    """The adaptive sink decides on the host at each write (eager only): with a compiled transformer the request is
+    refused naming the option, where fullgraph tracing would otherwise fail inside the first forward."""
+    from rolldiff.pipelines.acceleration import compile_cached_step
+
+    golden = load_golden(RECIPE, "plain")
+    pipe = _pipeline(golden)
+    if how == "module.compile":
+        pipe.transformer.compile(fullgraph=True, backend="eager")
+    else:
+        compile_cached_step(pipe.transformer, backend="eager")
+    for denoising in ("sequential", "pipelined"):
+        with pytest.raises(ValueError, match=r"`adaptive_sink=True` .* eager only"):
+            pipe.stream(num_frames=1 + 4 * 6, prompt_embeds=golden.text["a"], recipe=RECIPE, denoising=denoising)

@@ -261,6 +261,13 @@ def clone_outputs(out: Any) -> Any:
     return out
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """Whether `module` runs through `torch.compile`: `module.compile()`, `compile_cached_step` (CUDA graphs too)
+    or a `torch.compile(module)` wrapper."""
+    compiled_call = getattr(module, "_compiled_call_impl", None) is not None
+    return compiled_call or isinstance(module.forward, CompiledStep) or hasattr(module, "_orig_mod")
+
+
 def compile_cached_step(
     transformer: nn.Module, *, backend: Any = "inductor", mode: str | None = None, fullgraph: bool = True
 ) -> CompiledStep:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from ...caching.layout import ALL_FRAMES, ChunkLayout
 from ...checks import check_choice, check_flag, check_number
 from ...recipes import get_recipe
+from ..acceleration import is_compiled
 from .call import VideoCall
 from .conditioning import build_conditioning, resolve_strength, strength_steps
 from .prompt_schedule import PromptSchedule
@@ -227,6 +228,12 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
     )
     _check_vae_needs(pipe, call, checked)
     _check_adaptive_sink(call, options, geometry, checked)
+    if getattr(options, "adaptive_sink", False) and is_compiled(pipe.transformer):
+        raise ValueError(
+            "`adaptive_sink=True` decides each refresh on the host as its write happens (upstream's `.item()`): its "
+            "cache runs eager only, and this pipeline's transformer is compiled. Load it uncompiled (drop --compile "
+            "/ --cuda-graphs) or use a sliding-window recipe."
+        )
     if denoising == "stream_batch":
         _check_stream_batch(pipe, call, options, schedule, guidance_scale, checked)
     if denoising == "pipelined":
