@@ -394,9 +394,10 @@ class SwitchingGenerator(torch.nn.Module):
     trees' own `crossattn_cache[i]["is_init"] = False`, as LongLive's interactive loop and the trees' `inference`
     do for a new video) and every earlier block's clean context pass is called again under the new prompt, oldest
     first, at its own `current_start` (the sink's blocks, `sink_tokens`, left as they are: rolldiff's re-cache never
-    rewrites the sink). The trees' cache takes a write at an earlier position in place
-    (`causal_model.py`: `local_end_index = local_end + current_end - global_end`, then `global_end_index` set to
-    `current_end`), so this is the chunk-by-chunk re-cache, each block seeing its past as the next block will.
+    rewrites the sink). The trees' caches take a write at an earlier position in place (`causal_model.py`:
+    `local_end_index = local_end + current_end - global_end`, then `global_end_index` set to `current_end`; Rolling
+    Forcing's clean pass, `updating_cache=True`, writes there without moving its ends), so this is the chunk-by-chunk
+    re-cache, each block seeing its past as the next block will.
     From then on every call runs under the new prompt. Context passes are recognised by their timestep 0 (the
     recorded configs' `context_noise: 0`); denoising steps never feed 0. Only for a switch while every committed
     block is still in the buffer (nothing evicted yet): the re-runs rewrite every block, as rolldiff's re-cache
