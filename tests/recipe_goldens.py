@@ -127,3 +127,24 @@ def load_vae(recipe: str) -> AutoencoderKLWan:
     vae = AutoencoderKLWan(**load_meta(recipe)["vae_diffusers_config"])
     vae.load_state_dict(convert_wan_vae_to_diffusers(weights), strict=True)
     return vae.eval().requires_grad_(False)
+
+
+def switched_stream(pipe, golden: Golden, recipe: str, latent_frames: int, switch: int) -> list[torch.Tensor]:
+    """A switch golden replayed: the stream under `recipe` on prompt "a", `switch_prompt` to "b" before chunk
+    `switch` (it must apply there); every chunk's latents."""
+    stream = pipe.stream(
+        num_frames=pipe.latent_to_frames(latent_frames), prompt_embeds=golden.text["a"], output_type="latent",
+        recipe=recipe,
+    )  # fmt: skip
+    made = []
+    for index in range(stream.num_chunks):
+        if index == switch:
+            assert stream.switch_prompt(prompt_embeds=golden.text["b"]) == switch
+        made.append(next(stream))
+    return made
+
+
+def assert_switch_seen(golden: Golden, plain: Golden, switch: int, tolerance: float) -> None:
+    """The control of a switch golden: from the switch on, upstream's chunks are far from the unswitched run's."""
+    after = zip(golden.clean[switch:], plain.clean[switch:], strict=True)
+    assert min(float((a - b).abs().max()) for a, b in after) > 100 * tolerance

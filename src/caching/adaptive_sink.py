@@ -192,6 +192,14 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
                 f"`forwards_per_chunk`={self.policy.forwards_per_chunk}: an aborted chunk cannot be re-run (its steps "
                 "wrote in place, as upstream's); reset() the cache or load a saved state."
             )
+        num_pending = self._check_write(key, value)
+        keys, values = self._write_decided(key, value)
+        self.pending_tokens, self.chunk_writes = num_pending, self.chunk_writes + 1
+        self._stream_batch = 1
+        return keys, values
+
+    def _check_write(self, key: torch.Tensor, value: torch.Tensor) -> int:
+        """A write's checks (the buffers allocated at the first); its tokens."""
         check_key_value(key, value)
         num_pending = key.shape[1]
         self._check_chunk(num_pending)
@@ -199,31 +207,26 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
             _, _, heads, head_dim = key.shape
             self._allocate(1, heads, head_dim, key.dtype, key.device)
         check_matches_buffer("key", key, self.keys, dtype=self.compute_dtype, device=self.slot_positions.device)
-        refresh = None
+        return num_pending
+
+    def _write_decided(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One write as upstream's: decided (a one-frame chunk), into the slots the queue picks; the whole buffers."""
+        num_pending = key.shape[1]
         if num_pending == self.frame_tokens:
             refresh = self._refresh_index(key, value)
-        if refresh is not None:
-            self.queue.insert(0, (refresh + 1) * self.frame_tokens)
+            if refresh is not None:
+                self.queue.insert(0, (refresh + 1) * self.frame_tokens)
         end = self._target_end(num_pending)
         offsets = self._offsets[:num_pending]  # preallocated scratch: the step allocates nothing
         slots = torch.add(offsets, end - num_pending, out=self._pending_slots[:num_pending])
         positions = torch.add(offsets, self.committed_count, out=self._pending_positions[:num_pending])
         self.slot_positions.index_copy_(0, slots, positions)
         self._mask[: self.filled].fill_(True)
-        keys, values = self.storage.write(slots, key, value)
-        self.pending_tokens, self.chunk_writes = num_pending, self.chunk_writes + 1
-        self._stream_batch = 1
-        return keys, values
+        return self.storage.write(slots, key, value)
 
     def _write_in_flight(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunks in flight `(1, n, heads, head_dim)`, right after the written slots: no decision, no queue."""
-        check_key_value(key, value)
-        num_pending = key.shape[1]
-        self._check_chunk(num_pending)
-        if self.keys is None:
-            _, _, heads, head_dim = key.shape
-            self._allocate(1, heads, head_dim, key.dtype, key.device)
-        check_matches_buffer("key", key, self.keys, dtype=self.compute_dtype, device=self.slot_positions.device)
+        num_pending = self._check_write(key, value)
         self.in_flight_start = min(self.filled, self.capacity)
         slots = torch.add(self._offsets[:num_pending], self.in_flight_start, out=self._pending_slots[:num_pending])
         keys, values = self.storage.write(slots, key, value)
@@ -258,17 +261,7 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         start = self.in_flight_start
         key = self.keys[:1, start : start + num_tokens].clone()  # the region may be written over below
         value = self.values[:1, start : start + num_tokens].clone()
-        if num_tokens == self.frame_tokens:
-            refresh = self._refresh_index(key, value)
-            if refresh is not None:
-                self.queue.insert(0, (refresh + 1) * self.frame_tokens)
-        end = self._target_end(num_tokens)
-        offsets = self._offsets[:num_tokens]
-        slots = torch.add(offsets, end - num_tokens, out=self._pending_slots[:num_tokens])
-        positions = torch.add(offsets, self.committed_count, out=self._pending_positions[:num_tokens])
-        self.slot_positions.index_copy_(0, slots, positions)
-        self._mask[: self.filled].fill_(True)
-        self.storage.write(slots, key, value)
+        self._write_decided(key, value)
         self.pending_tokens = num_tokens
 
     def reset(self) -> None:
