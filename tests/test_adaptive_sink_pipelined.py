@@ -159,3 +159,28 @@ def test_a_compiled_transformer_is_refused_before_any_work(how):
     for denoising in ("sequential", "pipelined"):
         with pytest.raises(ValueError, match=r"`adaptive_sink=True` .* eager only"):
             pipe.stream(num_frames=1 + 4 * 6, prompt_embeds=golden.text["a"], recipe=RECIPE, denoising=denoising)
+
+
+@torch.no_grad()
+def test_guidance_a_prompt_switch_an_image_and_a_video_run_pipelined_with_the_adaptive_sink():
+    """The loop's other features under the recipe, pipelined: guidance (a cache per branch, each with its in-flight
+    region), a switch at a chunk boundary (the text K/V only, as the recipe's switch), a start image (its chunk
+    committed by its context pass, then in-flight chunks) and an input video under the strength mix."""
+    golden = load_golden(RECIPE, "plain")
+    pipe = _pipeline(golden)
+    call = dict(prompt_embeds=golden.text["a"], output_type="latent", recipe=RECIPE, denoising="pipelined")
+    guided = pipe.stream(
+        num_frames=1 + 4 * 8, negative_prompt_embeds=torch.zeros_like(golden.text["a"]), guidance_scale=3.0, **call
+    )
+    made = [next(guided) for _ in range(4)]
+    assert guided.switch_prompt(prompt_embeds=golden.text["a"] * 0.5) == 4
+    made += list(guided)
+    assert len(made) == guided.num_chunks and all(torch.isfinite(chunk).all() for chunk in made)
+    assert all(layer.buffer_tokens > layer.capacity for cache in guided.caches for layer in cache)
+    image = load_golden(RECIPE, "i2v").tensor("image").numpy()
+    from_image = list(pipe.stream(num_frames=1 + 4 * 8, image=image, **call))
+    assert [chunk.shape[2] for chunk in from_image[:2]] == [1, 1] and len(from_image) == 9
+    video = ((golden.tensor("video")[0].permute(1, 2, 3, 0) + 1) / 2).clamp(0, 1).numpy()
+    from_video = pipe.stream(num_frames=37, video=video, strength=0.7, video_noise_mix="strength", **call)
+    assert from_video.request.in_flight_frames == 5  # every step runs under the strength mix: 4 in flight + 1
+    assert len(list(from_video)) == 9  # a first chunk of two latent frames, then 8 of one
