@@ -364,6 +364,7 @@ def test_cache_memory_is_flat_as_the_video_grows(pipe, policy):
         (dict(denoising="rolling"), "`denoising`"),
         (dict(denoising="pipelined", window_frames=3), "window_frames"),
         (dict(denoising="pipelined", first_chunk_steps=[1000, 750, 500, 250]), "first_chunk_steps"),
+        (dict(denoising="pipelined", recipe="causal-forcing-2step"), "recipe='causal-forcing-2step' sets it"),
         (
             dict(denoising="pipelined", video=np.zeros((9, 16, 16, 3), np.uint8), video_noise_mix="motion"),
             r"`video_noise_mix='motion'` .* one step list; pass video_noise_mix='strength'",

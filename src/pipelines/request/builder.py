@@ -295,9 +295,11 @@ def _pipelined_layout(
             "use denoising='sequential'."
         )
     if call.first_chunk_steps is not None:
+        from_recipe = call.recipe is not None and get_recipe(call.recipe).settings.get("first_chunk_steps") is not None
+        source = f" (recipe={call.recipe!r} sets it: keep its denoising='sequential')" if from_recipe else ""
         raise ValueError(
             "`first_chunk_steps` gives the first chunk more steps than the others, but `denoising='pipelined'` moves "
-            "every in-flight chunk one step per forward; drop one of them."
+            f"every in-flight chunk one step per forward; drop one of them{source}."
         )
     adaptive = getattr(options, "adaptive_sink", False)  # its in-flight region lies after its slots
     if geometry.first_chunk_frames != geometry.chunk_frames and call.image is None and not adaptive:
