@@ -18,16 +18,17 @@ Per forward (each denoising step, `update`), for one batch row, exactly as upstr
    so its later steps write the next slot of the queue and the following chunk's first step overwrites them.
 3. attention reads every filled slot (`:339-348`), the chunk's own included: no mask once full.
 
-Pipelined denoising (`policy.in_flight_frames`, rolldiff's: upstream pipelines by its stream batch instead): the chunks in
-flight live in a region after the written slots, `[filled, filled + n)` while the buffer fills, `[capacity,
-capacity + n)` once full, written by every forward outside a context pass with no decision and no queue move;
-attention reads the written slots and that region. `commit(num_tokens)` (`context_policy="last_step"`) then writes the
-leaving chunk as ONE write of a sequential layer whose every write pops (`forwards_per_chunk=1`): decided, and moved
-to the slot the queue picks. A context pass (`"rolling"`) writes its chunk that way itself. So the committed slots are
-always what a sequential layer fed each committed chunk once would hold.
+Pipelined denoising (`policy.in_flight_frames`, rolldiff's: upstream pipelines by its stream batch instead): the
+chunks in flight live in a region after the written slots, `[filled, filled + n)` while the buffer fills,
+`[capacity, capacity + n)` once full, written by every forward outside a context pass with no decision and no queue
+move; attention reads the written slots and that region. `commit(num_tokens)` (`context_policy="last_step"`) then
+writes the leaving chunk as ONE write of a sequential layer whose every write pops (`forwards_per_chunk=1`):
+decided, and moved to the slot the queue picks. A context pass (`"rolling"`) writes its chunk that way itself. So
+the committed slots are always what a sequential layer fed each committed chunk once would hold.
 
-There is no context pass: what the steps wrote stays (the stream's `context_policy="last_step"`). Keys are stored
-after RoPE at their absolute positions (the model's `position_mode="absolute"`), as upstream compares them.
+Sequentially there is no context pass: what the steps wrote stays (the stream's `context_policy="last_step"`). Keys
+are stored after RoPE at their absolute positions (the model's `position_mode="absolute"`), as upstream compares
+them.
 
 The buffers are preallocated and written in place (`index_copy_` into slots; nothing is concatenated); the
 decisions are host-side (one read of the device per block and step, as upstream's `.item()`), so the layer is
