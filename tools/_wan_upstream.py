@@ -437,3 +437,16 @@ class SwitchingGenerator(torch.nn.Module):
             noisy_image_or_video=noisy_image_or_video, conditional_dict=self.new_conditional, timestep=timestep,
             current_start=current_start, **call,
         )  # fmt: skip
+
+
+def start_image(seed: int) -> torch.Tensor:
+    """A seeded `(height, width, 3)` uint8 picture at the output size (an image-to-video golden's start image)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (HEIGHT, WIDTH, 3), generator=generator, dtype=torch.uint8)
+
+
+def switch_before(pipeline, embeds, dtype: torch.dtype, block: int, chunk_frames: int, sink_blocks: int = 0) -> None:
+    """Wrap `pipeline.generator` so the video switches to prompt "b" before `block` (`SwitchingGenerator`), the first
+    `sink_blocks` blocks kept as the sink."""
+    new, block_tokens = {"prompt_embeds": embeds["b"].to(dtype).clone()}, chunk_frames * TOKENS_PER_FRAME
+    pipeline.generator = SwitchingGenerator(pipeline.generator, new, block * block_tokens, sink_blocks * block_tokens)

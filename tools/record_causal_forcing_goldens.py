@@ -51,13 +51,10 @@ from unittest import mock
 import torch
 from _wan_upstream import (
     DIFFUSERS_CONFIG,
-    HEIGHT,
     LATENT_SIZE,
     TINY_MODEL,
     TOKENS_PER_FRAME,
-    WIDTH,
     NoiseTape,
-    SwitchingGenerator,
     causal_pipeline,
     kv_buffer_patches,
     load_causal_tree,
@@ -65,6 +62,8 @@ from _wan_upstream import (
     randomize_,
     record_scenario,
     recorder_main,
+    start_image,
+    switch_before,
     table_sigmas,
     text_embeddings,
     tiny_weights,
@@ -119,12 +118,6 @@ def upstream_vae(up: types.SimpleNamespace, vae_weights: dict[str, torch.Tensor]
     return wrapper.to(dtype).eval().requires_grad_(False)
 
 
-def start_image() -> torch.Tensor:
-    """A seeded `(height, width, 3)` uint8 picture at the output size."""
-    generator = torch.Generator().manual_seed(IMAGE_SEED)
-    return torch.randint(0, 256, (HEIGHT, WIDTH, 3), generator=generator, dtype=torch.uint8)
-
-
 def initial_latent(up, vae_weights, image: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`inference.py --i2v`'s `initial_latent` (`:160-162`): the picture in [-1, 1] as `(1, 3, 1, H, W)` (its
     `ToTensor` + `Normalize([0.5], [0.5])`), through `encode_to_latent`: `(1, 1, C, h, w)`."""
@@ -149,9 +142,7 @@ def run_scenario(up, weights, embeds, scenario, tape: NoiseTape, dtype: torch.dt
     _, chunk_frames, frames, steps, first_steps, _, switch_block = scenario
     pipeline = make_pipeline(up, weights, embeds, chunk_frames, steps, first_steps, dtype)
     if switch_block is not None:  # to prompt "b" before that block, as rolldiff's `switch_prompt` (no upstream path)
-        new = {"prompt_embeds": embeds["b"].to(dtype).clone()}
-        start = switch_block * chunk_frames * TOKENS_PER_FRAME
-        pipeline.generator = SwitchingGenerator(pipeline.generator, new, start)
+        switch_before(pipeline, embeds, dtype, switch_block, chunk_frames)
     start = None if image is None else initial_latent(up, *image, dtype)
     denoised = frames - (0 if start is None else start.shape[1])  # --i2v: noise for num_output_frames - 1
     noise = tape.randn(1, denoised, TINY_MODEL["in_dim"], *LATENT_SIZE).to(dtype)
@@ -172,7 +163,7 @@ def record(upstream: Path, out: Path) -> None:
     weights = tiny_weights(up.causal_model, **MODEL_KWARGS)
     vae_weights = tiny_vae_weights(up)
     embeds = text_embeddings(PROMPTS)
-    image = start_image()
+    image = start_image(IMAGE_SEED)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, out / "transformer.safetensors")
     save_file(vae_weights, out / "vae.safetensors")

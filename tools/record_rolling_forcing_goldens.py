@@ -67,7 +67,6 @@ from _wan_upstream import (
     TINY_MODEL,
     TOKENS_PER_FRAME,
     NoiseTape,
-    SwitchingGenerator,
     UpstreamTree,
     causal_pipeline,
     cpu_cuda_stubs,
@@ -76,6 +75,7 @@ from _wan_upstream import (
     proxied_torch,
     recorder_main,
     route_attention,
+    switch_before,
     table_sigmas,
     text_embeddings,
     tiny_weights,
@@ -151,9 +151,8 @@ def run_scenario(up, weights, embeds, num_blocks: int, tape: NoiseTape, dtype: t
         independent_first_frame=False, context_noise=0,
     )  # fmt: skip
     pipeline = causal_pipeline(up.rolling.CausalInferencePipeline, args, generator, embeds, dtype)
-    if switch is not None:
-        new, block_tokens = {"prompt_embeds": embeds["b"].to(dtype).clone()}, CHUNK_FRAMES * TOKENS_PER_FRAME
-        pipeline.generator = SwitchingGenerator(pipeline.generator, new, switch * block_tokens, block_tokens)
+    if switch is not None:  # the anchor (block 0) is the sink
+        switch_before(pipeline, embeds, dtype, switch, CHUNK_FRAMES, sink_blocks=1)
     noise = tape.randn(1, num_blocks * CHUNK_FRAMES, TINY_MODEL["in_dim"], *LATENT_SIZE).to(dtype)  # inference.py:164
     with (
         proxied_torch([up.rolling], tape, dtype),

@@ -50,13 +50,13 @@ from _wan_upstream import (
     TINY_MODEL,
     TOKENS_PER_FRAME,
     NoiseTape,
-    SwitchingGenerator,
     causal_pipeline,
     kv_buffer_patches,
     load_causal_tree,
     proxied_torch,
     record_scenario,
     recorder_main,
+    switch_before,
     table_sigmas,
     text_embeddings,
     tiny_weights,
@@ -122,10 +122,7 @@ def run_scenario(up, weights, embeds, scenario: dict, tape: NoiseTape, dtype: to
     num_chunks, switch_block = scenario["num_chunks"], scenario.get("switch_before_block")
     pipeline = make_pipeline(up, weights, embeds, dtype)
     if switch_block is not None:  # as rolldiff's `switch_prompt` (the tree has no switch)
-        new = {"prompt_embeds": embeds["b"].to(dtype).clone()}
-        pipeline.generator = SwitchingGenerator(
-            pipeline.generator, new, switch_block * CHUNK_FRAMES * TOKENS_PER_FRAME
-        )
+        switch_before(pipeline, embeds, dtype, switch_block, CHUNK_FRAMES)
     frames = num_chunks * CHUNK_FRAMES
     drawn = tape.randn(1, frames, TINY_MODEL["in_dim"], *LATENT_SIZE)
     noise = drawn[:, :CHUNK_FRAMES].repeat(1, num_chunks, 1, 1, 1)  # inference.py:165-170

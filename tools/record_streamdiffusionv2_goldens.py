@@ -69,6 +69,7 @@ from _wan_upstream import (
     randomize_,
     recorder_main,
     sdpa_at_input_dtype,
+    start_image,
     table_sigmas,
     text_embeddings,
     tiny_weights,
@@ -205,12 +206,6 @@ def sink_events(pipeline) -> list[list[int]]:
     return [list(block.self_attn.evict_idx[0]) for block in pipeline.generator.model.blocks]
 
 
-def start_image() -> torch.Tensor:
-    """A seeded `(height, width, 3)` uint8 picture at the output size."""
-    generator = torch.Generator().manual_seed(IMAGE_SEED)
-    return torch.randint(0, 256, (HEIGHT, WIDTH, 3), generator=generator, dtype=torch.uint8)
-
-
 def run_i2v_scenario(up, weights, vae_weights, embeds, tape: NoiseTape, dtype) -> dict:
     """Image-to-video, which the tree does not have, done with its own pieces only: the image (`/ 127.5 - 1`, one
     pixel frame) through the authors' `WanVAE_.encode` (unnormalised, as `stream_encode`) is block 0, written into the fresh adaptive-sink cache by ONE
@@ -221,7 +216,7 @@ def run_i2v_scenario(up, weights, vae_weights, embeds, tape: NoiseTape, dtype) -
     config = dict(CONFIG, denoising_step_list=I2V_STEPS + [0])
     with mock.patch.dict(CONFIG, config):
         _, manager, vae = build_manager(up, "wo_batch", weights, vae_weights, embeds, dtype)
-    pipeline, image = manager.pipeline, start_image()
+    pipeline, image = manager.pipeline, start_image(IMAGE_SEED)
     pixels = (image.to(torch.float64) / 127.5 - 1.0).permute(2, 0, 1)[None, :, None].to(dtype)
     # `stream_encode` takes 1 + 4 frames first; the model's own `encode` takes one (its first causal chunk). Scale
     # (0, 1): the tiny VAE's statistics are the identity here (`vae_diffusers_config`), so this is also the

@@ -135,12 +135,11 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         """The sink frame the new one-frame chunk should replace (upstream's `argmin` when the lowest mean
         similarity is below the threshold), else None. Reads the sink slots as they are, zeros included."""
         sink_frames = self.sink_tokens // self.frame_tokens
+        written = self.filled // self.frame_tokens  # sink frames past it are unwritten: zeros, as upstream reads them
         similarities = []
         for new, stored in ((key, self.keys), (value, self.values)):
-            sink = stored[:1, : self.sink_tokens]
-            if self._in_flight_region and self.filled < self.sink_tokens:  # in-flight chunks sit in unwritten slots
-                sink = torch.cat([sink[:, : self.filled], torch.zeros_like(sink[:, self.filled :])], 1)
-            sink_mean = sink.reshape(sink_frames, self.frame_tokens, -1).mean(1)
+            sink_mean = stored[:1, : self.sink_tokens].reshape(sink_frames, self.frame_tokens, -1).mean(1)
+            sink_mean[written:] = 0.0  # (pipelined, the in-flight chunks sit in those slots)
             new_mean = new.reshape(1, self.frame_tokens, -1).mean(1)
             similarities.append(torch.cosine_similarity(sink_mean, new_mean, dim=-1))  # (sink_frames,)
         average = (similarities[0] + similarities[1]) / 2
@@ -238,7 +237,7 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         if not self._in_flight_region:
             raise TypeError(
                 "AdaptiveSinkLayer commits whole chunks: its eviction queue is popped once per chunk's writes "
-                "(pipelined denoising commits the leaving chunk of its in-flight region: `policy.pipelined`)."
+                "(pipelined denoising commits the leaving chunk of its in-flight region: `policy.in_flight_frames`)."
             )
         super().check_partial_commit(num_tokens)
         if num_tokens % self.frame_tokens or num_tokens > self.window_tokens:

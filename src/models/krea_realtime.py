@@ -708,7 +708,8 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         if kv_cache is None:
             return
         # the layers may take more in one update than a chunk (the adaptive sink's pipelined in-flight region)
-        layer_tokens = getattr(kv_cache[0], "chunk_tokens", None) or 0 if len(kv_cache) else 0
+        first_layer = kv_cache[0] if len(kv_cache) else None
+        layer_tokens = getattr(first_layer, "chunk_tokens", None) or 0
         largest = max(layout.chunk_frames, layer_tokens // layout.tokens_per_frame)
         if grid_frames > largest:
             raise ValueError(f"A chunk of {grid_frames} frames exceeds `chunk_frames`={largest}.")

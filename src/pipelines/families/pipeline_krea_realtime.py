@@ -224,9 +224,8 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         options = request.options
         storage = {"quantization": options.kv_quantization, "offload": options.kv_offload}
         if options.adaptive_sink:  # upstream pops its queue once per `total_steps` writes: one chunk's
-            in_flight = request.in_flight_frames if request.denoising == "pipelined" else 0
             storage["adaptive_sink"] = AdaptiveSinkPolicy(
-                options.adaptive_sink_threshold, request.writes_per_chunk, in_flight_frames=in_flight
+                options.adaptive_sink_threshold, request.writes_per_chunk, in_flight_frames=request.in_flight_frames
             )
         return storage
 
@@ -267,9 +266,11 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             return
         recent = recent[:, :, recent.shape[2] - frames :]
         cache.rewind(frames * layout.tokens_per_frame)
-        block = request.geometry.chunk_frames  # one chunk a pass, as made (pipelined: the layout's chunk is S of them)
-        for start in range((frames - 1) % block + 1 - block, frames, block):
-            self.context_pass(recent[:, :, max(0, start) : start + block], [embeds], [cache], request)
+        # one chunk a pass, as made (pipelined, the layout's chunk is all of them in flight): boundaries counted back
+        # from the newest, so a chunk only partly inside the window is re-run alone for that part
+        edges = sorted({0, *range(frames, 0, -request.geometry.chunk_frames)})
+        for start, end in zip(edges, edges[1:]):
+            self.context_pass(recent[:, :, start:end], [embeds], [cache], request)
 
     def _longlive_recache(self, recent, embeds, cache: RollingKVCache, request: VideoRequest) -> None:
         """LongLive's pass, computed in a small scratch cache at the frames' own positions, then written in place

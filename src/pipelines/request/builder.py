@@ -227,13 +227,7 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
         step_mapping=_step_mapping(pipe, call),
     )
     _check_vae_needs(pipe, call, checked)
-    _check_adaptive_sink(call, options, geometry, checked)
-    if getattr(options, "adaptive_sink", False) and is_compiled(pipe.transformer):
-        raise ValueError(
-            "`adaptive_sink=True` decides each refresh on the host as its write happens (upstream's `.item()`): its "
-            "cache runs eager only, and this pipeline's transformer is compiled. Load it uncompiled (drop --compile "
-            "/ --cuda-graphs) or use a sliding-window recipe."
-        )
+    _check_adaptive_sink(pipe, call, options, geometry)
     if denoising == "stream_batch":
         _check_stream_batch(pipe, call, options, schedule, guidance_scale, checked)
     if denoising == "pipelined":
@@ -365,11 +359,18 @@ def _step_mapping(pipe: RequestPipeline, call: VideoCall) -> StepMapping:
 
 
 def _check_adaptive_sink(
-    call: VideoCall, options: CacheOptions, geometry: VideoGeometry, checked: dict[str, Any]
+    pipe: RequestPipeline, call: VideoCall, options: CacheOptions, geometry: VideoGeometry
 ) -> None:
-    """StreamDiffusionV2's adaptive sink: one-frame chunks, one queue (batch 1) and the same writes in every chunk."""
+    """StreamDiffusionV2's adaptive sink: one-frame chunks, one queue (batch 1), the same writes in every chunk and
+    an eager transformer (its decisions are host reads)."""
     if not getattr(options, "adaptive_sink", False):
         return
+    if is_compiled(pipe.transformer):
+        raise ValueError(
+            "`adaptive_sink=True` decides each refresh on the host as its write happens (upstream's `.item()`): its "
+            "cache runs eager only, and this pipeline's transformer is compiled. Load it uncompiled (drop --compile "
+            "/ --cuda-graphs) or use a sliding-window recipe."
+        )
     conflicts = {
         "chunk_frames": geometry.chunk_frames != 1,
         "first_chunk_steps": call.first_chunk_steps is not None,
