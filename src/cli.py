@@ -24,6 +24,7 @@ import torch
 from . import __version__ as rolldiff_version
 from .caching.layout import ALL_FRAMES
 from .defaults import DTYPES, ModelNotFoundError, default_device, default_dtype, load_pipeline, native_size
+from .pipelines.acceleration import compile_cached_step
 from .pipelines.io.resume import ResumeError, load_state, state_path_for, write_video
 from .pipelines.io.video_writer import check_output_path, check_quality, count_frames, partial_path_for
 from .pipelines.request.builder import check_image_mode
@@ -437,8 +438,8 @@ def _accelerate(pipe, args: argparse.Namespace) -> None:
             if args.kv_offload:
                 raise ValueError("CUDA graphs need the cache's buffers on the GPU; drop --kv-offload")
             pipe.enable_cuda_graphs()
-        elif args.compile:  # one graph while the window fills, one once it is full; compiled at the first chunks
-            pipe.transformer.compile(fullgraph=True, backend=args.compile)
+        elif args.compile:  # one graph per window state (filling, full); compiled at the first chunks
+            compile_cached_step(pipe.transformer, backend=args.compile)
     except (ValueError, RuntimeError, ImportError) as exc:
         raise UsageError(f"{flag}: {exc}") from None
 

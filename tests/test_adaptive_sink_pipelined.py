@@ -58,6 +58,8 @@ def test_a_pipelined_layer_is_a_sequential_one_plus_the_window(policy, seed):
             value = torch.randn(1, frames * FRAME, 1, 4, generator=generator)
             keys, values = pipelined.update(key, value)
             visible = pipelined.visible_prefix(key.shape[1])
+            slots = torch.arange(pipelined.buffer_tokens)
+            assert torch.equal(pipelined.attention_mask, slots < visible)  # what a compiled step reads instead
             held_keys, held_values = _written(sequential)
             torch.testing.assert_close(keys[:, :visible], torch.cat([held_keys, key], 1), rtol=0, atol=0)
             torch.testing.assert_close(values[:, :visible], torch.cat([held_values, value], 1), rtol=0, atol=0)
@@ -144,10 +146,66 @@ def test_the_recipe_runs_pipelined_with_its_first_chunk_of_two_and_resumes_exact
         torch.testing.assert_close(made, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("how", ["module.compile", "compile_cached_step"])
-def test_a_compiled_transformer_is_refused_before_any_work(how):
-    """The adaptive sink decides on the host at each write (eager only): with a compiled transformer the request is
-    refused naming the option, where fullgraph tracing would otherwise fail inside the first forward."""
+def _compiled_cases(golden) -> dict[str, dict]:
+    """Streams whose forwards are all in-flight writes (text), or also decide one context pass each (a start image;
+    `context_policy="rolling"`: one per chunk), in one process (their layouts add graphs)."""
+    image = load_golden(RECIPE, "i2v").tensor("image").numpy()
+    text = dict(num_frames=1 + 4 * 8, prompt_embeds=golden.text["a"])
+    guided = dict(negative_prompt_embeds=torch.zeros_like(golden.text["a"]), guidance_scale=3.0)
+    return {
+        "text": text,
+        "guided": {**text, **guided},
+        "image": {**text, "image": image},
+        "rolling": {**text, "context_policy": "rolling"},
+    }
+
+
+@torch.no_grad()
+def test_a_compiled_step_runs_the_pipelined_recipe_fullgraph_with_a_bounded_number_of_graphs():
+    """`compile_cached_step` (fullgraph=True) under `denoising="pipelined"`: every in-flight forward runs the
+    compiled graph, which reads the fill from the device (graphs: the window's sizes and one `window_full` bool, none
+    added as the video grows); each forward that decides (a context pass) runs eager, counted. Every chunk equals the
+    eager stream's (same noise) within 1e-5, through refreshes (threshold 0.9)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from rolldiff.pipelines.acceleration import compile_cached_step
+
+    golden = load_golden(RECIPE, "plain")
+    pipe = _pipeline(golden)
+    cases = _compiled_cases(golden)
+    call = dict(output_type="latent", recipe=RECIPE, denoising="pipelined", adaptive_sink_threshold=0.9)
+
+    def run(case: dict) -> tuple[list[torch.Tensor], int]:
+        stream = pipe.stream(**case, **call, generator=torch.Generator().manual_seed(0))
+        chunks = [chunk.float() for chunk in stream]
+        return chunks, sum(layer.refreshes for cache in stream.caches for layer in cache)
+
+    eager = {name: run(case) for name, case in cases.items()}
+    counter = CompileCounter()
+    torch.compiler.reset()
+    try:
+        step = compile_cached_step(pipe.transformer, backend=counter)
+        graphs, eager_calls = {}, {}
+        for name, case in cases.items():
+            before = step.eager_calls
+            compiled, refreshes = run(case)
+            graphs[name], eager_calls[name] = counter.frame_count, step.eager_calls - before
+            assert refreshes == eager[name][1] > 0
+            for made, expected in zip(compiled, eager[name][0], strict=True):
+                torch.testing.assert_close(made, expected, rtol=1e-5, atol=1e-5)
+        longer, _ = run({**cases["text"], "num_frames": 1 + 4 * 24})  # the buffer wrapped several more times
+    finally:
+        torch.compiler.reset()
+    assert len(longer) == 24 and counter.frame_count == graphs["rolling"]  # no graph added by the length
+    assert graphs["guided"] == graphs["text"] <= 6  # window 2..5 frames while filling, 5 full, 1 at the end
+    assert graphs["image"] > 8  # past torch's default recompile limit: `compile_cached_step` raises it
+    assert eager_calls == {"text": 0, "guided": 0, "image": 1, "rolling": 8}  # the context passes only
+
+
+@pytest.mark.parametrize("how", ["module.compile", "sequential"])
+def test_a_compiled_transformer_that_cannot_run_a_decided_write_eager_is_refused_before_any_work(how):
+    """Sequentially every write decides on the host (upstream's `.item()`), and `module.compile()` has no eager
+    forward for the decided ones: refused naming the option, where fullgraph tracing would fail mid-forward."""
     from rolldiff.pipelines.acceleration import compile_cached_step
 
     golden = load_golden(RECIPE, "plain")
@@ -156,9 +214,9 @@ def test_a_compiled_transformer_is_refused_before_any_work(how):
         pipe.transformer.compile(fullgraph=True, backend="eager")
     else:
         compile_cached_step(pipe.transformer, backend="eager")
-    for denoising in ("sequential", "pipelined"):
-        with pytest.raises(ValueError, match=r"`adaptive_sink=True` .* eager only"):
-            pipe.stream(num_frames=1 + 4 * 6, prompt_embeds=golden.text["a"], recipe=RECIPE, denoising=denoising)
+    denoising = "pipelined" if how == "module.compile" else "sequential"
+    with pytest.raises(ValueError, match=r"`adaptive_sink=True` .* runs compiled only"):
+        pipe.stream(num_frames=1 + 4 * 6, prompt_embeds=golden.text["a"], recipe=RECIPE, denoising=denoising)
 
 
 @torch.no_grad()

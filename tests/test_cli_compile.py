@@ -48,3 +48,39 @@ def test_quantized_and_offloaded_kv_flags_generate(model_dir, tmp_path):
     args = ["generate", "--model", str(model_dir), "--out", str(out), "--kv-quantization", "int8", "--kv-offload"]
     assert main([*args, *ARGS]) == 0
     assert iio.imread(out, plugin="FFMPEG", index=None).shape[0] == 8
+
+
+def test_the_adaptive_sink_recipe_compiles_pipelined_and_is_refused_sequentially(
+    model_dir, tmp_path, monkeypatch, capsys
+):
+    """`--recipe streamdiffusionv2 --denoising pipelined --compile`: the in-flight forwards run the compiled graphs
+    (counted), the video is the eager one; sequentially every write decides on the host: a usage error."""
+    from torch._dynamo.testing import CompileCounter
+
+    import rolldiff.cli as cli
+
+    counter, steps = CompileCounter(), []
+
+    def counted(transformer, backend):
+        steps.append(cli.compile_cached_step.__wrapped__(transformer, backend=counter))
+        return steps[-1]
+
+    counted.__wrapped__ = cli.compile_cached_step
+    recipe = ["--recipe", "streamdiffusionv2", *ARGS, "--seconds", "2"]  # the later --seconds wins
+    plain, compiled = tmp_path / "plain.mp4", tmp_path / "compiled.mp4"
+    assert main(["generate", "--model", str(model_dir), "--out", str(plain), "--denoising", "pipelined", *recipe]) == 0
+    monkeypatch.setattr(cli, "compile_cached_step", counted)
+    torch._dynamo.reset()
+    try:
+        pipelined = ["--denoising", "pipelined", "--compile", "eager", *recipe]
+        assert main(["generate", "--model", str(model_dir), "--out", str(compiled), *pipelined]) == 0
+        graphs = counter.frame_count
+        sequential = main(
+            ["generate", "--model", str(model_dir), "--out", str(tmp_path / "s.mp4"), "--compile", "eager", *recipe]
+        )
+    finally:
+        torch._dynamo.reset()
+    assert 0 < graphs <= 6 and steps[0].eager_calls == 0  # text: every forward an in-flight one
+    np.testing.assert_array_equal(iio.imread(compiled, plugin="FFMPEG", index=None), iio.imread(plain, index=None))
+    assert sequential == 2 and not (tmp_path / "s.mp4").exists()
+    assert "compiled only under denoising='pipelined'" in capsys.readouterr().err

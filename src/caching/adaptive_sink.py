@@ -26,13 +26,20 @@ writes the leaving chunk as ONE write of a sequential layer whose every write po
 decided, and moved to the slot the queue picks. A context pass (`"rolling"`) writes its chunk that way itself. So
 the committed slots are always what a sequential layer fed each committed chunk once would hold.
 
+Compiled (pipelined only): a forward into the in-flight region decides nothing, so it traces whole. It reads the
+fill from a device counter (`_filled_tokens`) and attends through the mask `slot < filled + n` over the whole buffer,
+so its graph depends on the window's size and on one stored bool (`window_full`), never on how far the buffer has
+filled; the decisions move to `commit(num_tokens)`, which runs outside the forward, eager. An update that decides (a
+context pass, or any sequential write) sets `decides_on_host`, and a compiled step (`compile_cached_step`) runs that
+one forward eager.
+
 Sequentially there is no context pass: what the steps wrote stays (the stream's `context_policy="last_step"`). Keys
 are stored after RoPE at their absolute positions (the model's `position_mode="absolute"`), as upstream compares
 them.
 
 The buffers are preallocated and written in place (`index_copy_` into slots; nothing is concatenated); the
-decisions are host-side (one read of the device per block and step, as upstream's `.item()`), so the layer is
-eager only (`is_compileable` is False). Not a transaction: a step writes where upstream writes, a sink slot included
+decisions are host-side (one read of the device per block and step, as upstream's `.item()`), so a sequential layer
+is eager only (`is_compileable` is False; pipelined, True for the in-flight writes). Not a transaction: a step writes where upstream writes, a sink slot included
 once a refresh is decided, so an aborted chunk cannot be re-run (more writes than `forwards_per_chunk` since the
 last commit are refused); `reset()` or loading a saved state starts over. Batch 1 (upstream keeps one queue per row).
 """
@@ -80,7 +87,6 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
     """
 
     can_rewind = False
-    is_compileable = False
 
     def __init__(
         self,
@@ -103,7 +109,7 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
                 f"`window_tokens`={window_tokens} must be whole frames, the sink at least one."
             )
         self.policy = policy
-        self.is_compileable = False
+        self.is_compileable = self._in_flight_region  # the in-flight writes trace; the decided ones run eager
         self._reset_queue()
 
     def _set_chunk_tokens(self, chunk_tokens: int) -> None:
@@ -124,11 +130,31 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
     def _reset_queue(self) -> None:
         self.queue: list[int] = []  # token ends of the slots to write next, front first (upstream's `evict_idx[0]`)
         self.steps_left = self.policy.forwards_per_chunk  # upstream's `kv_cache["current_step"]`
-        self.filled = 0  # tokens written from slot 0 (upstream's `local_end_index`): attention reads them
+        self._set_filled(0)
         self.written_end = 0  # the stream position after the last write (upstream's `global_end_index`)
         self.chunk_writes = 0  # writes since the last commit
         self.refreshes = 0  # sink slots rewritten by a newer frame since the last reset
-        self.in_flight_start = 0  # pipelined: the first slot of the in-flight region the last forward wrote
+
+    def _set_filled(self, tokens: int) -> None:
+        """The one place the fill changes: `filled`, tokens written from slot 0 (upstream's `local_end_index`, at
+        most the capacity; attention reads them, and pipelined the in-flight region starts there), its device twin
+        (what a compiled in-flight write reads) and the stored `window_full` bool."""
+        self.filled = tokens
+        self._full = tokens >= self.capacity
+        if getattr(self, "_filled_tokens", None) is not None:
+            self._filled_tokens.fill_(tokens)
+
+    def _allocate(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """The slots' buffers; pipelined, also the fill's device twin and a mask over the in-flight region too."""
+        super()._allocate(batch, heads, head_dim, dtype, device)
+        if self._in_flight_region:
+            scratch = {
+                "_filled_tokens": torch.tensor(self.filled, dtype=torch.long, device=device),
+                "_slot_index": torch.arange(self.buffer_tokens, dtype=torch.long, device=device),
+                "_mask": torch.zeros(self.buffer_tokens, dtype=torch.bool, device=device),
+            }
+            for name, tensor in scratch.items():
+                self.register_buffer(name, tensor, persistent=False)
 
     # ----------------------------------------------------------------------------------------- the decision
     def _refresh_index(self, key: torch.Tensor, value: torch.Tensor) -> int | None:
@@ -152,7 +178,7 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         chunk_end = self.committed_count + num_pending  # upstream's `current_end` (absolute tokens)
         written_end, self.written_end = self.written_end, chunk_end
         if chunk_end > self.capacity or self.filled >= self.capacity:  # the buffer is full: the queue decides
-            self.filled = self.capacity
+            self._set_filled(self.capacity)
             if not self.queue:
                 raise RuntimeError(
                     "The adaptive sink's eviction queue is empty: no slot to write (a window too small)."
@@ -168,7 +194,7 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
                     self.refreshes += 1
                 self.steps_left = self.policy.forwards_per_chunk
             return target
-        self.filled += chunk_end - written_end  # a new chunk goes after what is written; another step of it, in place
+        self._set_filled(self.filled + chunk_end - written_end)  # a new chunk after what is written; a step: in place
         rolling_end = chunk_end + num_pending  # the end of the slot after this chunk's
         if self.sink_tokens < rolling_end <= self.capacity and (not self.queue or self.queue[-1] != rolling_end):
             self.queue.append(rolling_end)
@@ -225,10 +251,11 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         return self.storage.write(slots, key, value)
 
     def _write_in_flight(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunks in flight `(1, n, heads, head_dim)`, right after the written slots: no decision, no queue."""
+        """The chunks in flight `(1, n, heads, head_dim)`, right after the written slots: no decision, no queue. Reads
+        the fill from its device twin only (no host int a compiled step would guard on)."""
         num_pending = self._check_write(key, value)
-        self.in_flight_start = min(self.filled, self.capacity)
-        slots = torch.add(self._offsets[:num_pending], self.in_flight_start, out=self._pending_slots[:num_pending])
+        slots = torch.add(self._offsets[:num_pending], self._filled_tokens, out=self._pending_slots[:num_pending])
+        torch.lt(self._slot_index, slots[-1] + 1, out=self._mask)  # the written slots and this region
         keys, values = self.storage.write(slots, key, value)
         self.pending_tokens, self._stream_batch = num_pending, 1
         return keys, values
@@ -258,7 +285,7 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         self._set_counters(committed, committed)
 
     def _commit_leaving(self, num_tokens: int) -> None:
-        start = self.in_flight_start
+        start = self.filled  # where the in-flight region starts
         key = self.keys[:1, start : start + num_tokens].clone()  # the region may be written over below
         value = self.values[:1, start : start + num_tokens].clone()
         self._write_decided(key, value)
@@ -271,14 +298,22 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
     # ----------------------------------------------------------------------------------------- for attention
     def visible_prefix(self, num_pending: int) -> int | None:
         """Attention reads slots `0 .. filled - 1`: the written prefix while filling, every slot once full (pipelined,
-        outside a context pass: and the in-flight region right after them)."""
+        outside a context pass: and the in-flight region right after them; compiled, through `attention_mask`
+        instead, so the graph does not depend on the fill)."""
         if self._in_flight_region and not self._context_pass:
-            return self.in_flight_start + num_pending
+            return None if torch.compiler.is_compiling() else self.filled + num_pending
         return self.filled or None
 
     @property
     def window_full(self) -> bool:
-        return self.filled >= self.capacity
+        """Every slot written (a stored bool: a compiled step guards on it, not on the fill)."""
+        return self._full
+
+    @property
+    def decides_on_host(self) -> bool:
+        """The next update reads the device to decide where it writes (every write but a pipelined in-flight one):
+        a compiled step runs that forward eager."""
+        return not (self._in_flight_region and not self._context_pass)
 
     def get(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The K/V of every slot holding a committed token, ordered by position (a copy). A refresh leaves a frame's
@@ -316,10 +351,13 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         return {**super().host_state(), **queue, "chunk_writes": self.chunk_writes, "refreshes": self.refreshes}
 
     def load_host_state(self, state) -> None:
-        super().load_host_state(state)
         self.queue = [int(end) for end in state["queue"]]
-        self.steps_left, self.filled, self.chunk_writes = state["steps_left"], state["filled"], state["chunk_writes"]
+        self.steps_left, self.chunk_writes = state["steps_left"], state["chunk_writes"]
+        self._set_filled(state["filled"])
         self.refreshes, self.written_end = state["refreshes"], state["written_end"]
-        if self.slot_positions is not None:
-            self._mask.zero_()
-            self._mask[: self.filled].fill_(True)
+        super().load_host_state(state)
+
+    def _refresh_mask(self, num_pending: int) -> None:
+        """The mask after loading a state: the written slots (a forward writes its own)."""
+        self._mask.zero_()
+        self._mask[: self.filled].fill_(True)

@@ -135,6 +135,12 @@ class CacheLayer(nn.Module, abc.ABC):
     def is_initialized(self) -> bool:
         return self.keys is not None
 
+    @property
+    def decides_on_host(self) -> bool:
+        """Whether the next update reads the device to decide where it writes (StreamDiffusionV2's adaptive sink): a
+        compiled step (`compile_cached_step`) runs that forward eager instead of breaking its graph."""
+        return False
+
     @abc.abstractmethod
     def update(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the pending tokens; return what attention must see."""

@@ -140,6 +140,12 @@ class RollingKVCache(nn.Module):
         return [*self.layers, *self._slot_layers()]
 
     @property
+    def decides_on_host(self) -> bool:
+        """Whether some layer's next update decides on the host (`CacheLayer.decides_on_host`): a compiled step runs
+        that forward eager."""
+        return any(layer.decides_on_host for layer in self._stream_layers())
+
+    @property
     def has_pending(self) -> bool:
         return any(layer.pending_tokens > 0 for layer in self._stream_layers())
 

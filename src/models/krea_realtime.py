@@ -290,7 +290,7 @@ class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
             keys = apply_rotary(keys, *(table[:, visible] for table in inputs.key_rope(layer)))
         if inputs.attention_bias != 1.0:
             mask = inputs.bias_mask(layer, num_tokens, visible, query.dtype)
-        elif visible.stop is not None or (layer.window_full and num_tokens == layer.chunk_tokens):
+        elif visible.stop is not None or (num_tokens == layer.chunk_tokens and layer.window_full):
             mask = None  # every key read is visible: no mask, so fused (flash) kernels apply
         else:
             mask = layer.attention_mask
@@ -322,7 +322,7 @@ class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
             keys = apply_rotary(keys, *_stacked_rope(inputs, "keys", [row.key_rope(layer) for row, layer in pairs]))
         if inputs.attention_bias != 1.0:
             mask = torch.stack([row.bias_mask(layer, num_tokens, slice(None), query.dtype) for row, layer in pairs])
-        elif all(layer.window_full for layer in layers) and num_tokens == layers[0].chunk_tokens:
+        elif num_tokens == layers[0].chunk_tokens and all(layer.window_full for layer in layers):
             mask = None  # every key of every row is visible: no mask, so fused (flash) kernels apply
         else:
             mask = torch.stack([layer.attention_mask for layer in layers])

@@ -23,6 +23,7 @@ Each switch changes how the same step runs, never what it computes beyond the st
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,7 @@ TEXT_KV_PROJECTIONS = ("attn2.to_k", "attn2.to_v", "attn2.add_k_proj", "attn2.ad
 # Fastest first. Exact kernels only; every one takes the (batch, tokens, heads, head_dim) layout.
 ATTENTION_PREFERENCE = ("_flash_3", "flash", "_native_cudnn", "native")
 OFFERED_BACKENDS = (*ATTENTION_PREFERENCE, "_native_flash", "_native_efficient", "_native_math")
+STEP_RECOMPILE_LIMIT = 64  # graphs of the cached step one process may record (`compile_cached_step`)
 
 
 class AccelerationUnavailable(ValueError, RuntimeError):  # noqa: N818 (a refusal, named for what it says)
@@ -238,15 +240,28 @@ def attention_accepts_mask(name: str, device: torch.device | str) -> bool:
 @dataclasses.dataclass
 class CompiledStep:
     """The callable `compile_cached_step` installs as `transformer.forward`: the compiled forward, with its
-    outputs cloned when graph replays would overwrite them."""
+    outputs cloned when graph replays would overwrite them. A call whose cache decides its writes on the host
+    (`RollingKVCache.decides_on_host`: the adaptive sink's decided writes, one per chunk when pipelined) runs the
+    eager forward (`eager`), which would otherwise break the full graph; `eager_calls` counts them."""
 
     compiled: Callable[..., Any]
     clone: bool
     mode: str | None
+    eager: Callable[..., Any] | None = None
+    eager_calls: int = 0
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.eager is not None and _decides_on_host(kwargs.get("kv_cache")):
+            self.eager_calls += 1
+            return self.eager(*args, **kwargs)
         out = self.compiled(*args, **kwargs)
         return clone_outputs(out) if self.clone else out
+
+
+def _decides_on_host(kv_cache: Any) -> bool:
+    """Whether a step's cache (one, one per batch row, or none) decides a write on the host."""
+    caches = kv_cache if isinstance(kv_cache, (list, tuple)) else [kv_cache]
+    return any(getattr(cache, "decides_on_host", False) for cache in caches)
 
 
 def clone_outputs(out: Any) -> Any:
@@ -281,8 +296,14 @@ def compile_cached_step(
     if isinstance(transformer.forward, CompiledStep):
         raise RuntimeError("The transformer's forward is compiled already; load a fresh transformer to recompile.")
     options = {"mode": mode} if mode not in (None, "default") else {}
-    compiled = torch.compile(transformer.forward, backend=backend, fullgraph=fullgraph, **options)
-    step = CompiledStep(compiled, clone=mode == "reduce-overhead", mode=mode)
+    # A stream records a few graphs (the window's sizes, full or not); one process serving other layouts (a start
+    # image, a context policy, another recipe) adds theirs, past torch's default of 8 (a hard failure under
+    # fullgraph). Raised, never lowered: it is process-wide.
+    dynamo_config = importlib.import_module("torch._dynamo.config")
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, STEP_RECOMPILE_LIMIT)
+    eager = transformer.forward
+    compiled = torch.compile(eager, backend=backend, fullgraph=fullgraph, **options)
+    step = CompiledStep(compiled, clone=mode == "reduce-overhead", mode=mode, eager=eager)
     transformer.forward = step  # nn.Module.__call__ runs hooks, then this
     return step
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from ...caching.layout import ALL_FRAMES, ChunkLayout
 from ...checks import check_choice, check_flag, check_number
 from ...recipes import get_recipe
-from ..acceleration import is_compiled
+from ..acceleration import CompiledStep, is_compiled
 from .call import VideoCall
 from .conditioning import build_conditioning, resolve_strength, strength_steps
 from .prompt_schedule import PromptSchedule
@@ -361,15 +361,20 @@ def _step_mapping(pipe: RequestPipeline, call: VideoCall) -> StepMapping:
 def _check_adaptive_sink(
     pipe: RequestPipeline, call: VideoCall, options: CacheOptions, geometry: VideoGeometry
 ) -> None:
-    """StreamDiffusionV2's adaptive sink: one-frame chunks, one queue (batch 1), the same writes in every chunk and
-    an eager transformer (its decisions are host reads)."""
+    """StreamDiffusionV2's adaptive sink: one-frame chunks, one queue (batch 1), the same writes in every chunk and,
+    its decisions being host reads, an eager transformer, or one compiled by `compile_cached_step` under pipelined
+    denoising (whose in-flight writes decide nothing; the decided forwards run eager)."""
     if not getattr(options, "adaptive_sink", False):
         return
-    if is_compiled(pipe.transformer):
+    compiled_step = isinstance(pipe.transformer.forward, CompiledStep)
+    if is_compiled(pipe.transformer) and (call.denoising != "pipelined" or not compiled_step):
+        how = "under denoising='pipelined'" if compiled_step else "by compile_cached_step (--compile), pipelined"
         raise ValueError(
             "`adaptive_sink=True` decides each refresh on the host as its write happens (upstream's `.item()`): its "
-            "cache runs eager only, and this pipeline's transformer is compiled. Load it uncompiled (drop --compile "
-            "/ --cuda-graphs) or use a sliding-window recipe."
+            f"cache runs compiled only {how}, where a forward writes the chunks in flight without deciding and the "
+            "decided writes run eager. This pipeline's transformer is compiled: pass denoising='pipelined' with a "
+            "transformer compiled by compile_cached_step, load it uncompiled (drop --compile / --cuda-graphs), or "
+            "use a sliding-window recipe."
         )
     conflicts = {
         "chunk_frames": geometry.chunk_frames != 1,

@@ -191,7 +191,8 @@ Args:
         `adaptive_sink_threshold` (cosine similarity) replaces that sink frame, the ring of the other slots
         following upstream's eviction queue (`rolldiff.caching.AdaptiveSinkLayer`). Needs `chunk_frames=1`,
         `position_mode="absolute"`, batch 1, no KV quantization, offload, attention bias, `sink_mode="rolling"`,
-        `first_chunk_steps` or a compiled transformer. A start image (`image_mode="frame"`) is committed by one t=0 pass
+        `first_chunk_steps`, and an eager transformer, or under `denoising="pipelined"` one compiled by
+        `compile_cached_step` (its in-flight forwards decide nothing; the deciding ones run eager). A start image (`image_mode="frame"`) is committed by one t=0 pass
         into the fresh cache. Defaults to `False`.
     adaptive_sink_threshold (`float`, *optional*):
         The adaptive sink's similarity threshold in [-1, 1] (upstream's `adapt_sink_threshold`, 0.2 in
