@@ -16,6 +16,8 @@ fails or differs by more than its tolerance:
   cuda fp8 vs cuda bfloat16           `enable_fp8` (float8 linears): reported, finite required
   cuda overlapped decode vs serial    `OverlappedDecoder` on a side stream while the main stream is busy, random
                                       latents through the model's own decoder: exact (atol 0)
+  cuda CUDA graphs vs cuda float32,   StreamDiffusionV2's adaptive sink, pipelined: the in-flight forwards replayed as
+    both streamdiffusionv2 pipelined  CUDA graphs, the deciding ones eager: atol 2e-3 (Krea-like only)
 
 On the CPU (dry run) the overlapped decode runs its synchronous path, attention "native", and CUDA graphs and
 fp8 report their refusal as "skipped".
@@ -39,8 +41,10 @@ from _common import markdown_table, require_cuda_unless_dry_run
 from rolldiff.defaults import embedded_models, load_pipeline, pipeline_class
 from rolldiff.pipelines.acceleration import AccelerationUnavailable
 from rolldiff.pipelines.codecs.overlap import OverlappedDecoder, decode_ahead
+from rolldiff.recipes import list_recipes
 
 PROMPT = "a red circle moving right"
+STREAM_RECIPE = "streamdiffusionv2"  # its adaptive sink: compiled only pipelined, the deciding forwards eager
 SEED = 0
 
 
@@ -60,9 +64,11 @@ class Check:
         return bool(self.skipped) or (not self.error and (self.atol is None or self.max_diff <= self.atol))
 
 
-def generate(model: str, device: str, dtype: str, seconds: float, offload: str | None = None) -> np.ndarray:
+def generate(
+    model: str, device: str, dtype: str, seconds: float, offload: str | None = None, call: dict | None = None
+) -> np.ndarray:
     """The video of `PROMPT` as `(frames, H, W, 3)` float32 in [0, 1]; `offload` also names a speed switch
-    ("cuda-graphs", "attention", "fp8") applied to the transformer after loading."""
+    ("cuda-graphs", "attention", "fp8") applied to the transformer after loading; `call`: more call arguments."""
     pipe = load_pipeline(model, device="cpu" if offload == "model" else device, dtype=dtype)
     if offload == "model":
         pipe.enable_model_cpu_offload(device=device)
@@ -70,6 +76,7 @@ def generate(model: str, device: str, dtype: str, seconds: float, offload: str |
     num_frames = pipe.num_frames_for(seconds, 16)
     generator = torch.Generator("cpu").manual_seed(SEED)
     options = {"kv_offload": True} if offload == "kv" else {}
+    options.update(call or {})
     frames = pipe(PROMPT, num_frames=num_frames, generator=generator, **options).frames
     return np.asarray(frames[0], dtype=np.float32)
 
@@ -111,6 +118,10 @@ def accepts_kv_offload(model: str) -> bool:
     return "kv_offload" in inspect.signature(cls.__init__).parameters
 
 
+def offers_recipe(model: str, recipe: str) -> bool:
+    return recipe in list_recipes(pipeline_class(embedded_models()[model]).__name__)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="run every row on the CPU")
@@ -136,7 +147,7 @@ def run_check(check: Check, rows: dict, videos: dict[str, np.ndarray], seconds: 
         for row in (reference, name):
             if row not in videos:
                 start = time.perf_counter()
-                videos[row] = generate(model, *rows[row][:2], seconds, rows[row][2])
+                videos[row] = generate(model, *rows[row][:2], seconds, *rows[row][2:])
                 check.seconds = time.perf_counter() - start
         video, expected = videos[name], videos[reference]
         if not np.isfinite(video).all():
@@ -155,7 +166,8 @@ def run_check(check: Check, rows: dict, videos: dict[str, np.ndarray], seconds: 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     gpu = "cpu" if args.dry_run else "cuda"
-    # row name -> (device, dtype, offload or speed switch); the reference rows come first
+    # row name -> (device, dtype, offload or speed switch[, call arguments]); the reference rows come first
+    pipelined_sink = {"recipe": STREAM_RECIPE, "denoising": "pipelined"}
     rows = {
         "cpu float32": ("cpu", "float32", None),
         "cuda float32": (gpu, "float32", None),
@@ -166,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         "cuda fastest attention": (gpu, "bfloat16", "attention"),
         "cuda fp8": (gpu, "bfloat16", "fp8"),
         "cuda overlapped decode": (gpu, "float32", None),
+        f"cuda float32, {STREAM_RECIPE} pipelined": (gpu, "float32", None, pipelined_sink),
+        f"cuda CUDA graphs, {STREAM_RECIPE} pipelined": (gpu, "float32", "cuda-graphs", pipelined_sink),
     }
     plan = [
         ("cuda float32", "cpu float32", 2e-3),
@@ -176,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         ("cuda fastest attention", "cuda bfloat16", None),
         ("cuda fp8", "cuda bfloat16", None),
         ("cuda overlapped decode", "cuda serial decode", 0.0),
+        (f"cuda CUDA graphs, {STREAM_RECIPE} pipelined", f"cuda float32, {STREAM_RECIPE} pipelined", 2e-3),
     ]
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -184,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         videos: dict[str, np.ndarray] = {}
         for name, reference, atol in plan:
             if rows[name][2] == "kv" and not accepts_kv_offload(model):
+                continue
+            if len(rows[name]) > 3 and not offers_recipe(model, rows[name][3]["recipe"]):
                 continue
             check = Check(model, name, reference, atol)
             run_check(check, rows, videos, args.seconds)

@@ -30,7 +30,7 @@ from .pipelines.io.video_writer import check_output_path, check_quality, count_f
 from .pipelines.request.builder import check_image_mode
 from .pipelines.request.prompt_schedule import PromptSchedule
 from .pipelines.request.text_encoding import PromptWarning
-from .recipes import list_recipes
+from .recipes import get_recipe, list_recipes
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -609,6 +609,12 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
         )
     if args.state_every < 0 or (args.state_every and args.state_dir is None):
         raise UsageError("--state-every: a number of chunks >= 0, with --state-dir to save into")
+    settings = get_recipe(args.recipe).settings if args.recipe else {}
+    if args.compile and settings.get("adaptive_sink") and settings.get("denoising", "sequential") != "pipelined":
+        raise UsageError(
+            f"--compile: sessions of --recipe {args.recipe} decide every cache write on the host (its adaptive sink) "
+            "and cannot run compiled; serve it without --compile"
+        )
     try:
         check_address(args.host, args.port)
     except ValueError as exc:

@@ -7,6 +7,8 @@ The float8 matmuls, the GPU attention kernels and the CUDA-graph replay itself n
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
@@ -183,12 +185,18 @@ def test_the_compiled_cached_step_builds_two_graphs_and_gives_the_eager_output()
 
 
 def test_reduce_overhead_clones_outputs_and_a_second_compile_is_refused():
+    # Imported first: the inductor backend's `reset()` imports it lazily, and its import registers another backend,
+    # which would break the `torch.compiler.reset()` iterating them (torch 2.13: "dictionary changed size").
+    importlib.import_module("torch._inductor.cudagraph_trees")
     model = tiny_transformer()
-    step = compile_cached_step(model, mode="reduce-overhead")  # lazy: nothing compiles until the first call
-    assert step.clone and model.forward is step
-    with pytest.raises(RuntimeError, match="compiled already"):
-        compile_cached_step(model)
-    assert not compile_cached_step(tiny_transformer(), backend="eager").clone
+    try:
+        step = compile_cached_step(model, mode="reduce-overhead")  # lazy: nothing compiles until the first call
+        assert step.clone and model.forward is step
+        with pytest.raises(RuntimeError, match="compiled already"):
+            compile_cached_step(model)
+        assert not compile_cached_step(tiny_transformer(), backend="eager").clone
+    finally:
+        torch.compiler.reset()  # no backend left behind for later tests' resets
 
 
 def test_cloned_outputs_survive_the_next_replay_overwriting_the_graphs_buffer():

@@ -146,7 +146,11 @@ def test_gpu_checks_dry_run_compares_every_row_of_both_embedded_models(capsys):
     speed = {"cuda CUDA graphs", "cuda fastest attention", "cuda fp8", "cuda overlapped decode"}
     assert {(model, row) for model in (krea, sana) for row in speed} <= set(names)
     results = {(model.lstrip("| "), row): result.strip(" |") for model, row, *_, result in rows}
-    refused_on_cpu = {"cuda CUDA graphs": "skipped: capture_cuda_graphs", "cuda fp8": "skipped: enable_fp8"}
+    assert (krea, "cuda CUDA graphs, streamdiffusionv2 pipelined") in names  # a Krea-like recipe only
+    assert (sana, "cuda CUDA graphs, streamdiffusionv2 pipelined") not in names
+    graphs = "skipped: capture_cuda_graphs"
+    refused_on_cpu = {"cuda CUDA graphs": graphs, "cuda CUDA graphs, streamdiffusionv2 pipelined": graphs}
+    refused_on_cpu["cuda fp8"] = "skipped: enable_fp8"
     for (model, row), result in results.items():
         assert result.startswith(refused_on_cpu.get(row, "ok")), (model, row, result)
     assert all(float(row[3]) == 0.0 for row in rows if row[1] == "cuda overlapped decode")  # exact

@@ -297,6 +297,14 @@ def test_binding_beyond_loopback_without_a_token_is_refused(capsys, monkeypatch)
     assert "--token" in capsys.readouterr().err
 
 
+def test_a_default_recipe_that_cannot_run_compiled_is_refused_before_loading(capsys):
+    """StreamDiffusionV2's sessions decide each write on the host (sequential denoising): every session of such a
+    server would be refused, so the server is, naming both flags."""
+    assert main(["serve", "--recipe", "streamdiffusionv2", "--compile", "eager", "--port", "0"]) == 2
+    error = capsys.readouterr().err
+    assert "--compile" in error and "--recipe streamdiffusionv2" in error
+
+
 # ---------------------------------------------------------------------------------------- restarts
 def test_sigterm_suspends_every_session_and_a_new_server_restores_it(tmp_path, references):
     server = Server("--state-dir", str(tmp_path))

@@ -39,9 +39,10 @@ them.
 
 The buffers are preallocated and written in place (`index_copy_` into slots; nothing is concatenated); the
 decisions are host-side (one read of the device per block and step, as upstream's `.item()`), so a sequential layer
-is eager only (`is_compileable` is False; pipelined, True for the in-flight writes). Not a transaction: a step writes where upstream writes, a sink slot included
-once a refresh is decided, so an aborted chunk cannot be re-run (more writes than `forwards_per_chunk` since the
-last commit are refused); `reset()` or loading a saved state starts over. Batch 1 (upstream keeps one queue per row).
+is eager only (`is_compileable` is False; pipelined, True for the in-flight writes). Not a transaction: a step writes
+where upstream writes, a sink slot included once a refresh is decided, so an aborted chunk cannot be re-run (more
+writes than `forwards_per_chunk` since the last commit are refused); `reset()` or loading a saved state starts over.
+Batch 1 (upstream keeps one queue per row).
 """
 
 from __future__ import annotations
@@ -255,7 +256,8 @@ class AdaptiveSinkLayer(SlidingWindowLayer):
         the fill from its device twin only (no host int a compiled step would guard on)."""
         num_pending = self._check_write(key, value)
         slots = torch.add(self._offsets[:num_pending], self._filled_tokens, out=self._pending_slots[:num_pending])
-        torch.lt(self._slot_index, slots[-1] + 1, out=self._mask)  # the written slots and this region
+        region_end = torch.add(self._filled_tokens, num_pending, out=self._pending_end)
+        torch.lt(self._slot_index, region_end, out=self._mask)  # the written slots and this region
         keys, values = self.storage.write(slots, key, value)
         self.pending_tokens, self._stream_batch = num_pending, 1
         return keys, values
