@@ -280,3 +280,48 @@ def test_a_context_pass_ends_with_its_block_even_on_an_error():
         assert layer._context_view  # noqa: SLF001
         raise RuntimeError("mid-pass")
     assert not layer._context_view  # noqa: SLF001
+
+
+@torch.no_grad()
+def test_compiled_fullgraph_the_recipe_switches_prompts_and_resumes_as_eager():
+    """Under `compile_cached_step` (fullgraph=True) the recipe's stream, a prompt switch (its re-cache: one context
+    pass per committed chunk a view reads) and a resume mid-video give the eager stream's chunks within 1e-5, with a
+    bounded number of graphs that a video three times as long does not add to."""
+    from torch._dynamo.testing import CompileCounter
+
+    from rolldiff.pipelines.acceleration import compile_cached_step
+
+    golden = load_golden(RECIPE, "plain")
+    pipe = krea_golden_pipeline(golden)
+    call = dict(prompt_embeds=golden.text["a"], output_type="latent", recipe=RECIPE)
+    frames = golden.settings["latent_frames"]
+
+    def run(resume_after: int | None = None, latent_frames: int = frames) -> list[torch.Tensor]:
+        num_frames = pipe.latent_to_frames(latent_frames)
+        stream = pipe.stream(num_frames=num_frames, generator=torch.Generator().manual_seed(0), **call)
+        made = []
+        for index, chunk in enumerate(stream):
+            made.append(chunk.float())
+            if index == 2:
+                stream.switch_prompt(prompt_embeds=golden.text["a"] * 0.5)
+            if index == resume_after:
+                resumed = pipe.stream(num_frames=num_frames, generator=torch.Generator().manual_seed(7), **call)
+                resumed.load_state_dict(stream.state_dict())
+                return made + [chunk.float() for chunk in resumed]
+        return made
+
+    eager, eager_resumed = run(), run(resume_after=4)
+    counter = CompileCounter()
+    torch.compiler.reset()
+    try:
+        compile_cached_step(pipe.transformer, backend=counter)
+        compiled, compiled_resumed = run(), run(resume_after=4)
+        graphs = counter.frame_count
+        longer = run(latent_frames=3 * frames)
+    finally:
+        torch.compiler.reset()
+    assert 0 < graphs <= 8 and counter.frame_count == graphs and len(longer) == 3 * len(eager)
+    for made, expected in zip(compiled + compiled_resumed, eager + eager_resumed, strict=True):
+        torch.testing.assert_close(made, expected, rtol=1e-5, atol=1e-5)
+    for made, expected in zip(eager_resumed, eager, strict=True):
+        torch.testing.assert_close(made, expected, rtol=0, atol=0)  # the resume is exact
