@@ -30,7 +30,7 @@ from .pipelines.io.video_writer import check_output_path, check_quality, count_f
 from .pipelines.request.builder import check_image_mode
 from .pipelines.request.prompt_schedule import PromptSchedule
 from .pipelines.request.text_encoding import PromptWarning
-from .recipes import get_recipe, list_recipes
+from .recipes import list_recipes
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -609,12 +609,6 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
         )
     if args.state_every < 0 or (args.state_every and args.state_dir is None):
         raise UsageError("--state-every: a number of chunks >= 0, with --state-dir to save into")
-    settings = get_recipe(args.recipe).settings if args.recipe else {}
-    if args.compile and settings.get("adaptive_sink") and settings.get("denoising", "sequential") != "pipelined":
-        raise UsageError(
-            f"--compile: sessions of --recipe {args.recipe} decide every cache write on the host (its adaptive sink) "
-            "and cannot run compiled; serve it without --compile"
-        )
     try:
         check_address(args.host, args.port)
     except ValueError as exc:
@@ -626,7 +620,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if missing:
         raise UsageError(f"serving needs {', '.join(missing)}, which is not installed: pip install 'rolldiff[serve]'")
     _check_serve_arguments(args)
-    from .serving.app import ServeSettings
+    from .serving.app import ServeSettings, check_default_session
     from .serving.server import serve
 
     device = args.device or default_device()
@@ -647,6 +641,11 @@ def run_serve(args: argparse.Namespace) -> int:
         state_every=args.state_every,
         fps=args.fps,
     )
+    try:  # a default no session could run (e.g. --compile with a recipe that decides on the host): refused now
+        check_default_session(pipe, settings)
+    except ValueError as exc:
+        recipe = f"--recipe {args.recipe}" if args.recipe else "the model's recipe"
+        raise UsageError(f"a plain session with {recipe} would be refused: {exc}") from None
     print(f"rolldiff serve: ws://{args.host}:{args.port}/v1/stream ({type(pipe).__name__}, {device})", flush=True)
     serve(pipe, settings, args.host, args.port)
     return 0

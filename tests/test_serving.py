@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 import pytest
-from serve_helpers import Server, max_difference, reference_chunks, round_robin
+from serve_helpers import Server, free_port, max_difference, reference_chunks, round_robin
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
@@ -297,10 +297,26 @@ def test_binding_beyond_loopback_without_a_token_is_refused(capsys, monkeypatch)
     assert "--token" in capsys.readouterr().err
 
 
-def test_a_default_recipe_that_cannot_run_compiled_is_refused_before_loading(capsys):
+@pytest.mark.parametrize(("recipe", "latent_frames"), [("self-forcing", 1023), ("rolling-sink", 99999)])
+def test_until_stopped_is_the_longest_video_the_sessions_positions_allow(recipe, latent_frames):
+    """`"num_frames": null` (the browser page's sessions) under a recipe of absolute positions ends at the RoPE table
+    (1024 latent frames, in whole chunks of 3), where asking for `--max-frames` was refused; relative positions
+    (Rolling Sink) run to `--max-frames`."""
+    from rolldiff.defaults import load_pipeline
+    from rolldiff.serving.app import PAGE_PROMPT, ServeSettings, session_request
+
+    pipe = load_pipeline("tiny-bouncing-shapes", device="cpu", dtype="float32")
+    settings = ServeSettings(model="tiny-bouncing-shapes", max_frames=99999)
+    request = session_request(pipe, settings, {"prompt": PAGE_PROMPT, "recipe": recipe}, None)
+    assert request.geometry.num_latent_frames == latent_frames
+    with pytest.raises(ValueError, match="RoPE table"):  # what a session "until stopped" asked for before
+        session_request(pipe, settings, {"prompt": PAGE_PROMPT, "recipe": "self-forcing"}, 99999)
+
+
+def test_a_default_recipe_that_cannot_run_compiled_is_refused_at_start(capsys):
     """StreamDiffusionV2's sessions decide each write on the host (sequential denoising): every session of such a
-    server would be refused, so the server is, naming both flags."""
-    assert main(["serve", "--recipe", "streamdiffusionv2", "--compile", "eager", "--port", "0"]) == 2
+    server would be refused by the request builder, so the server is, at start, naming both flags."""
+    assert main(["serve", "--recipe", "streamdiffusionv2", "--compile", "eager", "--port", str(free_port())]) == 2
     error = capsys.readouterr().err
     assert "--compile" in error and "--recipe streamdiffusionv2" in error
 

@@ -141,9 +141,9 @@ class RollingKVCache(nn.Module):
 
     @property
     def decides_on_host(self) -> bool:
-        """Whether some layer's next update decides on the host (`CacheLayer.decides_on_host`): a compiled step runs
-        that forward eager."""
-        return any(layer.decides_on_host for layer in self._stream_layers())
+        """Whether some self-attention layer's next update decides on the host (`CacheLayer.decides_on_host`): a
+        compiled step runs that forward eager. Read once per forward: no list is built."""
+        return any(layer.decides_on_host for layer in self.layers)
 
     @property
     def has_pending(self) -> bool:

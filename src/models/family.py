@@ -46,8 +46,12 @@ class VideoTransformer(Protocol):
         """Compute every block's text K/V into `kv_cache` now: the explicit "the prompt changed" signal."""
         ...
 
+    def frame_budget(self, layout: ChunkLayout) -> int | None:
+        """The most latent frames whose positions under `layout` the model can represent (None: no limit)."""
+        ...
+
     def check_frame_budget(self, num_latent_frames: int, layout: ChunkLayout) -> None:
-        """Refuse, with a clear error, a video whose positions under `layout` the model cannot represent."""
+        """Refuse, with a clear error, a video past `frame_budget(layout)`."""
         ...
 
     def committed_frames(self, kv_cache: RollingKVCache, layout: ChunkLayout) -> int:

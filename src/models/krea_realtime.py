@@ -550,10 +550,14 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
                 layer.reset()
                 layer.update(*text_key_value(block.attn2, text_states), conditioning=encoder_hidden_states)
 
+    def frame_budget(self, layout: ChunkLayout) -> int | None:
+        """Absolute positions end at the RoPE table; relative ones are re-based and never do."""
+        return self.config.rope_max_seq_len if layout.position_mode == "absolute" else None
+
     def check_frame_budget(self, num_latent_frames: int, layout: ChunkLayout) -> None:
         """Refuse a video whose absolute positions would leave the RoPE table (never silently wrong)."""
-        limit = self.config.rope_max_seq_len
-        if layout.position_mode == "absolute" and num_latent_frames > limit:
+        limit = self.frame_budget(layout)
+        if limit is not None and num_latent_frames > limit:
             raise ValueError(
                 f"{num_latent_frames} latent frames exceed the RoPE table of {limit} positions in "
                 "`position_mode='absolute'`; use position_mode='relative' for longer videos."

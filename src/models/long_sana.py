@@ -390,14 +390,18 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
         """Latent frames committed to `kv_cache` so far (the stream position, a host counter)."""
         return kv_cache.slots["conv_state"][0].committed_frames
 
+    def frame_budget(self, layout: ChunkLayout | None = None) -> int | None:
+        """Absolute frame positions end at the RoPE table; `position_mode="relative"` re-bases them, no limit."""
+        relative = layout is not None and layout.position_mode == "relative"
+        return None if relative else self.config.rope_max_seq_len
+
     def check_frame_budget(self, num_latent_frames: int, layout: ChunkLayout | None = None) -> None:
         """Refuse a video whose absolute frame positions would leave the RoPE table (never silently wrong).
 
         `position_mode="relative"` re-bases the positions in place (`rebase_positions`), so it has no budget.
         """
-        limit = self.config.rope_max_seq_len
-        relative = layout is not None and layout.position_mode == "relative"
-        if num_latent_frames > limit and not relative:
+        limit = self.frame_budget(layout)
+        if limit is not None and num_latent_frames > limit:
             raise ValueError(
                 f"{num_latent_frames} latent frames exceed the RoPE table of `rope_max_seq_len`={limit} "
                 "positions (LongSANA uses absolute frame positions); generate fewer frames."

@@ -24,7 +24,7 @@ from fastapi import FastAPI, WebSocket
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from ..pipelines.request import VideoCall, build_request
+from ..pipelines.request import VideoCall, build_request, longest_num_frames
 from ..pipelines.request.text_encoding import PromptWarning
 from ..pipelines.stream import ChunkStream
 from .batching import LockstepPipeline, batchable
@@ -63,6 +63,28 @@ class ServeSettings:
     fps: int = 16
     max_outbox: int = 2  # chunks made ahead of a slow client
     input_frames: int = 256  # input frames held for a video session
+
+
+PAGE_PROMPT = "a red circle moving left"  # the browser page's first prompt (static/index.html)
+
+
+def session_request(pipe, settings: ServeSettings, call: dict[str, Any], num_frames: int | None):
+    """The request of a session's call: `num_frames` None ("until stopped") is the longest video the call may make
+    within `--max-frames` (absolute positions end at the RoPE table); a refusal is the library's ValueError."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PromptWarning)
+        if num_frames is None:
+            num_frames = longest_num_frames(pipe, VideoCall.bind("stream", (), call), settings.max_frames)
+        elif num_frames > settings.max_frames:
+            raise ProtocolError("too_large", f"`num_frames` is at most {settings.max_frames} here", "num_frames")
+        return build_request(pipe, VideoCall.bind("stream", (), {**call, "num_frames": num_frames}))
+
+
+def check_default_session(pipe, settings: ServeSettings) -> None:
+    """Build the request of a plain text session "until stopped" with the server's defaults (its recipe), checks
+    only: a setting no such session can run (`--compile` with a recipe whose cache decides on the host, a recipe for
+    another pipeline) raises its ValueError at start, from the rule's own home, not once per session."""
+    session_request(pipe, settings, {"prompt": PAGE_PROMPT, "recipe": settings.recipe}, None)
 
 
 # ---------------------------------------------------------------------------------------- the hub
@@ -117,16 +139,7 @@ class Hub:
         if inputs is not None:
             call["video"], call["strength"] = inputs, start["strength"]
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", PromptWarning)
-                num_frames = start["num_frames"]
-                if num_frames is None:  # until stopped: the longest video the server allows, in whole chunks
-                    num_frames = self.pipe.valid_num_frames(self.settings.max_frames)[0]
-                elif num_frames > self.settings.max_frames:
-                    raise ProtocolError(
-                        "too_large", f"`num_frames` is at most {self.settings.max_frames} here", "num_frames"
-                    )
-                request = build_request(self.pipe, VideoCall.bind("stream", (), {"num_frames": num_frames, **call}))
+            request = session_request(self.pipe, self.settings, call, start["num_frames"])
         except ValueError as error:
             names = re.findall(r"`(\w+)`", str(error))
             raise ProtocolError("bad_request", str(error), names[0] if names else None) from None

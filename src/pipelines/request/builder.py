@@ -169,13 +169,30 @@ def num_frames_for(pipe: RequestPipeline, seconds: Any, fps: Any, call: VideoCal
     them."""
     seconds = check_number("seconds", seconds, 0, above=True)
     fps = check_number("fps", fps, 0, above=True)
-    _, options, first_chunk = _resolved(pipe, call)
     requested = max(1, math.ceil(round(seconds * fps, 6)))  # round first: 0.1 s * 30 fps is 3 frames, not 4
-    # the family's layout checks the chunk and window (its one home); frames are the same at any frame size
-    layout = pipe.make_layout(1, options, pipe.frames_to_latent(requested))
-    alone = first_chunk in ("frame", "extra_frame")  # one latent frame, then whole chunks, either way
-    below, above = pipe.valid_num_frames(requested, layout.chunk_frames, alone)
+    below, above, _ = _whole_chunks(pipe, call, requested)
     return below if below >= requested else above
+
+
+def longest_num_frames(pipe: RequestPipeline, call: VideoCall, at_most: int) -> int:
+    """The most frames `call` may make, at most `at_most`: whole chunks as `build_request` resolves them, ending
+    before the positions leave what the model represents (`frame_budget`: absolute positions end at the RoPE
+    table). What a stream "until stopped" runs (`rolldiff serve`'s `"num_frames": null`)."""
+    *_, layout = _whole_chunks(pipe, call, at_most)
+    budget = pipe.transformer.frame_budget(layout)
+    if budget is not None:
+        at_most = min(at_most, pipe.latent_to_frames(budget))
+    return _whole_chunks(pipe, call, at_most)[0]
+
+
+def _whole_chunks(pipe: RequestPipeline, call: VideoCall, frames: int) -> tuple[int, int, ChunkLayout]:
+    """The reachable frame counts just below and above `frames` for the call's chunks (after one latent frame for a
+    start image in the "frame" convention), and the layout they were read from."""
+    _, options, first_chunk = _resolved(pipe, call)
+    # the family's layout checks the chunk and window (its one home); frames are the same at any frame size
+    layout = pipe.make_layout(1, options, pipe.frames_to_latent(frames))
+    alone = first_chunk in ("frame", "extra_frame")  # one latent frame, then whole chunks, either way
+    return (*pipe.valid_num_frames(frames, layout.chunk_frames, alone), layout)
 
 
 # ---------------------------------------------------------------------------------------- the request
