@@ -66,7 +66,8 @@ def test_the_transformer_implements_the_protocol_with_its_exact_signatures(pipe)
 
 def test_the_transformer_methods_are_the_protocols_own_methods():
     assert TRANSFORMER_METHODS == (
-        "tokens_per_frame", "make_cache", "prepare_conditioning", "check_frame_budget", "committed_frames"
+        "tokens_per_frame", "make_cache", "prepare_conditioning", "frame_budget", "check_frame_budget",
+        "committed_frames",
     )  # fmt: skip
     assert all(callable(getattr(VideoTransformer, name)) for name in TRANSFORMER_METHODS)
 
