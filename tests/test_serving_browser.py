@@ -76,3 +76,22 @@ def test_the_webcam_drives_video_to_video(webcam_page, server):
         "() => document.querySelector('#camera').srcObject.getTracks().every(t => t.readyState === 'ended')"
     )
     assert server.sessions_within(0)
+
+
+def test_the_page_plays_under_a_recipe_of_absolute_positions(page):
+    """The page's sessions run "until stopped" (`"num_frames": null`): under `--recipe self-forcing` (absolute
+    positions) that is the longest video the RoPE table allows (1023 frames of the embedded model), where it used to
+    be refused at every start."""
+    server = Server("--recipe", "self-forcing")
+    try:
+        page.goto(f"http://127.0.0.1:{server.port}/")
+        page.wait_for_function("() => document.querySelector('#model').innerText.includes('KreaRealtime')")
+        assert server.http("/v1/model")["recipe"] == "self-forcing"
+        page.click("#start")
+        page.wait_for_function("() => +document.querySelector('#frames').innerText >= 12", timeout=60_000)
+        assert page.evaluate("() => document.querySelector('#status').innerText").endswith(": 1023 frames")
+        page.click("#stop")
+        page.wait_for_function("() => document.querySelector('#status').innerText.startsWith('done')", timeout=30_000)
+        assert server.sessions_within(0)
+    finally:
+        server.stop()
