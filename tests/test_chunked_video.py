@@ -233,3 +233,21 @@ def test_overlap_decode_with_a_reencoded_first_frame_decodes_serially_with_the_s
 def test_a_falsy_loop_option_is_checked_not_replaced_by_its_default(pipe, name, value):
     with pytest.raises(ValueError, match=f"`{name}`"):
         pipe.stream(PROMPT, num_frames=8, **{name: value}, **SIZE)
+
+
+@pytest.mark.parametrize("denoising", ["sequential", "pipelined"])
+def test_a_stream_finds_where_its_models_run_once_not_every_chunk(pipe, monkeypatch, denoising):
+    """diffusers resolves a pipeline's device by walking every module for offload hooks (about 3 ms a call on the
+    embedded model); a stream resolves it when it makes its caches, which binds it there, and never per chunk."""
+    reads = []
+    resolve = type(pipe).execution_device.fget
+    monkeypatch.setattr(type(pipe), "execution_device", property(lambda self: reads.append(1) or resolve(self)))
+    num_frames = pipe.num_frames_for(8, 1, **SIZE)  # whole chunks (pipelined denoising needs them)
+    stream = pipe.stream(
+        PROMPT, num_frames, generator=_seed(), denoising=denoising, window_frames="all", **SIZE
+    )
+    next(stream)
+    after_first = len(reads)
+    frames = [next(stream) for _ in range(stream.num_chunks - 1)]
+    assert len(frames) >= 3 and frames[-1] is not None
+    assert len(reads) == after_first <= 3, reads

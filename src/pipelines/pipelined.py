@@ -84,22 +84,22 @@ class PipelinedDenoising:
             if self._inputs.noise_mix is not None:
                 plan, sigma = self._inputs.noise_mix.plan_and_level(plan, request.step_mapping)
             if sigma is None:
-                sigma = self._schedule(plan, self._pipe.execution_device)[0].sigmas[0]
+                sigma = self._schedule(plan, self._placement[0])[0].sigmas[0]
         noisy = self._starting_latents(index, given, sigma)
         self._in_flight.append(InFlightChunk(index, noisy, 0))
         self._next_entering = index + 1
 
     def _pipelined_forward(self) -> torch.Tensor | None:
         """One forward over the window; the leaving chunk's clean latents (None while the window fills)."""
-        request, pipe = self._request, self._pipe
+        request = self._request
         plan = request.step_plan_for(self._in_flight[0].index)
-        scheduler, fed = self._schedule(plan, pipe.execution_device)
+        scheduler, fed = self._schedule(plan, self._placement[0])
         sigmas = scheduler.sigmas
         window = torch.cat([chunk.latents for chunk in self._in_flight], dim=2)  # (B, C, frames, h, w)
         timestep = torch.cat(
             [fed[chunk.step].unsqueeze(1).expand(-1, chunk.latents.shape[2]) for chunk in self._in_flight], dim=1
         )  # (B, frames): each chunk's frames at its own step
-        velocity = self._velocity(window.to(pipe.transformer.dtype), timestep).float()
+        velocity = self._velocity(window.to(self._placement[1]), timestep).float()
         clean, going_on, offset = None, [], 0
         for chunk in self._in_flight:
             frames = chunk.latents.shape[2]
@@ -117,7 +117,7 @@ class PipelinedDenoising:
             latents = self._after_step(torch.cat([chunk.latents for chunk in going_on], dim=2), timestep)
             for chunk, part in zip(going_on, latents.split([c.latents.shape[2] for c in going_on], dim=2)):
                 chunk.latents = part
-        return None if clean is None else clean.to(pipe.transformer.dtype)
+        return None if clean is None else clean.to(self._placement[1])
 
     # ---------------------------------------------------------------------------------------- state
     def _pipelined_state(self) -> dict[str, Any]:

@@ -87,7 +87,7 @@ class StreamBatchDenoising:
         """Copy the first chunk's cache into one cache per step (allocated here, once) and condition them."""
         first, pipe = self._caches[0], self._pipe
         steps = len(self._request.step_plan_for(0).steps)
-        device, dtype = pipe.execution_device, pipe.transformer.dtype
+        device, dtype = self._placement
         copies = [pipe.make_stream_cache(self._request, dtype, device) for _ in range(steps - 1)]
         state = first.state_dict()
         for cache in copies:
@@ -119,7 +119,7 @@ class StreamBatchDenoising:
         """One forward of every row through its own cache; commits each real row's write, re-noises the rows that
         go on; the clean latents of the chunk leaving the last row (None while the batch fills)."""
         pipe, request = self._pipe, self._request
-        dtype = pipe.transformer.dtype
+        dtype = self._placement[1]
         live = [(step, row) for step, row in enumerate(rows) if row is not None]
         latents = torch.cat([row.latents for _, row in live])
         timestep = torch.cat([self._tables(row.plan)[1][step, :1] for step, row in live])
@@ -164,7 +164,7 @@ class StreamBatchDenoising:
         values (`_schedule`), made once per plan: a forward sets no scheduler."""
         tables = self._plan_tables.get(plan)
         if tables is None:
-            scheduler, fed = self._schedule(plan, self._pipe.execution_device)
+            scheduler, fed = self._schedule(plan, self._placement[0])
             tables = self._plan_tables[plan] = (scheduler.sigmas.clone(), fed)
         return tables
 
