@@ -2,10 +2,12 @@
 run (the server's own overhead).
 
 Per row: aggregate and per-session frames per second (the slowest and the fastest session), time to first frame,
-p50 / p99 time between chunks as a client sees them, and the server's RSS after the row. Two servers in the same
-run: `--max-batch 1` (unbatched: sessions take turns on the model) and `--max-batch 8` (batched: the sessions'
-transformer steps share one forward per step, their chunk decodes one decode), each with its RSS at the start and
-the end, and how many session steps ran in a shared forward and session chunks in a shared decode. Each server
+p50 / p99 time between chunks as a client sees them, and the server's RSS after the row. Three servers in the same
+run: `--max-batch 1` (unbatched: sessions take turns on the model), `--max-batch 8 --parallel-groups 1` (batched:
+the sessions' transformer steps share one forward per step, their chunk decodes one decode, one group after another)
+and `--max-batch 8` (batched, with the server's default parallel groups: on a CPU, groups of 4 or more side by side,
+one per core), each with its RSS at the start and the end, how many session steps ran in a shared forward, session
+chunks in a shared decode and groups beside another. Each server
 first runs one untimed session (kernels chosen, buffers allocated), as the library's first chunk is timed apart.
 
 The model is the embedded one by default; `--model`, `--device`, `--dtype` and `--tiny-vae` go to both the server
@@ -46,6 +48,16 @@ from rolldiff.serving import connect  # noqa: E402
 PROMPT = "a red circle moving left"
 WAN_SIZE = (480, 832)  # Wan 2.1's native frame size
 DRY_WAN_SIZE = (64, 64)  # gpu_fps's dry-run size
+
+
+def servers(batch: str) -> list[tuple[str, list[str]]]:
+    """The servers each row runs on: sessions taking turns; batched, one group after another; batched, groups of 4 or
+    more side by side (the server's default: on a CPU its cores over torch's threads)."""
+    return [
+        ("unbatched", ["--max-batch", "1"]),
+        ("batched, one group at a time", ["--max-batch", batch, "--parallel-groups", "1"]),
+        ("batched", ["--max-batch", batch]),
+    ]
 
 
 class LoadServer(Server):
@@ -295,10 +307,10 @@ def measure(args: argparse.Namespace) -> int:
     model_flags += ["--tiny-vae", str(args.tiny_vae)] if args.tiny_vae is not None else []
     measured: dict[tuple[int, str], list[str]] = {}
     memory = []
-    for mode, max_batch in (("unbatched", 1), ("batched", max(counts))):
+    batch = str(max(counts))
+    for mode, flags in servers(batch):
         server = LoadServer(
-            *model_flags, "--max-sessions", str(max(counts)), "--max-frames", str(num_frames),
-            "--max-batch", str(max_batch), env=threads,
+            *model_flags, "--max-sessions", batch, "--max-frames", str(num_frames), *flags, env=threads,
         )  # fmt: skip
         try:
             served = server.http("/v1/model")["model"]
@@ -323,7 +335,9 @@ def measure(args: argparse.Namespace) -> int:
             )
             memory.append(
                 f"{mode} server: {health['batched_rows']} session steps ran in forwards shared with other sessions, "
-                f"{health['batched_decodes']} session chunks in decodes shared with other sessions"
+                f"{health['batched_decodes']} session chunks in decodes shared with other sessions, "
+                f"{health['side_by_side_groups']} groups made beside another (parallel groups: "
+                f"{server.http('/v1/model')['parallel_groups']})"
             )
         finally:
             server.stop()
@@ -334,9 +348,7 @@ def measure(args: argparse.Namespace) -> int:
         f"pipe.stream alone, same run: {alone:.1f} fps (steady state, {num_frames} frames, {threads['OMP_NUM_THREADS']} torch threads)"
     )
     print("\n".join(memory))
-    print(
-        markdown_table(header, [measured[sessions, mode] for sessions in counts for mode in ("unbatched", "batched")])
-    )
+    print(markdown_table(header, [measured[sessions, mode] for sessions in counts for mode, _ in servers(batch)]))
     return 0
 
 

@@ -390,6 +390,13 @@ def _add_serve_command(commands) -> None:
         help="sessions denoised together in one forward per step (default 8; 1: sessions take turns)",
     )
     serve.add_argument(
+        "--parallel-groups",
+        type=_positive(int),
+        metavar="N",
+        help="batched groups of 4 or more sessions made at once (default: on a CPU, its cores over torch's threads; "
+        "1 on a GPU)",
+    )
+    serve.add_argument(
         "--token", default=os.environ.get("ROLLDIFF_TOKEN"), help="clients must send it (default: $ROLLDIFF_TOKEN)"
     )
     serve.add_argument(
@@ -615,6 +622,14 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
         raise UsageError(str(exc).replace("`host`", "--host").replace("`port`", "--port")) from None
 
 
+def _default_parallel_groups(device: str) -> int:
+    """A CPU's cores over torch's threads (2 on 2 cores, where torch has one: docs/serving.md); 1 on a GPU, whose
+    one stream a second group's forwards would only queue on."""
+    if torch.device(device).type != "cpu":
+        return 1
+    return max(1, (os.cpu_count() or 1) // torch.get_num_threads())
+
+
 def run_serve(args: argparse.Namespace) -> int:
     missing = [name for name in ("fastapi", "uvicorn", "websockets") if importlib.util.find_spec(name) is None]
     if missing:
@@ -628,12 +643,14 @@ def run_serve(args: argparse.Namespace) -> int:
         # one core for the event loop and the frame encoding: torch on every core starves them (measured on 2
         # cores: 26 fps with 2 threads, 46 with 1; docs/serving.md)
         torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    parallel_groups = args.parallel_groups or _default_parallel_groups(device)
     pipe = _load(args, device)
     settings = ServeSettings(
         model=str(args.model or "tiny-bouncing-shapes"),
         recipe=args.recipe,
         max_sessions=args.max_sessions,
         max_batch=1 if args.compile else args.max_batch,  # a compiled step is one cache's graph
+        parallel_groups=parallel_groups,
         token=args.token or None,
         state_dir=None if args.state_dir is None else str(args.state_dir),
         idle_timeout=args.idle_timeout,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 
@@ -77,6 +78,8 @@ def test_http_beside_the_socket(server):
     model = server.http("/v1/model")
     assert model["protocol"] == "rolldiff-stream/1" and model["height"] == 32 and model["chunk_frames"] == 3
     assert model["max_batch"] == 8  # the default: sessions that line up share one forward per step
+    # on a CPU, groups of 4 or more made at once: the cores over torch's threads (one here: OMP_NUM_THREADS=1)
+    assert model["parallel_groups"] == max(1, os.cpu_count() or 1)
 
 
 def test_a_seeded_raw_session_sends_exactly_the_librarys_frames(server, references):
@@ -311,6 +314,11 @@ def test_until_stopped_is_the_longest_video_the_sessions_positions_allow(recipe,
     assert request.geometry.num_latent_frames == latent_frames
     with pytest.raises(ValueError, match="RoPE table"):  # what a session "until stopped" asked for before
         session_request(pipe, settings, {"prompt": PAGE_PROMPT, "recipe": "self-forcing"}, 99999)
+
+
+def test_parallel_groups_below_1_is_refused_naming_the_flag(capsys):
+    assert main(["serve", "--parallel-groups", "0", "--port", str(free_port())]) == 2
+    assert "--parallel-groups" in capsys.readouterr().err
 
 
 def test_a_default_recipe_that_cannot_run_compiled_is_refused_at_start(capsys):

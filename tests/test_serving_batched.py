@@ -192,3 +192,32 @@ def test_rolling_forcing_sessions_batched_each_stay_within_2_of_255_of_their_sol
         "b": solo(pipe, BLUE, 4, num_frames=frames, recipe="rolling-forcing"),
     }
     check_each_is_its_solo_run(made, expected)
+
+
+def test_eight_sessions_as_two_groups_side_by_side_each_stay_within_2_of_255_of_their_solo_runs(pipe):
+    """`parallel_groups=2`: a pass with 8 ready sessions makes them as two groups of 4, each in a thread of its own,
+    two batched forwards at once through the one model (`side_by_side_groups` counts them)."""
+    server = InProcessServer(pipe, max_sessions=8, max_batch=8, parallel_groups=2)
+    try:
+        assert server.http("/v1/model")["parallel_groups"] == 2
+        colors = (RED, BLUE, GREEN, RED, BLUE, GREEN, RED, BLUE)
+        starts = {f"s{seed}": dict(prompt=colors[seed], seed=seed, num_frames=24) for seed in range(8)}
+        made = run_together(server, starts)
+        health = server.http("/healthz")
+    finally:
+        server.stop()
+    assert health["side_by_side_groups"] >= 2 and health["batched_rows"] > 0, health
+    check_each_is_its_solo_run(made, {f"s{seed}": solo(pipe, colors[seed], seed, 24) for seed in range(8)})
+
+
+@pytest.mark.parametrize(
+    ("size", "parts", "expected"),
+    [(8, 2, [4, 4]), (9, 2, [5, 4]), (7, 2, [7]), (16, 4, [4, 4, 4, 4]), (8, 1, [8]), (12, 2, [6, 6]), (1, 2, [1])],
+)
+def test_split_group_keeps_at_least_4_sessions_to_a_part(size, parts, expected):
+    from rolldiff.serving.scheduler import PARALLEL_MIN_ROWS, split_group
+
+    group = list(range(size))
+    split = split_group(group, parts, PARALLEL_MIN_ROWS)
+    assert [len(part) for part in split] == expected
+    assert [item for part in split for item in part] == group  # in order, each once

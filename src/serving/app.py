@@ -53,6 +53,7 @@ class ServeSettings:
     recipe: str | None = None
     max_sessions: int = 4
     max_batch: int = 8  # sessions denoised together in one forward per step; 1: they take turns
+    parallel_groups: int = 1  # batched groups of 4 or more made at once (rolldiff.serving.scheduler)
     token: str | None = None
     state_dir: str | None = None
     idle_timeout: float = 300.0
@@ -98,7 +99,12 @@ class Hub:
         # a transformer that cannot take one cache per row (another family) serves sessions in turns
         self.max_batch = settings.max_batch if batchable(pipe) else 1
         self.scheduler = Scheduler(
-            self.store, settings.state_every, settings.idle_timeout, settings.max_frames, self.max_batch
+            self.store,
+            settings.state_every,
+            settings.idle_timeout,
+            settings.max_frames,
+            self.max_batch,
+            settings.parallel_groups,
         )
         self.admission = asyncio.Lock()
 
@@ -120,6 +126,7 @@ class Hub:
             "protocol": PROTOCOL,
             "max_sessions": self.settings.max_sessions,
             "max_batch": self.max_batch,
+            "parallel_groups": self.scheduler.parallel_groups,
         }
 
     def build(self, start: dict[str, Any], inputs: InputFrames | None):
@@ -182,6 +189,7 @@ def create_app(pipe, settings: ServeSettings) -> FastAPI:
             "max_sessions": settings.max_sessions,
             "batched_rows": scheduler.shared_rows,
             "batched_decodes": scheduler.shared_decodes,
+            "side_by_side_groups": scheduler.side_by_side,
         }
 
     @app.get("/v1/model")
