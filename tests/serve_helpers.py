@@ -75,18 +75,12 @@ class InProcessServer(_Endpoint):
         import uvicorn
 
         from rolldiff.serving.app import ServeSettings, create_app
+        from rolldiff.serving.server import uvicorn_config
 
         self.port = free_port()
         settings = ServeSettings(**settings)
         self.app = create_app(pipe, settings)
-        config = uvicorn.Config(
-            self.app,
-            host="127.0.0.1",
-            port=self.port,
-            log_level="warning",
-            ws_max_size=settings.max_message_bytes,
-            lifespan="off",
-        )
+        config = uvicorn_config(self.app, settings, "127.0.0.1", self.port)
         self.server = uvicorn.Server(config)  # not the main thread: uvicorn installs no signal handlers
         self.thread = threading.Thread(target=self.server.run, name="rolldiff-test-serve", daemon=True)
         self.thread.start()

@@ -243,9 +243,7 @@ def test_a_stream_finds_where_its_models_run_once_not_every_chunk(pipe, monkeypa
     resolve = type(pipe).execution_device.fget
     monkeypatch.setattr(type(pipe), "execution_device", property(lambda self: reads.append(1) or resolve(self)))
     num_frames = pipe.num_frames_for(8, 1, **SIZE)  # whole chunks (pipelined denoising needs them)
-    stream = pipe.stream(
-        PROMPT, num_frames, generator=_seed(), denoising=denoising, window_frames="all", **SIZE
-    )
+    stream = pipe.stream(PROMPT, num_frames, generator=_seed(), denoising=denoising, window_frames="all", **SIZE)
     next(stream)
     after_first = len(reads)
     frames = [next(stream) for _ in range(stream.num_chunks - 1)]

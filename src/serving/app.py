@@ -32,6 +32,7 @@ from .frames import decode_frame, decode_image
 from .protocol import (
     CLOSE_GOING_AWAY,
     CLOSE_POLICY,
+    CLOSE_TOO_BIG,
     CLOSE_TRY_LATER,
     PROTOCOL,
     ProtocolError,
@@ -265,10 +266,27 @@ class Connection:
                 except RuntimeError:
                     pass
 
-    async def _open(self) -> bool:
-        """The `start` or `restore` message; a refusal closes with 1008 (1013 when the server is full)."""
+    async def _received(self) -> dict[str, Any]:
+        """The next message; one over `max_message_bytes` is answered `too_large` and closes with 1009 (uvicorn reads
+        up to twice the limit, so such a message arrives whole and the client reads the answer: a server that stops
+        reading mid-message resets the connection under the client's feet)."""
         message = await self.websocket.receive()
         if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect(message.get("code", 1000))
+        data = message.get("bytes")
+        size = len(data) if data is not None else len((message.get("text") or "").encode())
+        limit = self.hub.settings.max_message_bytes
+        if size > limit:
+            error = ProtocolError("too_large", f"a message is at most {limit} bytes here, got {size}")
+            await _refuse(self.websocket, error, CLOSE_TOO_BIG)
+            raise WebSocketDisconnect(CLOSE_TOO_BIG)
+        return message
+
+    async def _open(self) -> bool:
+        """The `start` or `restore` message; a refusal closes with 1008 (1013 when the server is full)."""
+        try:
+            message = await self._received()
+        except WebSocketDisconnect:
             return False
         try:
             if "text" not in message or message["text"] is None:
@@ -361,9 +379,7 @@ class Connection:
     async def _receive(self) -> None:
         session = self.session
         while True:
-            message = await self.websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                raise WebSocketDisconnect(message.get("code", 1000))
+            message = await self._received()
             session.touch()
             try:
                 if message.get("bytes") is not None:

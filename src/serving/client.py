@@ -34,9 +34,10 @@ class RemoteStream(Iterator[np.ndarray]):
         headers = {"Authorization": f"Bearer {token}"} if token else None
         # entered here and left in `close`: this object is the context the connection lives in. No keepalive pings:
         # a caller that stops reading for a while (its frames pile up in the library's queue, so TCP stalls and the
-        # pong waits behind them) would otherwise be cut off with 1011; every read has its own `timeout` instead.
+        # pong waits behind them) would otherwise be cut off with 1011; every read has its own `timeout` instead. No
+        # compression: the frames are media (`rolldiff.serving.server.uvicorn_config`).
         self._socket = ws_connect(
-            url, additional_headers=headers, max_size=None, open_timeout=timeout, ping_interval=None
+            url, additional_headers=headers, max_size=None, open_timeout=timeout, ping_interval=None, compression=None
         ).__enter__()
         self._timeout = timeout
         self.events: list[dict[str, Any]] = []

@@ -20,7 +20,7 @@ INPUTS = ("text", "image", "video")
 # Error codes and the WebSocket close codes that go with a refusal that ends the connection.
 ERROR_CODES = ("bad_request", "busy", "unauthorized", "too_large", "not_found", "internal")
 CLOSE_POLICY = 1008  # a bad `start` (or restore), a missing token
-CLOSE_TOO_BIG = 1009  # a message over the size limit (uvicorn closes with it)
+CLOSE_TOO_BIG = 1009  # a message over the size limit (`too_large` first; uvicorn's own stop at twice the limit)
 CLOSE_TRY_LATER = 1013  # too many sessions
 CLOSE_GOING_AWAY = 1001  # the server shuts down (after `suspended`), or the session ended idle
 TOKEN_PATTERN = re.compile(r"^[A-Za-z0-9_-]{32}$")  # what `secrets.token_urlsafe(24)` makes, nothing else
