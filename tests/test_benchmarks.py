@@ -292,7 +292,10 @@ def test_serve_load_dry_run_prints_every_row_beside_the_library():
     assert done.returncode == 0, done.stderr
     assert "pipe.stream alone, same run:" in done.stdout and "server RSS:" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
-    assert len(rows) == 4 and all(float(row.split("|")[2]) > 0 for row in rows)  # batched rows measured too
+    assert len(rows) == 6 and all(float(row.split("|")[2]) > 0 for row in rows)  # batched rows measured too
+    names = {row.split(" | ")[0].lstrip("| ") for row in rows}
+    modes = ("unbatched", "batched, one group at a time", "batched")  # the three servers
+    assert names == {f"{count} {mode}" for count in (1, 2) for mode in modes}, names
 
 
 def test_serve_load_wan_shape_dry_run_builds_serves_and_says_what_it_ran():
