@@ -239,13 +239,16 @@ def test_a_falsy_loop_option_is_checked_not_replaced_by_its_default(pipe, name, 
 def test_a_stream_finds_where_its_models_run_once_not_every_chunk(pipe, monkeypatch, denoising):
     """diffusers resolves a pipeline's device by walking every module for offload hooks (about 3 ms a call on the
     embedded model); a stream resolves it when it makes its caches, which binds it there, and never per chunk."""
-    reads = []
+    reads, vae_dtype_reads = [], []
     resolve = type(pipe).execution_device.fget
     monkeypatch.setattr(type(pipe), "execution_device", property(lambda self: reads.append(1) or resolve(self)))
+    vae_dtype = type(pipe.vae).dtype.fget  # the same module walk, once per chunk in the decoder before
+    monkeypatch.setattr(type(pipe.vae), "dtype", property(lambda self: vae_dtype_reads.append(1) or vae_dtype(self)))
     num_frames = pipe.num_frames_for(8, 1, **SIZE)  # whole chunks (pipelined denoising needs them)
     stream = pipe.stream(PROMPT, num_frames, generator=_seed(), denoising=denoising, window_frames="all", **SIZE)
     next(stream)
-    after_first = len(reads)
+    after_first, vae_after_first = len(reads), len(vae_dtype_reads)
     frames = [next(stream) for _ in range(stream.num_chunks - 1)]
     assert len(frames) >= 3 and frames[-1] is not None
     assert len(reads) == after_first <= 3, reads
+    assert len(vae_dtype_reads) == vae_after_first, vae_dtype_reads

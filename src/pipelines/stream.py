@@ -153,19 +153,19 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
             pipe.scheduler.config, stochastic_sampling=True, use_dynamic_shifting=False, shift=1.0
         )  # for a step plan's own sigmas, which are final (no second shift)
         self._fed: dict[StepPlan, torch.Tensor] = {}  # per step plan: the fed timesteps, (steps, batch), made once
-        self._placed: tuple[torch.device, torch.dtype] | None = None  # `_placement`, resolved once
+        self._placed: tuple[torch.device, torch.dtype] | None = None  # `_placement`, fixed by `_allocate`
         self._init_pipelined()  # `denoising="pipelined"`: the chunks in flight (rolldiff.pipelines.pipelined)
         self._init_stream_batch()  # `denoising="stream_batch"`: a cache per step, the rows in flight
 
     # ---------------------------------------------------------------------------------------- properties
     @property
     def _placement(self) -> tuple[torch.device, torch.dtype]:
-        """Where and in what dtype the models run, resolved once (again when the caches are made, which binds the
-        stream to it): diffusers finds a pipeline's device by walking every module for offload hooks, about 3 ms a
-        call on the embedded model, which several calls a chunk made 8 % of a chunk's time."""
-        if self._placed is None:
-            self._placed = (self._pipe.execution_device, self._pipe.transformer.dtype)
-        return self._placed
+        """Where and in what dtype the models run: fixed when the caches are made there (`_allocate`), looked up
+        before. diffusers finds a pipeline's device by walking every module for offload hooks, about 3 ms a lookup on
+        the embedded model; looked up per chunk, that was 8 % of a chunk's time."""
+        if self._placed is not None:
+            return self._placed
+        return self._pipe.execution_device, self._pipe.transformer.dtype
 
     @property
     def pipeline(self) -> StreamPipeline:
@@ -329,8 +329,8 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         """Make the caches (one per guidance branch), the decoder and the input's encoder: no text encoded, no
         conditioning (a loaded state brings its own embeddings)."""
         pipe, request = self._pipe, self._request
-        self._placed = None  # the caches are made now: where the models run now is where this stream runs
-        device, dtype = self._placement
+        device, dtype = pipe.execution_device, pipe.transformer.dtype
+        self._placed = (device, dtype)  # the stream runs there from now on: its caches are made there
         self._caches = [pipe.make_stream_cache(request, dtype, device) for _ in range(1 + request.uses_guidance)]
         chunk_shape = request.chunk_shape
         self._recent = torch.zeros((*chunk_shape[:2], 0, *chunk_shape[3:]), device=device, dtype=dtype)

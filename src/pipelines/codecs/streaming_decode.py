@@ -116,10 +116,10 @@ class StreamingWanDecoder(WanFeatureCacheStream):
         video_shape = (latents.shape[0], latents.shape[3], latents.shape[4])
         self._check_video_shape("latents", video_shape)
 
+        weight = self._onload()  # its dtype is the VAE's (`vae.dtype` walks every module: ~1 ms a chunk)
         if self.denormalize:
-            latents = latents.to(self.vae.dtype)
+            latents = latents.to(weight.dtype)
             latents = denormalize_wan_latents(latents, self.vae, self._latent_stats(latents))
-        weight = self._onload()
         latents = latents.to(device=weight.device, dtype=weight.dtype)
 
         # Mirrors AutoencoderKLWan._decode, one latent frame per decoder call. post_quant_conv is 1x1x1 (no
