@@ -7,8 +7,8 @@ run: `--max-batch 1` (unbatched: sessions take turns on the model), `--max-batch
 the sessions' transformer steps share one forward per step, their chunk decodes one decode, one group after another)
 and `--max-batch 8` (batched, with the server's default parallel groups: on a CPU, groups of 4 or more side by side,
 one per core), each with its RSS at the start and the end, how many session steps ran in a shared forward, session
-chunks in a shared decode and groups beside another. Each server
-first runs one untimed session (kernels chosen, buffers allocated), as the library's first chunk is timed apart.
+chunks in a shared decode and groups beside another. Each server first runs one untimed session (kernels chosen,
+buffers allocated), as the library's first chunk is timed apart.
 
 The model is the embedded one by default; `--model`, `--device`, `--dtype` and `--tiny-vae` go to both the server
 (`rolldiff serve` flags of the same names) and the library baseline, loaded the same way (`load_pipeline`, then
@@ -313,7 +313,8 @@ def measure(args: argparse.Namespace) -> int:
             *model_flags, "--max-sessions", batch, "--max-frames", str(num_frames), *flags, env=threads,
         )  # fmt: skip
         try:
-            served = server.http("/v1/model")["model"]
+            described = server.http("/v1/model")
+            served = described["model"]
             if served != str(args.model or "tiny-bouncing-shapes"):
                 raise RuntimeError(f"the server serves {served!r}, not {args.model!r}")
             rss_start = server_rss_mib(server)
@@ -337,7 +338,7 @@ def measure(args: argparse.Namespace) -> int:
                 f"{mode} server: {health['batched_rows']} session steps ran in forwards shared with other sessions, "
                 f"{health['batched_decodes']} session chunks in decodes shared with other sessions, "
                 f"{health['side_by_side_groups']} groups made beside another (parallel groups: "
-                f"{server.http('/v1/model')['parallel_groups']})"
+                f"{described['parallel_groups']})"
             )
         finally:
             server.stop()

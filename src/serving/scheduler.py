@@ -15,10 +15,10 @@ before, in the worker thread.
 
 Side by side (`parallel_groups` > 1, on a CPU with cores to spare: `rolldiff serve --parallel-groups`): the groups
 of at least `PARALLEL_MIN_ROWS` sessions in a pass are made at once, each in a thread of its own (a group of at least
-twice that many is split into balanced parts first, where there are fewer such groups than workers), so each core runs a batched forward (torch
-releases the GIL in its kernels). A group smaller than that gains more from one forward than from a second core
-(measured on 2 cores: 8 sessions as two groups of 4 side by side made 1.3x the frames of one group of 8; 4 as two
-groups of 2, none more than one group of 4).
+twice that many is split into balanced parts first, where there are fewer such groups than workers), so each core
+runs a batched forward (torch releases the GIL in its kernels). A group smaller than that gains more from one
+forward than from a second core (measured on 2 cores: 8 sessions as two groups of 4 side by side made 1.3x the
+frames of one group of 8; 4 as two groups of 2, none more than one group of 4).
 """
 
 from __future__ import annotations
@@ -170,13 +170,13 @@ class Scheduler:
         large = sum(len(group) >= PARALLEL_MIN_ROWS for group in groups)
         parts = max(1, self.parallel_groups // max(1, large))  # split only as far as the workers go
         groups = [part for group in groups for part in split_group(group, parts, PARALLEL_MIN_ROWS)]
-        beside = [group for group in groups if len(group) >= PARALLEL_MIN_ROWS] if self._groups is not None else []
-        if len(beside) < 2:
+        beside = [group for group in groups if len(group) >= PARALLEL_MIN_ROWS]
+        if self._groups is None or len(beside) < 2:
             beside = []
         futures = [self._groups.submit(self._make_group, group) for group in beside]
-        for group in groups:
-            if not any(group is other for other in beside):
-                self._make_group(group)
+        inline = [group for group in groups if len(group) < PARALLEL_MIN_ROWS] if beside else groups
+        for group in inline:  # meanwhile, in the worker thread
+            self._make_group(group)
         for future in futures:
             future.result()
         with self._counts:

@@ -41,10 +41,11 @@ class SuspendingServer(uvicorn.Server):
 
 
 def uvicorn_config(app, settings: ServeSettings, host: str, port: int) -> uvicorn.Config:
-    """uvicorn's settings for the app. Messages up to twice `max_message_bytes` are read whole, so the app answers one
-    over the limit (`too_large`, close 1009) where the client reads it. No permessage-deflate: frames are media, where deflate costs the event loop far
-    more than it saves (one 480x832 raw frame of decoded video: 111 ms to compress, to 97 % of its size; JPEG and PNG
-    are compressed already), and every frame of every session goes through that one thread."""
+    """uvicorn's settings for the app. Messages up to twice `max_message_bytes` are read whole, so the app answers
+    one over the limit (`too_large`, close 1009) where the client reads it. No permessage-deflate: frames are media,
+    where deflate costs the event loop far more than it saves (one 480x832 raw frame of decoded video: 111 ms to
+    compress, to 97 % of its size; JPEG and PNG are compressed already), and every frame of every session goes
+    through that one thread."""
     return uvicorn.Config(
         app,
         host=host,
