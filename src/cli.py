@@ -614,6 +614,11 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
             f"--host {args.host} lets other machines in; give --token (or ROLLDIFF_TOKEN), or --insecure-no-token to "
             "serve without one"
         )
+    if (args.parallel_groups or 1) > 1 and (args.max_batch == 1 or args.compile):
+        raise UsageError(
+            "--parallel-groups makes batched groups side by side: it needs --max-batch above 1 and no --compile "
+            "(a compiled step is one session's graph)"
+        )
     if args.state_every < 0 or (args.state_every and args.state_dir is None):
         raise UsageError("--state-every: a number of chunks >= 0, with --state-dir to save into")
     try:

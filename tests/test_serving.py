@@ -333,6 +333,13 @@ def test_parallel_groups_below_1_is_refused_naming_the_flag(capsys):
     assert "--parallel-groups" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("other", [["--max-batch", "1"], ["--compile", "eager"]])
+def test_parallel_groups_without_batching_is_refused_naming_both_flags(capsys, other):
+    assert main(["serve", "--parallel-groups", "2", *other, "--port", str(free_port())]) == 2
+    error = capsys.readouterr().err
+    assert "--parallel-groups" in error and other[0] in error
+
+
 def test_a_default_recipe_that_cannot_run_compiled_is_refused_at_start(capsys):
     """StreamDiffusionV2's sessions decide each write on the host (sequential denoising): every session of such a
     server would be refused by the request builder, so the server is, at start, naming both flags."""
