@@ -50,9 +50,12 @@ WAN_SIZE = (480, 832)  # Wan 2.1's native frame size
 DRY_WAN_SIZE = (64, 64)  # gpu_fps's dry-run size
 
 
-def servers(batch: str) -> list[tuple[str, list[str]]]:
+def servers(batch: str, device: str) -> list[tuple[str, list[str]]]:
     """The servers each row runs on: sessions taking turns; batched, one group after another; batched, groups of 4 or
-    more side by side (the server's default: on a CPU its cores over torch's threads)."""
+    more side by side (the server's default on a CPU: its cores over torch's threads). On a GPU the default is one
+    group at a time, so the last two are the same server and it runs once."""
+    if torch.device(device).type != "cpu":
+        return [("unbatched", ["--max-batch", "1"]), ("batched", ["--max-batch", batch])]
     return [
         ("unbatched", ["--max-batch", "1"]),
         ("batched, one group at a time", ["--max-batch", batch, "--parallel-groups", "1"]),
@@ -308,7 +311,7 @@ def measure(args: argparse.Namespace) -> int:
     measured: dict[tuple[int, str], list[str]] = {}
     memory = []
     batch = str(max(counts))
-    for mode, flags in servers(batch):
+    for mode, flags in servers(batch, args.device):
         server = LoadServer(
             *model_flags, "--max-sessions", batch, "--max-frames", str(num_frames), *flags, env=threads,
         )  # fmt: skip
@@ -349,7 +352,11 @@ def measure(args: argparse.Namespace) -> int:
         f"pipe.stream alone, same run: {alone:.1f} fps (steady state, {num_frames} frames, {threads['OMP_NUM_THREADS']} torch threads)"
     )
     print("\n".join(memory))
-    print(markdown_table(header, [measured[sessions, mode] for sessions in counts for mode, _ in servers(batch)]))
+    print(
+        markdown_table(
+            header, [measured[sessions, mode] for sessions in counts for mode, _ in servers(batch, args.device)]
+        )
+    )
     return 0
 
 
