@@ -109,6 +109,44 @@ def test_an_unusable_backend_is_refused_listing_the_usable_ones(name, why):
         set_attention_backend(tiny_transformer(), name)
 
 
+def test_a_backend_that_cannot_run_the_models_head_size_is_refused_before_anything_changes(monkeypatch):
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    model = tiny_transformer(attention_head_dim=36)  # the embedded models' head size: no fused kernel takes it
+    monkeypatch.setattr(acceleration, "available_attention_backends", lambda device: ["native", "_native_cudnn"])
+    before = _AttentionBackendRegistry.get_active_backend()[0]
+    with pytest.raises(
+        acceleration.AccelerationUnavailable,
+        match=r"'_native_cudnn' cannot run .* head size 36 in float32.*usable for it: native",
+    ):
+        set_attention_backend(model, "_native_cudnn")  # cuDNN is absent on a CPU, as it refuses 36 on a GPU
+    assert _AttentionBackendRegistry.get_active_backend()[0] == before
+    assert all(
+        getattr(m.processor, "_attention_backend", None) is None for m in model.modules() if hasattr(m, "processor")
+    )
+
+
+def test_fastest_is_the_first_preferred_backend_that_runs_every_head_size(monkeypatch):
+    monkeypatch.setattr(acceleration, "available_attention_backends", lambda device: ["flash", "native"])
+    monkeypatch.setattr(acceleration, "attention_runs", lambda name, device, dim, dtype: dim % 8 == 0)
+    assert fastest_attention_backend("cpu", [64, 128]) == "flash"
+    assert fastest_attention_backend("cpu", [36, 64]) == "native"  # one head size the kernel refuses is enough
+    assert acceleration.attention_head_dims(tiny_transformer(attention_head_dim=36)) == [36]
+
+
+def test_setting_a_backend_on_one_model_leaves_other_models_on_the_default():
+    """diffusers' `set_attention_backend` also sets its process-wide backend, which every processor without one
+    of its own uses: a later pipeline (in float32, say) would run a kernel chosen for another."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    before = _AttentionBackendRegistry.get_active_backend()[0]
+    chosen, other = tiny_transformer(), tiny_transformer(seed=1)
+    set_attention_backend(chosen, "_native_math")
+    assert _AttentionBackendRegistry.get_active_backend()[0] == before
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in attention_ops(chosen)
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in attention_ops(other)
+
+
 def cached_velocities(model, chunks: int = 4, step=None) -> list[torch.Tensor]:
     """Velocities of `chunks` cached chunks (1 step + the context pass each), window 2 + 2 of chunk 1."""
     layout = ChunkLayout(tokens_per_frame=4, chunk_frames=1, sink_frames=1, window_frames=2)
@@ -144,13 +182,10 @@ def test_setting_math_runs_torchs_math_kernel_with_the_same_output():
     model = tiny_transformer()
     default = cached_velocities(model)
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in attention_ops(model)
-    try:
-        set_attention_backend(model, "_native_math")
-        assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in attention_ops(model)
-        for a, b in zip(default, cached_velocities(model), strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    finally:
-        set_attention_backend(model, "native")  # diffusers keeps the last one as its process-wide default
+    set_attention_backend(model, "_native_math")
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" not in attention_ops(model)
+    for a, b in zip(default, cached_velocities(model), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_a_masked_call_falls_back_from_mask_free_kernels():

@@ -8,8 +8,9 @@ Each switch changes how the same step runs, never what it computes beyond the st
   text, which run once per prompt (their K/V live in the cache). Layers whose sides are not multiples of 16
   (the float8 GEMM's alignment) are kept too, by name, rather than skipped silently as torchao would.
 - `fastest_attention_backend` / `set_attention_backend`: diffusers' attention dispatcher. Offered: exact
-  backends only (FA3, flash-attn 2, cuDNN, torch's own SDPA kernels); lossy ones (Sage, int8) and those that
-  download kernels at run time (`*_hub`) are not.
+  backends only (FA3, flash-attn 2, cuDNN, torch's own SDPA kernels), each checked against the model's head
+  sizes and dtype before it is set; lossy ones (Sage, int8) and those that download kernels at run time
+  (`*_hub`) are not.
 - `capture_cuda_graphs`: the cached step under `torch.compile(mode="reduce-overhead")`, i.e. inductor's CUDA
   graph trees. Replay is valid because every tensor the step writes or reads across calls has a fixed
   address: the cache's ring buffers and device counters are registered `nn.Module` buffers, allocated once and
@@ -25,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -38,9 +40,11 @@ FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Bla
 FP8_ALIGNMENT = 16  # torch._scaled_mm needs both sides of the weight to be multiples of 16
 # Cross-attention projections of the text: run once per prompt, their K/V are kept in the cache.
 TEXT_KV_PROJECTIONS = ("attn2.to_k", "attn2.to_v", "attn2.add_k_proj", "attn2.add_v_proj")
-# Fastest first. Exact kernels only; every one takes the (batch, tokens, heads, head_dim) layout.
-ATTENTION_PREFERENCE = ("_flash_3", "flash", "_native_cudnn", "native")
-OFFERED_BACKENDS = (*ATTENTION_PREFERENCE, "_native_flash", "_native_efficient", "_native_math")
+# Fastest first. Exact kernels only; every one takes the (batch, tokens, heads, head_dim) layout. cuDNN is offered
+# but not preferred: on an H200 at Wan 2.1 1.3B's shapes it was slower than torch's SDPA ("native", which picks its
+# own flash kernel for an unmasked bf16 call): 423 against 391 ms a chunk (docs/gpu/h200_gpu_fps.txt).
+ATTENTION_PREFERENCE = ("_flash_3", "flash", "native")
+OFFERED_BACKENDS = (*ATTENTION_PREFERENCE, "_native_cudnn", "_native_flash", "_native_efficient", "_native_math")
 STEP_RECOMPILE_LIMIT = 64  # graphs of the cached step one process may record (`compile_cached_step`)
 
 
@@ -174,35 +178,64 @@ def available_attention_backends(device: torch.device | str) -> list[str]:
     return [name for name in OFFERED_BACKENDS if usable[name]]
 
 
-def fastest_attention_backend(device: torch.device | str) -> str:
-    """The first usable of FA3 (Hopper), flash-attn 2, cuDNN (compute capability >= 9.0), torch's SDPA.
+def attention_head_dims(transformer: nn.Module) -> list[int]:
+    """The head sizes the transformer's attentions run at (its config's `*head_dim` entries): fused kernels take
+    only some (multiples of 8, up to a limit), so a backend is checked against each before it is set."""
+    config = getattr(transformer, "config", {})
+    return sorted({int(value) for key, value in config.items() if key.endswith("head_dim") and isinstance(value, int)})
 
-    cuDNN's fused attention is preferred over torch's default only on Hopper and newer, where it is the faster
-    kernel; before that torch's own flash kernel (what "native" picks without a mask) is as fast.
-    """
+
+def weights_dtype(transformer: nn.Module) -> torch.dtype:
+    """The dtype of the transformer's first floating-point parameter (what its attention runs in)."""
+    return next((p.dtype for p in transformer.parameters() if p.is_floating_point()), torch.float32)
+
+
+def attention_runs(name: str, device: torch.device | str, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether backend `name` runs an unmasked attention of `head_dim` in `dtype` on `device`: a tiny call through
+    diffusers' dispatcher, since which shapes a fused kernel takes is the kernel's to say (cuDNN and the flash
+    kernels refuse a head size of 36 and float32)."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
+
+    query = torch.randn(1, 8, 2, head_dim, device=device, dtype=dtype)  # (batch, tokens, heads, head_dim)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns once per kernel it turns down before it raises
+        try:
+            dispatch_attention_fn(query, query, query, backend=AttentionBackendName(name))
+        except Exception:  # noqa: BLE001 - any failure (no kernel, package missing) means it does not run here
+            return False
+    return True
+
+
+def fastest_attention_backend(
+    device: torch.device | str, head_dims: Sequence[int] = (), dtype: torch.dtype = torch.bfloat16
+) -> str:
+    """The first usable of FA3 (Hopper), flash-attn 2 and torch's SDPA ("native") that runs every head size in
+    `head_dims` in `dtype` (`attention_runs`); "native" always does (SDPA falls back to its math kernel)."""
     device = torch.device(device)
     available = available_attention_backends(device)
-    capability = cuda_capability(device)
     for name in ATTENTION_PREFERENCE:
-        if name == "_native_cudnn" and (capability is None or capability < (9, 0)):
-            continue
-        if name in available:
+        if name in available and all(attention_runs(name, device, dim, dtype) for dim in head_dims):
             return name
     return "native"
 
 
 def set_attention_backend(transformer: nn.Module, name: str) -> None:
-    """Run every attention of `transformer` through diffusers' backend `name` (an offered one for its device).
+    """Run every attention of `transformer` through diffusers' backend `name` (an offered one for its device that
+    runs its head sizes in its dtype).
 
-    Uses `transformer.set_attention_backend`, which also makes `name` diffusers' process-wide active backend
-    (what processors with no backend of their own use). Backends in `MASK_FREE_BACKENDS` raise on a masked
-    call: a cached step passes a mask only while the window fills under `torch.compile`, or with
-    `attention_bias != 1`; `attention_backend_for(backend, masked=True)` gives the processor a masked fallback.
+    `transformer.set_attention_backend` also makes `name` diffusers' process-wide active backend (what processors
+    with no backend of their own use, in every model of the process); the previous one is put back, so a backend
+    set on one pipeline never reaches another loaded later (a float32 model would fail under cuDNN). Backends in
+    `MASK_FREE_BACKENDS` raise on a masked call: a cached step passes a mask only while the window fills under
+    `torch.compile`, or with `attention_bias != 1`; `attention_backend_for(backend, masked=True)` gives the
+    processor a masked fallback.
 
     Raises:
         ValueError: for a name that is not offered; AccelerationUnavailable (a ValueError) for one not usable on
-            the transformer's device (the messages list the usable ones).
+            the transformer's device, or not for its head sizes and dtype (the messages list the usable ones).
     """
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
     device = transformer_device(transformer)
     available = available_attention_backends(device)
     if name not in available:
@@ -212,7 +245,18 @@ def set_attention_backend(transformer: nn.Module, name: str) -> None:
             f"attention backend {name!r} {why}; usable on {device}: {', '.join(available)} "
             "(FA3 needs the flash_attn_3 package on a Hopper GPU, 'flash' the flash-attn package)."
         )
+    dims, dtype = attention_head_dims(transformer), weights_dtype(transformer)
+    refused = [dim for dim in dims if not attention_runs(name, device, dim, dtype)]
+    if refused:
+        runs = [other for other in available if all(attention_runs(other, device, dim, dtype) for dim in dims)]
+        raise AccelerationUnavailable(
+            f"attention backend {name!r} cannot run this transformer's attention on {device}: head size "
+            f"{refused[0]} in {str(dtype).removeprefix('torch.')} (fused kernels take multiples of 8 in 16-bit "
+            f"dtypes); usable for it: {', '.join(runs)}, or 'fastest'."
+        )
+    previous, _ = _AttentionBackendRegistry.get_active_backend()
     transformer.set_attention_backend(name)
+    _AttentionBackendRegistry.set_active_backend(previous)  # this transformer's processors keep `name`
 
 
 def attention_accepts_mask(name: str, device: torch.device | str) -> bool:

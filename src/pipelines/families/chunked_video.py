@@ -249,12 +249,13 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         return enable_fp8(self.transformer)
 
     def set_attention_backend(self, name: str = "fastest") -> str:
-        """Every attention through diffusers' backend `name`, or the fastest the transformer's device offers
-        ("fastest": FA3, flash, cuDNN or SDPA); masked calls fall back to SDPA. Returns the backend set. Chosen and
-        checked on one device, the transformer's (`acceleration.set_attention_backend` checks there)."""
-        from ..acceleration import transformer_device
+        """Every attention through diffusers' backend `name`, or the fastest the transformer's device offers for
+        its head sizes and dtype ("fastest": FA3, flash or SDPA); masked calls fall back to SDPA. Returns the
+        backend set. Chosen and checked on one device, the transformer's (`acceleration.set_attention_backend`)."""
+        from ..acceleration import attention_head_dims, transformer_device, weights_dtype
 
-        chosen = fastest_attention_backend(transformer_device(self.transformer)) if name == "fastest" else name
+        where = (attention_head_dims(self.transformer), weights_dtype(self.transformer))
+        chosen = fastest_attention_backend(transformer_device(self.transformer), *where) if name == "fastest" else name
         set_attention_backend(self.transformer, chosen)
         return chosen
 
