@@ -35,10 +35,16 @@ def _stream_at(model, layout: ChunkLayout, chunks: int, seed: int, text: torch.T
 @torch.no_grad()
 @pytest.mark.parametrize("position_mode", ["relative", "absolute"])
 @pytest.mark.parametrize("attention_bias", [1.0, 0.5])
-def test_each_row_equals_its_solo_forward(model, position_mode, attention_bias):
+@pytest.mark.parametrize(
+    "committed",
+    [
+        [0, 1, 2, 7],  # the first chunk (empty cache), the window filling, just full, and wrapped several times
+        [0, 1, 2, 1],  # every window filling, to different prefixes: the longest read, each row masked to its own
+        [1, 1, 1, 1],  # sessions at the same point: their common prefix, unmasked
+    ],
+)
+def test_each_row_equals_its_solo_forward(model, position_mode, attention_bias, committed):
     layout = ChunkLayout(TOKENS_PER_FRAME, 2, 2, 6, position_mode=position_mode)
-    # rows at the first chunk (empty cache), the window filling, just full, and wrapped several times
-    committed = [0, 1, 2, 7]
     texts = [_text(10 + i) for i in range(len(committed))]
     solo_caches = [_stream_at(model, layout, n, seed=i, text=t) for i, (n, t) in enumerate(zip(committed, texts))]
     row_caches = [_stream_at(model, layout, n, seed=i, text=t) for i, (n, t) in enumerate(zip(committed, texts))]

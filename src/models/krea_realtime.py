@@ -214,6 +214,19 @@ def _stacked_rope(
     return inputs.shared_rope[key]
 
 
+def _prefix_mask(inputs: CausalAttentionInputs, prefixes: list[int], device: torch.device) -> torch.Tensor | None:
+    """Rows whose windows are filling read slots `0 .. max(prefixes)`; row `i` sees its first `prefixes[i]`
+    (`(rows, max)` bool, once per forward and fill state), or None when they all see the same prefix, so that
+    sessions at the same point attend unmasked (fused kernels) to only the keys they need, as a solo call does."""
+    if len(set(prefixes)) == 1:
+        return None
+    key = ("rows", "prefix mask", *prefixes)
+    if key not in inputs.shared_rope:
+        ends = torch.tensor(prefixes, device=device)[:, None]
+        inputs.shared_rope[key] = torch.arange(max(prefixes), device=device)[None] < ends
+    return inputs.shared_rope[key]
+
+
 class CachedTextProjection(PixArtAlphaTextProjection):
     """Wan's text projection, skipped in a cached step whose every block already holds its text K/V.
 
@@ -299,9 +312,10 @@ class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
     def _cached_rows(self, query, key, value, inputs: CausalAttentionInputs) -> torch.Tensor:
         """Row `i` `(1, tokens, heads, head_dim)` written to and read from its own cache `inputs.rows[i]` (sessions
         batched by `rolldiff serve`): each row's RoPE positions, slot map and mask are its own, as in its solo
-        `_cached`, while the rotation and the attention run once for the batch. Every row reads its whole buffer
-        under its own mask (a solo call reads only the filled prefix: the same keys, so the same result up to
-        float reordering)."""
+        `_cached`, while the rotation and the attention run once for the batch. While every row's window fills,
+        the batch reads slots up to the longest filled prefix, unmasked when the prefixes are equal (as a solo call
+        reads its own); otherwise every row reads its whole buffer under its own mask (the same keys, so the same
+        result up to float reordering)."""
         rows, num_tokens = inputs.rows, query.shape[1]
         layers = [row.kv_cache[self.index] for row in rows]
         absolute = inputs.layout.position_mode == "absolute"
@@ -315,12 +329,19 @@ class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
                 self._attend(query[i : i + 1], keys, values, layer.attention_mask[None, None, None, :])
                 for i, ((keys, values), layer) in enumerate(zip(written, layers))
             ])  # fmt: skip
-        keys, values = torch.cat([keys for keys, _ in written]), torch.cat([values for _, values in written])
+        prefixes = [layer.visible_prefix(num_tokens) for layer in layers]
+        filling = inputs.attention_bias == 1.0 and None not in prefixes  # every row's keys are slots 0 .. its prefix
+        visible = slice(None, max(prefixes)) if filling else slice(None)
+        keys = torch.cat([keys[:, visible] for keys, _ in written])
+        values = torch.cat([values[:, visible] for _, values in written])
         if not absolute:
             query_rope = _stacked_rope(inputs, "query", [row.query_rope(layer, num_tokens) for row, layer in pairs])
             query = apply_rotary(query, *query_rope)
-            keys = apply_rotary(keys, *_stacked_rope(inputs, "keys", [row.key_rope(layer) for row, layer in pairs]))
-        if inputs.attention_bias != 1.0:
+            key_rope = _stacked_rope(inputs, "keys", [row.key_rope(layer) for row, layer in pairs])
+            keys = apply_rotary(keys, *(table[:, visible] for table in key_rope))
+        if filling:
+            mask = _prefix_mask(inputs, prefixes, keys.device)  # None when every row's prefix is the same
+        elif inputs.attention_bias != 1.0:
             mask = torch.stack([row.bias_mask(layer, num_tokens, slice(None), query.dtype) for row, layer in pairs])
         elif num_tokens == layers[0].chunk_tokens and all(layer.window_full for layer in layers):
             mask = None  # every key of every row is visible: no mask, so fused (flash) kernels apply
