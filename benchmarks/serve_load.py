@@ -332,7 +332,7 @@ def measure(args: argparse.Namespace) -> int:
                     f"{row['p50'] * 1000:.1f} / {row['p99'] * 1000:.1f}",
                     f"{server_rss_mib(server):.0f}",
                 ]
-                print(f"  {' | '.join(measured[sessions, mode])}", flush=True)  # a run cut short still shows its rows
+                print(f"  {' | '.join(measured[sessions, mode])}", file=sys.stderr, flush=True)  # shown if cut short
             health = server.http("/healthz")
             memory.append(
                 f"{mode} server RSS: {rss_start:.0f} MiB at the start, "

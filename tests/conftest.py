@@ -18,6 +18,17 @@ def _one_torch_thread():
     torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _diffusers_default_attention():
+    """diffusers' own `ModelMixin.set_attention_backend` (tests call it directly) also sets its process-wide
+    backend, which `reset_attention_backend` leaves; put it back after each test so none runs another's kernel."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    before, _ = _AttentionBackendRegistry.get_active_backend()
+    yield
+    _AttentionBackendRegistry.set_active_backend(before)
+
+
 @pytest.fixture
 def model_calls(pipe) -> list:
     """One entry per call of the module's `pipe` transformer: proof that no work was done."""
