@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import statistics
 import sys
@@ -249,7 +250,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="serve a random-weight Wan 2.1 1.3B-shape pipeline at 480x832 with a tiny decoder (tiny with --dry-run)",
     )
+    parser.add_argument("--plot", type=Path, metavar="PNG", help="also draw aggregate fps against sessions to PNG")
     args = parser.parse_args(argv)
+    if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install 'rolldiff[bench]'")
     if args.wan_1_3b_shape and (args.model is not None or args.tiny_vae is not None):
         parser.error("--wan-1-3b-shape builds its own model and tiny decoder; leave out --model and --tiny-vae.")
     if (args.height is None) != (args.width is None):
@@ -270,6 +274,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             parser.error(f"--height / --width: {exc}")
     return args
+
+
+def plot(path: Path, counts: tuple[int, ...], aggregate: dict[str, list[float]], alone: float, title: str) -> None:
+    """Aggregate frames per second against concurrent sessions, one line per server, `pipe.stream` alone dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: a file
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6.4, 4.0))
+    for mode, values in aggregate.items():
+        axes.plot(counts, values, marker="o", label=f"{mode} server")
+    axes.axhline(alone, linestyle="--", color="gray", label="pipe.stream alone")
+    axes.set(xlabel="concurrent sessions", ylabel="aggregate frames per second", xticks=counts, ylim=(0, None))
+    axes.set_title(f"rolldiff serve: {title}", fontsize=9)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -353,11 +376,13 @@ def measure(args: argparse.Namespace) -> int:
         f"pipe.stream alone, same run: {alone:.1f} fps (steady state, {num_frames} frames, {threads['OMP_NUM_THREADS']} torch threads)"
     )
     print("\n".join(memory))
-    print(
-        markdown_table(
-            header, [measured[sessions, mode] for sessions in counts for mode, _ in servers(batch, args.device)]
-        )
-    )
+    modes = [mode for mode, _ in servers(batch, args.device)]
+    print(markdown_table(header, [measured[sessions, mode] for sessions in counts for mode in modes]))
+    if args.plot is not None:
+        aggregate = {mode: [float(measured[sessions, mode][1]) for sessions in counts] for mode in modes}
+        model = "Wan 2.1 1.3B shape" if args.wan_1_3b_shape else args.model or "tiny-bouncing-shapes"
+        plot(args.plot, counts, aggregate, alone, f"{model}, {args.device}, {num_frames} frames a session")
+        print(f"plot: {args.plot}")
     return 0
 
 

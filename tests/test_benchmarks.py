@@ -285,11 +285,11 @@ def test_gpu_fps_skips_a_refusal_by_its_type_not_its_message():
     assert gpu_fps.refusal_or_failure(ValueError("--fp8 broke")).startswith("FAILED: ValueError: --fp8 broke")
 
 
-def test_serve_load_dry_run_prints_every_row_beside_the_library():
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "serve_load.py"), "--dry-run"], capture_output=True, text=True, timeout=300
-    )
+def test_serve_load_dry_run_prints_every_row_beside_the_library(tmp_path):
+    command = [sys.executable, str(BENCHMARKS / "serve_load.py"), "--dry-run", "--plot", str(tmp_path / "load.png")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
+    assert (tmp_path / "load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot of the rows below
     assert "pipe.stream alone, same run:" in done.stdout and "server RSS:" in done.stdout
     rows = [line for line in done.stdout.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
     assert len(rows) == 6 and all(float(row.split("|")[2]) > 0 for row in rows)  # batched rows measured too
