@@ -332,6 +332,7 @@ def measure(args: argparse.Namespace) -> int:
     model_flags += ["--model", str(args.model)] if args.model is not None else []
     model_flags += ["--tiny-vae", str(args.tiny_vae)] if args.tiny_vae is not None else []
     measured: dict[tuple[int, str], list[str]] = {}
+    aggregate: dict[str, list[float]] = {}  # per server, per session count: the plot's lines
     memory = []
     batch = str(max(counts))
     for mode, flags in servers(batch, args.device):
@@ -355,6 +356,7 @@ def measure(args: argparse.Namespace) -> int:
                     f"{row['p50'] * 1000:.1f} / {row['p99'] * 1000:.1f}",
                     f"{server_rss_mib(server):.0f}",
                 ]
+                aggregate.setdefault(mode, []).append(row["aggregate"])
                 print(f"  {' | '.join(measured[sessions, mode])}", file=sys.stderr, flush=True)  # shown if cut short
             health = server.http("/healthz")
             memory.append(
@@ -379,7 +381,6 @@ def measure(args: argparse.Namespace) -> int:
     modes = [mode for mode, _ in servers(batch, args.device)]
     print(markdown_table(header, [measured[sessions, mode] for sessions in counts for mode in modes]))
     if args.plot is not None:
-        aggregate = {mode: [float(measured[sessions, mode][1]) for sessions in counts] for mode in modes}
         model = "Wan 2.1 1.3B shape" if args.wan_1_3b_shape else args.model or "tiny-bouncing-shapes"
         plot(args.plot, counts, aggregate, alone, f"{model}, {args.device}, {num_frames} frames a session")
         print(f"plot: {args.plot}")

@@ -214,19 +214,6 @@ def _stacked_rope(
     return inputs.shared_rope[key]
 
 
-def _prefix_mask(inputs: CausalAttentionInputs, prefixes: list[int], device: torch.device) -> torch.Tensor | None:
-    """Rows whose windows are filling read slots `0 .. max(prefixes)`; row `i` sees its first `prefixes[i]`
-    (`(rows, max)` bool, once per forward and fill state), or None when they all see the same prefix, so that
-    sessions at the same point attend unmasked (fused kernels) to only the keys they need, as a solo call does."""
-    if len(set(prefixes)) == 1:
-        return None
-    key = ("rows", "prefix mask", *prefixes)
-    if key not in inputs.shared_rope:
-        ends = torch.tensor(prefixes, device=device)[:, None]
-        inputs.shared_rope[key] = torch.arange(max(prefixes), device=device)[None] < ends
-    return inputs.shared_rope[key]
-
-
 class CachedTextProjection(PixArtAlphaTextProjection):
     """Wan's text projection, skipped in a cached step whose every block already holds its text K/V.
 
@@ -339,14 +326,14 @@ class KreaRealtimeSelfAttnProcessor(WanAttnProcessor):
             query = apply_rotary(query, *query_rope)
             key_rope = _stacked_rope(inputs, "keys", [row.key_rope(layer) for row, layer in pairs])
             keys = apply_rotary(keys, *(table[:, visible] for table in key_rope))
-        if filling:
-            mask = _prefix_mask(inputs, prefixes, keys.device)  # None when every row's prefix is the same
-        elif inputs.attention_bias != 1.0:
+        if inputs.attention_bias != 1.0:
             mask = torch.stack([row.bias_mask(layer, num_tokens, slice(None), query.dtype) for row, layer in pairs])
-        elif num_tokens == layers[0].chunk_tokens and all(layer.window_full for layer in layers):
-            mask = None  # every key of every row is visible: no mask, so fused (flash) kernels apply
-        else:
-            mask = torch.stack([layer.attention_mask for layer in layers])
+        elif (filling and len(set(prefixes)) == 1) or (
+            num_tokens == layers[0].chunk_tokens and all(layer.window_full for layer in layers)
+        ):
+            mask = None  # every key read is visible to every row: no mask, so fused (flash) kernels apply
+        else:  # while filling, a row's mask over the longest prefix is True on its own prefix only
+            mask = torch.stack([layer.attention_mask[visible] for layer in layers])
         return self._attend(query, keys, values, None if mask is None else mask[:, None, None, :])
 
     def _dense(self, query, key, value, inputs: CausalAttentionInputs) -> torch.Tensor:
