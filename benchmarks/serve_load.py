@@ -254,6 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install 'rolldiff[bench]'")
+    if args.plot is not None and not args.plot.parent.is_dir():
+        parser.error(f"--plot {str(args.plot)!r}: the folder {str(args.plot.parent)!r} does not exist.")
     if args.wan_1_3b_shape and (args.model is not None or args.tiny_vae is not None):
         parser.error("--wan-1-3b-shape builds its own model and tiny decoder; leave out --model and --tiny-vae.")
     if (args.height is None) != (args.width is None):

@@ -298,6 +298,18 @@ def test_serve_load_dry_run_prints_every_row_beside_the_library(tmp_path):
     assert names == {f"{count} {mode}" for count in (1, 2) for mode in modes}, names
 
 
+def test_serve_load_refuses_a_plot_path_in_a_missing_folder_before_any_work(tmp_path):
+    command = [
+        sys.executable,
+        str(BENCHMARKS / "serve_load.py"),
+        "--dry-run",
+        "--plot",
+        str(tmp_path / "no" / "a.png"),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--plot" in done.stderr and "does not exist" in done.stderr, done.stderr[-500:]
+
+
 def test_serve_load_wan_shape_dry_run_builds_serves_and_says_what_it_ran():
     """The GPU row's path (a saved Wan-shape pipeline, its tiny decoder, --device/--dtype passed through), tiny."""
     command = [sys.executable, str(BENCHMARKS / "serve_load.py"), "--dry-run", "--wan-1-3b-shape", "--device", "cpu"]
