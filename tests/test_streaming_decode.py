@@ -47,15 +47,41 @@ def one_shot(vae: AutoencoderKLWan, latents: torch.Tensor) -> torch.Tensor:
         return vae.decode(latents).sample
 
 
-@pytest.mark.parametrize("chunk_frames", [1, 2, 3])
+@pytest.mark.parametrize("frames_per_call", [None, 1, 2])  # None on a CPU: a whole chunk per decoder call
+@pytest.mark.parametrize("chunk_frames", [1, 2, 3, [3, 1, 4]])
 @pytest.mark.parametrize("vae_name", list(VAE_CONFIGS))
-def test_streamed_chunks_equal_one_shot_decode(vae_name, chunk_frames):
+def test_streamed_chunks_equal_one_shot_decode(vae_name, chunk_frames, frames_per_call):
     vae = make_vae(vae_name)
     latents = random_latents(seed=1)
 
-    streamed = stream(StreamingWanDecoder(vae), latents, chunk_frames)
+    streamed = stream(StreamingWanDecoder(vae, frames_per_call=frames_per_call), latents, chunk_frames)
 
     torch.testing.assert_close(streamed, one_shot(vae, latents), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("frames_per_call", "calls"),
+    [(None, [2, 1, 1]), (1, [3, 3, 3]), (2, [2, 2, 2])],  # the video's first latent frame always alone
+)
+def test_decoder_calls_per_chunk(frames_per_call, calls):
+    vae = make_vae("temporal_4x")
+    made = []
+    handle = vae.decoder.register_forward_hook(lambda module, args, output: made.append(args[0].shape[2]))
+    decoder = StreamingWanDecoder(vae, frames_per_call=frames_per_call)
+    per_chunk = []
+    for chunk in random_latents(seed=2, frames=9).split(3, dim=2):
+        before = len(made)
+        decoder.decode(chunk)
+        per_chunk.append(len(made) - before)
+    handle.remove()
+    assert per_chunk == calls
+    assert sum(made) == 9
+
+
+@pytest.mark.parametrize("frames_per_call", [0, -1, 1.5, True])
+def test_frames_per_call_must_be_a_positive_int(frames_per_call):
+    with pytest.raises(ValueError, match="`frames_per_call` must be None or an int >= 1"):
+        StreamingWanDecoder(make_vae("no_temporal"), frames_per_call=frames_per_call)
 
 
 @pytest.mark.parametrize("vae_name", ["temporal_4x", "no_temporal"])
