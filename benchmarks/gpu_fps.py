@@ -12,6 +12,8 @@ say what ran):
   ours, eager (baseline)              `KreaRealtimeTransformer3DModel` + `RollingKVCache`, Wan VAE, serial decode.
   Self-Forcing loop (measured here)   `research_loops.SelfForcingLoop`, same weights, Wan VAE, serial decode.
   ours + overlapped decode            chunk k's decode on a side stream during chunk k+1 (`OverlappedDecoder`).
+  ours + Wan VAE, a chunk a call      the Wan VAE's decoder called once per chunk, not once per latent frame
+                                      (`StreamingWanDecoder(frames_per_call=...)`; the default on a CPU only).
   ours + tiny VAE [+ overlapped]      TAEHV (`TinyVideoAutoencoder`, random weights) instead of the Wan VAE.
   Self-Forcing loop + best decode     the baseline loop with the same decode.
   ours + best decode + fastest attention   `fastest_attention_backend` (FA3 / flash / cuDNN / native).
@@ -97,7 +99,7 @@ class Technique:
 
     name: str
     approach: str = "ours"  # "ours" | "self-forcing"
-    vae: str = "wan"  # "wan" | "tiny" | "best" (tiny if available, else wan)
+    vae: str = "wan"  # "wan" | "wan-chunk" (a whole chunk per decoder call) | "tiny" | "best" (tiny, else wan)
     overlap: bool = False
     attention: bool = False  # the fastest backend instead of the default
     compile: str | None = None  # None | "default" | "cuda-graphs"
@@ -110,6 +112,7 @@ PLAN = (
     Technique("ours, eager (baseline)"),
     Technique("Self-Forcing loop (measured here)", approach="self-forcing"),
     Technique("ours + overlapped decode", overlap=True),
+    Technique("ours + Wan VAE, a chunk a call", vae="wan-chunk"),
     Technique("ours + tiny VAE", vae="tiny"),
     Technique("ours + tiny VAE + overlapped decode", vae="tiny", overlap=True),
     Technique("Self-Forcing loop + best decode", approach="self-forcing", vae="best", overlap=True),
@@ -195,7 +198,8 @@ class Row:
 
 # ----------------------------------------------------------------------------------------- decoders
 def build_wan_decoder(dry_run: bool, device: str, dtype: torch.dtype):
-    """The Wan 2.1 VAE (random weights) and a streaming decoder taking the transformer's latents."""
+    """The Wan 2.1 VAE (random weights) and two streaming decoders taking the transformer's latents: one latent frame
+    per call of the VAE's decoder (diffusers' loop; the default on a GPU), and a whole chunk per call."""
     from diffusers import AutoencoderKLWan
 
     from rolldiff.pipelines.codecs.streaming_decode import StreamingWanDecoder
@@ -205,7 +209,8 @@ def build_wan_decoder(dry_run: bool, device: str, dtype: torch.dtype):
         vae = AutoencoderKLWan(**TINY_VAE) if dry_run else AutoencoderKLWan()
     vae = vae.eval().requires_grad_(False)
     cast_like_from_pretrained(vae, dtype)
-    return StreamingWanDecoder(vae, denormalize=True)
+    whole_chunk = 2**16  # latent frames: more than any chunk
+    return StreamingWanDecoder(vae, True, frames_per_call=1), StreamingWanDecoder(vae, True, frames_per_call=whole_chunk)
 
 
 def build_tiny_decoder(device: str, dtype: torch.dtype):
@@ -228,6 +233,7 @@ class Decoders:
     """The decoders built once per run (a VAE is the same weights for every row)."""
 
     wan: object | None
+    wan_chunk: object | None
     tiny: object | None
     tiny_missing: str
 
@@ -237,6 +243,8 @@ class Decoders:
             kind = "tiny" if self.tiny is not None else "wan"
         if kind == "tiny":
             return self.tiny, "TAEHV", self.tiny_missing
+        if kind == "wan-chunk":
+            return self.wan_chunk, "Wan VAE, a chunk a call", ""
         return self.wan, "Wan VAE", ""
 
 
@@ -509,9 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     setup = make_setup(args)
     device, dtype = setup.device, getattr(torch, setup.dtype)
     spec, measured = bf16_peak(device)
-    wan = build_wan_decoder(args.dry_run, device, dtype) if args.vae else None
+    wan, wan_chunk = build_wan_decoder(args.dry_run, device, dtype) if args.vae else (None, None)
     tiny, tiny_missing = build_tiny_decoder(device, dtype) if args.vae else (None, "skipped: --no-vae")
-    decoders = Decoders(wan, tiny, tiny_missing)
+    decoders = Decoders(wan, wan_chunk, tiny, tiny_missing)
     rows, flops = [], {}
     for technique in planned(args):
         cost = ROW_COST_S["eager" if technique.compile is None else "compiled"]

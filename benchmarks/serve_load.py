@@ -103,7 +103,7 @@ def build_wan_shape_pipeline(folder: Path, dry_run: bool, device: str, dtype: st
         tokenizer=tokenizer,
         text_encoder=text_encoder.to(torch_dtype),
         transformer=build_model(setup),
-        vae=build_wan_decoder(dry_run, device, torch_dtype).vae,
+        vae=build_wan_decoder(dry_run, device, torch_dtype)[0].vae,
         scheduler=build_scheduler(TinyConfig()),
         max_sequence_length=text_tokens,
         height=size[0],

@@ -84,6 +84,7 @@ def test_gpu_fps_dry_run_covers_every_row_and_says_which_ran_and_why_not():
     best = gpu_fps.BEST
     tiny_rows = ("ours + tiny VAE", "ours + tiny VAE + overlapped decode")
     ran = ["ours, eager (baseline)", "Self-Forcing loop (measured here)", "ours + overlapped decode", best]
+    ran += ["ours + Wan VAE, a chunk a call"]
     ran += ["Self-Forcing loop + best decode", f"{best} + torch.compile (no CUDA graphs)"]
     ran += list(tiny_rows) if tiny_vae_importable() else []
     for name in ran:
@@ -93,13 +94,14 @@ def test_gpu_fps_dry_run_covers_every_row_and_says_which_ran_and_why_not():
     assert rows[f"{best} + CUDA graphs"][0].startswith("skipped: capture_cuda_graphs (--cuda-graphs)")
     assert rows[f"{best} + CUDA graphs + fp8"][0].startswith("skipped: enable_fp8 (--fp8)")
     assert rows["ours + overlapped decode"][4] == "Wan VAE, overlapped (CPU: synchronous)"
+    assert rows["ours + Wan VAE, a chunk a call"][4] == "Wan VAE, a chunk a call"
     assert rows[best][5] == "eager, native"  # the fastest backend on a CPU
     assert rows[f"{best} + torch.compile (no CUDA graphs)"][9] == "2 (fullgraph)"
     assert float(rows["Self-Forcing 1.3B (published, H100)"][0]) == 17.0
 
 
 def no_decoders() -> gpu_fps.Decoders:
-    return gpu_fps.Decoders(wan=None, tiny=None, tiny_missing="skipped: --no-vae")
+    return gpu_fps.Decoders(wan=None, wan_chunk=None, tiny=None, tiny_missing="skipped: --no-vae")
 
 
 def test_gpu_fps_counts_flops_on_a_steady_chunk_so_every_loop_counts_the_same_work():
@@ -125,7 +127,7 @@ def test_an_overlapped_row_times_steady_chunks_not_the_end_of_video_drain(overla
 
     args = gpu_fps.parse_args(["--dry-run", "--chunks", "3", "--no-compile"])
     setup = gpu_fps.make_setup(args)
-    decoder = gpu_fps.build_wan_decoder(True, "cpu", torch.float32)
+    decoder, _ = gpu_fps.build_wan_decoder(True, "cpu", torch.float32)
     decoder = OverlappedDecoder(decoder, "cpu") if overlapped else decoder
     loop, row = make_loop("ours", setup), gpu_fps.Row("x")
     gpu_fps.measure(row, loop, decoder, args, full_from=1)
@@ -321,3 +323,20 @@ def test_serve_load_wan_shape_dry_run_builds_serves_and_says_what_it_ran():
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in lines if line.startswith("| ")}
     for name in ("1 unbatched", "1 batched", "2 unbatched", "2 batched"):
         assert float(rows[name][0]) > 0 and float(rows[name][2]) > 0, (name, rows[name])  # fps, first frame ms
+
+
+def test_cpu_threads_measures_one_stream_two_threads_and_two_processes():
+    command = [sys.executable, str(BENCHMARKS / "cpu_threads.py"), "--frames", "6", "--repeats", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in done.stdout.splitlines() if " stream" in line}
+    assert set(rows) >= {"1 stream", "2 streams, 2 threads", "2 streams, 2 processes"}, done.stdout
+    for name in ("1 stream", "2 streams, 2 threads", "2 streams, 2 processes"):
+        assert float(rows[name].split("|")[2]) > 0  # a measured total, each repeat
+
+
+def test_cpu_threads_refuses_frames_that_are_not_whole_chunks():
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "cpu_threads.py"), "--frames", "7"], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "--frames" in done.stderr
