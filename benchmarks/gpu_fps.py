@@ -210,7 +210,9 @@ def build_wan_decoder(dry_run: bool, device: str, dtype: torch.dtype):
     vae = vae.eval().requires_grad_(False)
     cast_like_from_pretrained(vae, dtype)
     whole_chunk = 2**16  # latent frames: more than any chunk
-    return StreamingWanDecoder(vae, True, frames_per_call=1), StreamingWanDecoder(vae, True, frames_per_call=whole_chunk)
+    return StreamingWanDecoder(vae, True, frames_per_call=1), StreamingWanDecoder(
+        vae, True, frames_per_call=whole_chunk
+    )
 
 
 def build_tiny_decoder(device: str, dtype: torch.dtype):
