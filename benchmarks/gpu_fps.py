@@ -209,10 +209,9 @@ def build_wan_decoder(dry_run: bool, device: str, dtype: torch.dtype):
         vae = AutoencoderKLWan(**TINY_VAE) if dry_run else AutoencoderKLWan()
     vae = vae.eval().requires_grad_(False)
     cast_like_from_pretrained(vae, dtype)
-    whole_chunk = 2**16  # latent frames: more than any chunk
-    return StreamingWanDecoder(vae, True, frames_per_call=1), StreamingWanDecoder(
-        vae, True, frames_per_call=whole_chunk
-    )
+    per_frame = StreamingWanDecoder(vae, denormalize=True, frames_per_call=1)
+    whole_chunk = StreamingWanDecoder(vae, denormalize=True, frames_per_call=2**16)  # more frames than any chunk
+    return per_frame, whole_chunk
 
 
 def build_tiny_decoder(device: str, dtype: torch.dtype):
