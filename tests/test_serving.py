@@ -365,6 +365,7 @@ def test_sigterm_suspends_every_session_and_a_new_server_restores_it(tmp_path, r
         again.stop()
     expected = references()
     assert len(chunks) == len(expected) and all((g == w).all() for g, w in zip(chunks, expected))
+    assert list(tmp_path.glob("*.resume.safetensors")) == []  # restored and finished: nothing left to restore
 
 
 def test_with_state_every_a_session_survives_sigkill_from_its_last_saved_chunk(tmp_path, references):
@@ -388,6 +389,23 @@ def test_with_state_every_a_session_survives_sigkill_from_its_last_saved_chunk(t
     expected = references()
     assert all((g == w).all() for g, w in zip(chunks, expected))
     assert all((g == w).all() for g, w in zip(rest, expected[start:])) and len(rest) == 8 - start
+    assert list(tmp_path.glob("*.resume.safetensors")) == []
+
+
+def test_with_state_every_finished_sessions_leave_no_saved_state(tmp_path, references):
+    """Each chunk's state is written by the connection after the chunk is sent, which can come after the scheduler
+    has finished the session: the store drops such late saves, so the folder does not fill with ended sessions."""
+    server = Server("--state-dir", str(tmp_path), "--state-every", "1")
+    try:
+        done = []
+        for seed in (3, 4):
+            with connect(server.url, prompt=RED, seed=seed, num_frames=FRAMES) as live:
+                chunks = list(live)
+                done.append(live.done["reason"])
+        assert done == ["complete", "complete"] and len(chunks) == 8
+    finally:
+        server.stop()
+    assert list(tmp_path.glob("*.resume.safetensors")) == []
 
 
 def test_limits_idle_time_frame_size_and_length():

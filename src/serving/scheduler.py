@@ -287,8 +287,8 @@ class Scheduler:
         session.post({"type": "done", "frames": session.frames_made, "reason": reason})
         session.post(None)
         session.closed = True
-        if self.store is not None and self.state_every:
-            self.store.delete(session.token)  # a finished session has nothing to restore
+        if self.store is not None:  # a finished session has nothing to restore (saved every chunk, or restored)
+            self.store.delete(session.token)
 
 
 def split_group(group: list, parts: int, min_rows: int) -> list[list]:

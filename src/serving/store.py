@@ -7,6 +7,7 @@ reach outside the folder. A shared folder lets any server of the same model rest
 from __future__ import annotations
 
 import base64
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,8 @@ class SessionStore:
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.model = model
-        self._newest: dict[str, int] = {}  # token -> frames of the newest state written by this process
+        self._newest: dict[str, float] = {}  # token -> frames of the newest state written (inf: the session ended)
+        self._writing: dict[str, threading.Lock] = {}  # token -> held while its state is written or deleted
         self._lock = threading.Lock()
 
     def path(self, token: str) -> Path:
@@ -30,16 +32,22 @@ class SessionStore:
 
     def save(self, token: str, start: dict[str, Any], frames: int, state: dict[str, Any]) -> None:
         """Write atomically (a kill during a save keeps the previous state). A state older than one already written
-        (`frames` fewer) is dropped: a chunk's snapshot saved after it was sent must not undo a later suspend."""
+        (`frames` fewer) is dropped: a chunk's snapshot saved after it was sent must not undo a later suspend; so is
+        any state of a session that has ended (`delete`), however late its save comes."""
+        path = self.path(token)
         with self._lock:
             if frames < self._newest.get(token, -1):
                 return
             self._newest[token] = frames
+            writing = self._writing.setdefault(token, threading.Lock())
         start = dict(start)
         if start.get("image") is not None:
             start["image"] = base64.b64encode(start["image"]).decode()
         fingerprint = {"model": self.model, "start": start}
-        save_state(self.path(token), RunState(fingerprint, frames, state))
+        with writing:
+            if self._newest.get(token) == math.inf:  # the session ended while this save waited
+                return
+            save_state(path, RunState(fingerprint, frames, state))
 
     def load(self, token: str) -> tuple[dict[str, Any], int, dict[str, Any]]:
         """The `start` fields, the frames made and the stream state of a saved session."""
@@ -60,4 +68,11 @@ class SessionStore:
         return start, saved.frames_written, saved.stream
 
     def delete(self, token: str) -> None:
-        self.path(token).unlink(missing_ok=True)
+        """The session ended: remove its state, after a save in progress, and refuse its later saves (the last chunk's
+        snapshot is written by the connection, which may come after the scheduler has finished the session)."""
+        path = self.path(token)
+        with self._lock:
+            self._newest[token] = math.inf
+            writing = self._writing.pop(token, None) or threading.Lock()
+        with writing:
+            path.unlink(missing_ok=True)
