@@ -31,7 +31,7 @@ def test_a_save_after_the_session_ended_is_dropped(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ending_a_session_waits_for_its_save_in_progress_then_removes_it(tmp_path, monkeypatch):
+def test_ending_a_session_during_its_save_leaves_nothing_and_does_not_wait(tmp_path, monkeypatch):
     store = SessionStore(tmp_path, "model")
     writing, release = threading.Event(), threading.Event()
     save_state = resume.save_state
@@ -47,8 +47,8 @@ def test_ending_a_session_waits_for_its_save_in_progress_then_removes_it(tmp_pat
     assert writing.wait(10)  # the save is under way
     ender = threading.Thread(target=store.delete, args=(TOKEN,))
     ender.start()
-    ender.join(0.3)
-    assert ender.is_alive()  # the delete waits for the write instead of racing it
+    ender.join(5)
+    assert not ender.is_alive()  # the scheduler's thread is never held up by a write
     release.set()
     saver.join(10)
     ender.join(10)

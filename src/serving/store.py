@@ -22,7 +22,6 @@ class SessionStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.model = model
         self._newest: dict[str, float] = {}  # token -> frames of the newest state written (inf: the session ended)
-        self._writing: dict[str, threading.Lock] = {}  # token -> held while its state is written or deleted
         self._lock = threading.Lock()
 
     def path(self, token: str) -> Path:
@@ -39,15 +38,13 @@ class SessionStore:
             if frames < self._newest.get(token, -1):
                 return
             self._newest[token] = frames
-            writing = self._writing.setdefault(token, threading.Lock())
         start = dict(start)
         if start.get("image") is not None:
             start["image"] = base64.b64encode(start["image"]).decode()
         fingerprint = {"model": self.model, "start": start}
-        with writing:
-            if self._newest.get(token) == math.inf:  # the session ended while this save waited
-                return
-            save_state(path, RunState(fingerprint, frames, state))
+        save_state(path, RunState(fingerprint, frames, state))
+        if self._newest[token] == math.inf:  # the session ended while this was written: `delete` may have been first
+            path.unlink(missing_ok=True)
 
     def load(self, token: str) -> tuple[dict[str, Any], int, dict[str, Any]]:
         """The `start` fields, the frames made and the stream state of a saved session."""
@@ -68,11 +65,10 @@ class SessionStore:
         return start, saved.frames_written, saved.stream
 
     def delete(self, token: str) -> None:
-        """The session ended: remove its state, after a save in progress, and refuse its later saves (the last chunk's
-        snapshot is written by the connection, which may come after the scheduler has finished the session)."""
+        """The session ended: remove its state and refuse its later saves (the last chunk's snapshot is written by the
+        connection, which may come after the scheduler has finished the session). Never waits for a write: a save in
+        progress sees the mark once written and removes its own file."""
         path = self.path(token)
         with self._lock:
             self._newest[token] = math.inf
-            writing = self._writing.pop(token, None) or threading.Lock()
-        with writing:
-            path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
