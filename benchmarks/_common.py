@@ -55,6 +55,18 @@ def cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> Non
             tensor.data = tensor.data.to(torch.float32 if keep & set(name.split(".")) else dtype)
 
 
+# ----------------------------------------------------------------------------------------- streams
+def steady_stream_fps(pipe, prompt: str, num_frames: int, seed: int = 0, **call) -> float:
+    """Frames per second of `pipe.stream(...)` after its first chunk (which allocates: a server's time to first
+    frame, not steady state); numpy frames on the host, as a client gets them."""
+    stream = pipe.stream(prompt, num_frames, generator=torch.Generator().manual_seed(seed), **call)
+    next(stream)
+    start, frames = time.perf_counter(), 0
+    for chunk in stream:
+        frames += chunk.shape[1]
+    return frames / (time.perf_counter() - start)
+
+
 # ----------------------------------------------------------------------------------------- memory
 def rss_mib() -> float:
     """Resident set size now (`/proc/self/statm`), MiB."""

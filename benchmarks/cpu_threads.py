@@ -15,10 +15,9 @@ import argparse
 import multiprocessing
 import statistics
 import threading
-import time
 
 import torch
-from _common import markdown_table
+from _common import markdown_table, steady_stream_fps
 
 from rolldiff.defaults import load_pipeline
 
@@ -32,18 +31,12 @@ def _load():
     return pipe
 
 
-def _stream_fps(pipe, frames: int, seed: int) -> float:
-    stream = pipe.stream(PROMPT, frames, generator=torch.Generator().manual_seed(seed))
-    next(stream)  # the first chunk allocates: not steady state
-    start, made = time.perf_counter(), 0
-    for chunk in stream:
-        made += chunk.shape[1]
-    return made / (time.perf_counter() - start)
-
-
 def _in_threads(pipe, streams: int, frames: int) -> list[float]:
     rates: list[float] = []
-    threads = [threading.Thread(target=lambda s=s: rates.append(_stream_fps(pipe, frames, s))) for s in range(streams)]
+    threads = [
+        threading.Thread(target=lambda s=s: rates.append(steady_stream_fps(pipe, PROMPT, frames, s)))
+        for s in range(streams)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -55,7 +48,7 @@ def _child(frames: int, seed: int, ready, go, results) -> None:
     pipe = _load()
     ready.put(seed)
     go.wait()  # both children loaded: they stream at the same time
-    results.put(_stream_fps(pipe, frames, seed))
+    results.put(steady_stream_fps(pipe, PROMPT, frames, seed))
 
 
 def _in_processes(streams: int, frames: int) -> list[float]:

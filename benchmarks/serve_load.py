@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from _common import WAN_1_3B, WAN_TEXT_TOKENS, latent_hw, markdown_table, wan_config
+from _common import WAN_1_3B, WAN_TEXT_TOKENS, latent_hw, markdown_table, steady_stream_fps, wan_config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from serve_helpers import Server  # noqa: E402  (the tests' subprocess runner: one way to start a server)
@@ -154,13 +154,7 @@ def describe(pipe, args: argparse.Namespace, num_frames: int) -> str:
 
 # ----------------------------------------------------------------------------------------- measuring
 def library_fps(pipe, args: argparse.Namespace, num_frames: int) -> float:
-    size = dict(height=args.height, width=args.width)
-    stream = pipe.stream(PROMPT, num_frames, generator=torch.Generator().manual_seed(0), **size)
-    next(stream)  # the first chunk allocates: timed apart, as the server's time to first frame
-    start, frames = time.perf_counter(), 0
-    for chunk in stream:  # numpy frames: on the host, as a client gets them
-        frames += chunk.shape[1]
-    return frames / (time.perf_counter() - start)
+    return steady_stream_fps(pipe, PROMPT, num_frames, height=args.height, width=args.width)
 
 
 def one_session(url: str, num_frames: int, seed: int, results: list, size: dict) -> None:
