@@ -2,12 +2,13 @@
 run (the server's own overhead).
 
 Per row: aggregate and per-session frames per second (the slowest and the fastest session), time to first frame,
-p50 / p99 time between chunks as a client sees them, and the server's RSS after the row. Three servers in the same
-run: `--max-batch 1` (unbatched: sessions take turns on the model), `--max-batch 8 --parallel-groups 1` (batched:
-the sessions' transformer steps share one forward per step, their chunk decodes one decode, one group after another)
-and `--max-batch 8` (batched, with the server's default parallel groups: on a CPU, groups of 4 or more side by side,
-one per core), each with its RSS at the start and the end, how many session steps ran in a shared forward, session
-chunks in a shared decode and groups beside another. Each server first runs one untimed session (kernels chosen,
+p50 / p99 time between chunks as a client sees them, and the server's RSS after the row (all its processes). Up to
+four servers in the same run: `--max-batch 1` (unbatched: sessions take turns on the model), `--max-batch 8
+--parallel-groups 1` (batched: the sessions' transformer steps share one forward per step, their chunk decodes one
+decode, one group after another), `--max-batch 8` (batched, with the server's default parallel groups: on a CPU,
+groups of 4 or more side by side, one per core) and, on a CPU of 2 or more cores, `--max-batch 8 --workers CORES`
+(batched in one server process per core, each with its share of the sessions), each with its RSS at the start and
+the end, how many session steps ran in a shared forward, session chunks in a shared decode and groups beside another. Each server first runs one untimed session (kernels chosen,
 buffers allocated), as the library's first chunk is timed apart.
 
 The model is the embedded one by default; `--model`, `--device`, `--dtype` and `--tiny-vae` go to both the server
@@ -51,17 +52,26 @@ WAN_SIZE = (480, 832)  # Wan 2.1's native frame size
 DRY_WAN_SIZE = (64, 64)  # gpu_fps's dry-run size
 
 
-def servers(batch: str, device: str) -> list[tuple[str, list[str]]]:
-    """The servers each row runs on: sessions taking turns; batched, one group after another; batched, groups of 4 or
-    more side by side (the server's default on a CPU: its cores over torch's threads). On a GPU the default is one
-    group at a time, so the last two are the same server and it runs once."""
+def servers(batch: str, device: str) -> list[tuple[str, list[str], dict[str, str]]]:
+    """The servers each row runs on, with their flags and torch threads: sessions taking turns; batched, one group
+    after another; batched, groups of 4 or more side by side (the server's default on a CPU: its cores over torch's
+    threads); and on a CPU of 2 or more cores, batched in one worker process per core (`--workers`, one torch
+    thread each). On a GPU the default is one group at a time, so the second and third are the same server and it
+    runs once, and `--workers` is for CPUs."""
+    threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     if torch.device(device).type != "cpu":
-        return [("unbatched", ["--max-batch", "1"]), ("batched", ["--max-batch", batch])]
-    return [
-        ("unbatched", ["--max-batch", "1"]),
-        ("batched, one group at a time", ["--max-batch", batch, "--parallel-groups", "1"]),
-        ("batched", ["--max-batch", batch]),
+        return [("unbatched", ["--max-batch", "1"], threads), ("batched", ["--max-batch", batch], threads)]
+    rows = [
+        ("unbatched", ["--max-batch", "1"], threads),
+        ("batched, one group at a time", ["--max-batch", batch, "--parallel-groups", "1"], threads),
+        ("batched", ["--max-batch", batch], threads),
     ]
+    cores = os.cpu_count() or 1
+    if cores > 1:
+        rows.append(
+            (f"batched, {cores} workers", ["--max-batch", batch, "--workers", str(cores)], {"OMP_NUM_THREADS": "1"})
+        )
+    return rows
 
 
 class LoadServer(Server):
@@ -72,10 +82,24 @@ class LoadServer(Server):
 
 
 def server_rss_mib(server: Server) -> float:
-    for line in Path(f"/proc/{server.process.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    """The resident memory of the server's processes (its workers included, with `--workers`)."""
+    return sum(_rss_kib(pid) for pid in _process_tree(server.process.pid)) / 1024
+
+
+def _process_tree(pid: int) -> list[int]:
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return []
+    return [pid] + [grandchild for child in children for grandchild in _process_tree(int(child))]
+
+
+def _rss_kib(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return 0
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
 
 
 # ----------------------------------------------------------------------------------------- the model
@@ -323,7 +347,6 @@ def measure(args: argparse.Namespace) -> int:
     gc.collect()
     if torch.device(args.device).type == "cuda":
         torch.cuda.empty_cache()
-    threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     model_flags = ["--device", args.device, "--dtype", args.dtype]
     model_flags += ["--model", str(args.model)] if args.model is not None else []
     model_flags += ["--tiny-vae", str(args.tiny_vae)] if args.tiny_vae is not None else []
@@ -331,7 +354,7 @@ def measure(args: argparse.Namespace) -> int:
     aggregate: dict[str, list[float]] = {}  # per server, per session count: the plot's lines
     memory = []
     batch = str(max(counts))
-    for mode, flags in servers(batch, args.device):
+    for mode, flags, threads in servers(batch, args.device):
         server = LoadServer(
             *model_flags, "--max-sessions", batch, "--max-frames", str(num_frames), *flags, env=threads,
         )  # fmt: skip
@@ -371,10 +394,10 @@ def measure(args: argparse.Namespace) -> int:
               "between chunks p50 / p99 ms", "server RSS MiB"]  # fmt: skip
     print(header_line)
     print(
-        f"pipe.stream alone, same run: {alone:.1f} fps (steady state, {num_frames} frames, {threads['OMP_NUM_THREADS']} torch threads)"
+        f"pipe.stream alone, same run: {alone:.1f} fps (steady state, {num_frames} frames, {torch.get_num_threads()} torch threads)"
     )
     print("\n".join(memory))
-    modes = [mode for mode, _ in servers(batch, args.device)]
+    modes = [mode for mode, _, _ in servers(batch, args.device)]
     print(markdown_table(header, [measured[sessions, mode] for sessions in counts for mode in modes]))
     if args.plot is not None:
         model = "Wan 2.1 1.3B shape" if args.wan_1_3b_shape else args.model or "tiny-bouncing-shapes"

@@ -419,6 +419,14 @@ def _add_serve_command(commands) -> None:
         help="save each session every N chunks (needs --state-dir)",
     )
     serve.add_argument("--fps", type=_positive(int), default=16, help="frames per second clients play at (16)")
+    serve.add_argument(
+        "--workers",
+        type=_positive(int),
+        default=1,
+        metavar="N",
+        help="server processes on a CPU's cores, each with its own copy of the model and its share of the sessions, "
+        "behind the one port (default 1)",
+    )
     serve.set_defaults(run=run_serve, fp8=False, attention_backend=None, cuda_graphs=False, kv_offload=None)
 
 
@@ -627,12 +635,36 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
         raise UsageError(str(exc).replace("`host`", "--host").replace("`port`", "--port")) from None
 
 
-def _default_parallel_groups(device: str) -> int:
-    """A CPU's cores over torch's threads (2 on 2 cores, where torch has one: docs/serving.md); 1 on a GPU, whose
-    one stream a second group's forwards would only queue on."""
+def _serving_threads(device: str, workers: int) -> tuple[int, int]:
+    """Torch threads and default parallel groups for each server process. On a CPU each process gets its share of
+    the cores, less one for the event loop and the frame encoding: torch on every core starves them (measured on 2
+    cores: 26 fps with 2 threads, 46 with 1; docs/serving.md), and its groups of 4 or more run side by side on the
+    rest (2 on 2 cores with one process). On a GPU, torch's threads as they are and one group at a time: a second
+    group's forwards would only queue on the GPU's one stream."""
     if torch.device(device).type != "cpu":
-        return 1
-    return max(1, (os.cpu_count() or 1) // torch.get_num_threads())
+        return torch.get_num_threads(), 1
+    cores = max(1, (os.cpu_count() or 1) // workers)
+    if "OMP_NUM_THREADS" in os.environ:
+        threads = torch.get_num_threads()
+    else:
+        threads = max(1, cores - 1)
+    return threads, max(1, cores // threads)
+
+
+def load_served_pipeline(args: argparse.Namespace, device: str, settings):
+    """The pipeline `rolldiff serve` serves, loaded as `rolldiff generate` loads it, and checked: a default no
+    session could run (e.g. --compile with a recipe that decides on the host) is refused now, not once per session.
+    Module-level, so each `--workers` process can load its own copy."""
+    from .serving.app import check_default_session
+
+    with _quiet_libraries():
+        pipe = _load(args, device)
+    try:
+        check_default_session(pipe, settings)
+    except ValueError as exc:
+        recipe = f"--recipe {args.recipe}" if args.recipe else "the model's recipe"
+        raise UsageError(f"a plain session with {recipe} would be refused: {exc}") from None
+    return pipe
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -640,22 +672,21 @@ def run_serve(args: argparse.Namespace) -> int:
     if missing:
         raise UsageError(f"serving needs {', '.join(missing)}, which is not installed: pip install 'rolldiff[serve]'")
     _check_serve_arguments(args)
-    from .serving.app import ServeSettings, check_default_session
-    from .serving.server import serve
+    from .serving.app import ServeSettings
 
     device = args.device or default_device()
-    if torch.device(device).type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # one core for the event loop and the frame encoding: torch on every core starves them (measured on 2
-        # cores: 26 fps with 2 threads, 46 with 1; docs/serving.md)
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
-    parallel_groups = args.parallel_groups or _default_parallel_groups(device)
-    pipe = _load(args, device)
+    if args.workers > 1 and torch.device(device).type != "cpu":
+        raise UsageError(
+            f"--workers {args.workers} runs server processes on a CPU's cores; on a GPU run one server per device "
+            "(--device cuda:N), behind a proxy (docs/serving.md)"
+        )
+    threads, default_groups = _serving_threads(device, args.workers)
     settings = ServeSettings(
         model=str(args.model or "tiny-bouncing-shapes"),
         recipe=args.recipe,
         max_sessions=args.max_sessions,
         max_batch=1 if args.compile else args.max_batch,  # a compiled step is one cache's graph
-        parallel_groups=parallel_groups,
+        parallel_groups=args.parallel_groups or default_groups,
         token=args.token or None,
         state_dir=None if args.state_dir is None else str(args.state_dir),
         idle_timeout=args.idle_timeout,
@@ -663,13 +694,32 @@ def run_serve(args: argparse.Namespace) -> int:
         state_every=args.state_every,
         fps=args.fps,
     )
-    try:  # a default no session could run (e.g. --compile with a recipe that decides on the host): refused now
-        check_default_session(pipe, settings)
-    except ValueError as exc:
-        recipe = f"--recipe {args.recipe}" if args.recipe else "the model's recipe"
-        raise UsageError(f"a plain session with {recipe} would be refused: {exc}") from None
-    print(f"rolldiff serve: ws://{args.host}:{args.port}/v1/stream ({type(pipe).__name__}, {device})", flush=True)
+    address = f"ws://{args.host}:{args.port}/v1/stream"
+    if args.workers > 1:
+        return _serve_with_workers(args, device, settings, threads, address)
+    from .serving.server import serve
+
+    torch.set_num_threads(threads)
+    pipe = load_served_pipeline(args, device, settings)
+    print(f"rolldiff serve: {address} ({type(pipe).__name__}, {device})", flush=True)
     serve(pipe, settings, args.host, args.port)
+    return 0
+
+
+def _serve_with_workers(args: argparse.Namespace, device: str, settings, threads: int, address: str) -> int:
+    from functools import partial
+
+    from .serving.workers import WorkerError, WorkerSpec, serve_workers
+
+    spec = WorkerSpec(partial(load_served_pipeline, args, device, settings), settings, args.host, args.port, threads)
+
+    def announce(pipeline: str) -> None:
+        print(f"rolldiff serve: {address} ({pipeline}, {device}, {args.workers} workers)", flush=True)
+
+    try:
+        serve_workers(spec, args.workers, announce)
+    except WorkerError as exc:
+        raise UsageError(str(exc)) from None
     return 0
 
 

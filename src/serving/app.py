@@ -28,6 +28,7 @@ from ..pipelines.request import VideoCall, build_request, longest_num_frames
 from ..pipelines.request.text_encoding import PromptWarning
 from ..pipelines.stream import ChunkStream
 from .batching import LockstepPipeline, batchable
+from .board import ServerBoard, WorkerRow
 from .frames import decode_frame, decode_image
 from .protocol import (
     CLOSE_GOING_AWAY,
@@ -91,11 +92,13 @@ def check_default_session(pipe, settings: ServeSettings) -> None:
 
 # ---------------------------------------------------------------------------------------- the hub
 class Hub:
-    """The loaded pipeline, the settings, the scheduler and the store, shared by every connection."""
+    """The loaded pipeline, the settings, the scheduler and the store, shared by every connection; `row` is this
+    process's row of the server's counts (one of several with `--workers`)."""
 
-    def __init__(self, pipe, settings: ServeSettings) -> None:
+    def __init__(self, pipe, settings: ServeSettings, row: WorkerRow | None = None) -> None:
         self.pipe = pipe
         self.settings = settings
+        self.row = row or ServerBoard().row(0)
         self.store = None if settings.state_dir is None else SessionStore(settings.state_dir, settings.model)
         # a transformer that cannot take one cache per row (another family) serves sessions in turns
         self.max_batch = settings.max_batch if batchable(pipe) else 1
@@ -106,6 +109,7 @@ class Hub:
             settings.max_frames,
             self.max_batch,
             settings.parallel_groups,
+            self.row,
         )
         self.admission = asyncio.Lock()
 
@@ -128,6 +132,7 @@ class Hub:
             "max_sessions": self.settings.max_sessions,
             "max_batch": self.max_batch,
             "parallel_groups": self.scheduler.parallel_groups,
+            "workers": self.row.board.workers,
         }
 
     def build(self, start: dict[str, Any], inputs: InputFrames | None):
@@ -170,27 +175,29 @@ class Hub:
 
 
 # ---------------------------------------------------------------------------------------- the app
-def create_app(pipe, settings: ServeSettings) -> FastAPI:
+def create_app(pipe, settings: ServeSettings, row: WorkerRow | None = None) -> FastAPI:
+    """The app of one server process; `row`: its row of the counts a `--workers` server shares (default: its own)."""
     app = FastAPI(title="rolldiff serve", version=PROTOCOL)
     hub = None
 
     def get_hub() -> Hub:
         nonlocal hub
         if hub is None:  # made in the server's event loop (its lock belongs there)
-            hub = Hub(pipe, settings)
+            hub = Hub(pipe, settings, row)
             app.state.hub = hub
         return hub
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        scheduler = get_hub().scheduler
+        board = get_hub().row.board  # every worker's counts, whichever worker answers
         return {
             "status": "ok",
-            "sessions": scheduler.sessions,
+            "sessions": board.total("sessions"),
             "max_sessions": settings.max_sessions,
-            "batched_rows": scheduler.shared_rows,
-            "batched_decodes": scheduler.shared_decodes,
-            "side_by_side_groups": scheduler.side_by_side,
+            "batched_rows": board.total("batched_rows"),
+            "batched_decodes": board.total("batched_decodes"),
+            "side_by_side_groups": board.total("side_by_side_groups"),
+            "worker_sessions": board.column("sessions"),
         }
 
     @app.get("/v1/model")
@@ -297,10 +304,14 @@ class Connection:
                     "bad_request", f"the first message is `start` or `restore`, got {request['type']!r}"
                 )
             async with self.hub.admission:
-                if self.hub.scheduler.sessions >= self.hub.settings.max_sessions:
+                if not self.hub.row.reserve_session(self.hub.settings.max_sessions):  # across all workers
                     raise ProtocolError("busy", f"all {self.hub.settings.max_sessions} sessions are taken; try later")
-                self._event_loop, self._outbox = asyncio.get_running_loop(), asyncio.Queue()
-                self.session = await asyncio.to_thread(self._make_session, request)
+                try:
+                    self._event_loop, self._outbox = asyncio.get_running_loop(), asyncio.Queue()
+                    self.session = await asyncio.to_thread(self._make_session, request)
+                except BaseException:
+                    self.hub.row.add("sessions", -1)  # refused (or the client left): the reservation goes back
+                    raise
                 self.hub.scheduler.add(self.session)
         except ProtocolError as error:
             await _refuse(self.websocket, error, CLOSE_TRY_LATER if error.code == "busy" else CLOSE_POLICY)

@@ -32,6 +32,7 @@ import torch
 
 from ..pipelines.io.video_writer import frames_to_uint8
 from .batching import Lockstep, LockstepPipeline, batch_key, group_by_key
+from .board import ServerBoard, WorkerRow
 from .frames import encode_frame
 from .protocol import ProtocolError
 from .session import Control, Session
@@ -51,14 +52,14 @@ class Scheduler:
         max_frames: int | None = None,
         max_batch: int = 1,
         parallel_groups: int = 1,
+        row: WorkerRow | None = None,
     ) -> None:
         self.store = store
+        # this process's row of the server's counts: sessions (reserved at admission, given back when dropped here),
+        # session steps in shared forwards, session chunks in shared decodes, groups made beside another
+        self.row = row or ServerBoard().row(0)
         self.max_batch = max_batch
         self.parallel_groups = parallel_groups if max_batch > 1 else 1
-        self.shared_rows = 0  # session steps made in forwards shared with other sessions (`/healthz`)
-        self.shared_decodes = 0  # session chunks decoded in one call with other sessions' (`/healthz`)
-        self.side_by_side = 0  # groups made while another group of the same pass was being made (`/healthz`)
-        self._counts = threading.Lock()
         # the members of the groups made at once, and of the one the worker makes meanwhile
         members = max_batch * (self.parallel_groups + 1)
         self._members = ThreadPoolExecutor(members, "rolldiff-member") if max_batch > 1 else None
@@ -80,6 +81,7 @@ class Scheduler:
             return len(self._sessions)
 
     def add(self, session: Session) -> None:
+        """Serve a session admitted with `row.reserve_session` (its count is given back when it is dropped)."""
         with self._wake:
             self._sessions.append(session)
             self._wake.notify_all()
@@ -143,6 +145,7 @@ class Scheduler:
     def _drop_closed(self) -> None:
         for session in [s for s in self._sessions if s.closed]:
             self._sessions.remove(session)
+            self.row.add("sessions", -1)
             session.stream.close()  # caches, decoder and input reader go with the stream
 
     def _end_idle(self) -> None:
@@ -179,8 +182,7 @@ class Scheduler:
             self._make_group(group)
         for future in futures:
             future.result()
-        with self._counts:
-            self.side_by_side += len(beside)
+        self.row.add("side_by_side_groups", len(beside))
 
     def _make_group(self, group: list[Session]) -> None:
         if len(group) == 1:
@@ -204,9 +206,8 @@ class Scheduler:
 
         for future in [self._members.submit(member, session) for session in group]:
             future.result()
-        with self._counts:
-            self.shared_rows += lockstep.shared_rows
-            self.shared_decodes += lockstep.shared_decodes
+        self.row.add("batched_rows", lockstep.shared_rows)
+        self.row.add("batched_decodes", lockstep.shared_decodes)
 
     def _carry_out(self, session: Session, control: Control) -> None:
         if control.kind == "stop":

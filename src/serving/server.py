@@ -58,12 +58,14 @@ def uvicorn_config(app, settings: ServeSettings, host: str, port: int) -> uvicor
 
 
 def serve(pipe, settings: ServeSettings, host: str, port: int) -> None:
-    """Serve `pipe` on `host:port` until SIGTERM / Ctrl-C."""
+    """Serve `pipe` on `host:port` until SIGTERM / Ctrl-C (one process; `--workers`: `rolldiff.serving.workers`)."""
     app = create_app(pipe, settings)
-    config = uvicorn_config(app, settings, host, port)
-    server = SuspendingServer(config, app.state.get_hub)
-    # uvicorn raises the signal it caught again once it has shut down; by then every session is suspended, so the
-    # process ends normally (exit 0) instead of dying of it.
+    run_until_signalled(SuspendingServer(uvicorn_config(app, settings, host, port), app.state.get_hub))
+
+
+def run_until_signalled(server: uvicorn.Server) -> None:
+    """Run `server` until SIGTERM / Ctrl-C. uvicorn raises the signal it caught again once it has shut down; by then
+    every session is suspended, so the process ends normally (exit 0) instead of dying of it."""
     for caught in (signal.SIGTERM, signal.SIGINT):
         signal.signal(caught, lambda signum, frame: None)
     server.run()
