@@ -81,9 +81,11 @@ class LoadServer(Server):
         super().wait_ready(seconds)
 
 
-def server_rss_mib(server: Server) -> float:
-    """The resident memory of the server's processes (its workers included, with `--workers`)."""
-    return sum(_rss_kib(pid) for pid in _process_tree(server.process.pid)) / 1024
+def server_rss_mib(server: Server, field: str = "VmRSS") -> float:
+    """The resident memory of the server's processes (its workers included, with `--workers`): their RSS, or with
+    `field="Pss"` their proportional set size (pages shared between processes, torch's libraries among them, split
+    between them: what the server adds to the machine)."""
+    return sum(_memory_kib(pid, field) for pid in _process_tree(server.process.pid)) / 1024
 
 
 def _process_tree(pid: int) -> list[int]:
@@ -94,12 +96,13 @@ def _process_tree(pid: int) -> list[int]:
     return [pid] + [grandchild for child in children for grandchild in _process_tree(int(child))]
 
 
-def _rss_kib(pid: int) -> int:
+def _memory_kib(pid: int, field: str) -> int:
+    source = "smaps_rollup" if field == "Pss" else "status"
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
+        text = Path(f"/proc/{pid}/{source}").read_text()
     except FileNotFoundError:
         return 0
-    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return next((int(line.split()[1]) for line in text.splitlines() if line.startswith(f"{field}:")), 0)
 
 
 # ----------------------------------------------------------------------------------------- the model
@@ -380,7 +383,8 @@ def measure(args: argparse.Namespace) -> int:
             health = server.http("/healthz")
             memory.append(
                 f"{mode} server RSS: {rss_start:.0f} MiB at the start, "
-                f"{server_rss_mib(server):.0f} MiB at the end{device_memory(args.device)}"
+                f"{server_rss_mib(server):.0f} MiB at the end (PSS {server_rss_mib(server, 'Pss'):.0f} MiB)"
+                f"{device_memory(args.device)}"
             )
             memory.append(
                 f"{mode} server: {health['batched_rows']} session steps ran in forwards shared with other sessions, "

@@ -156,6 +156,49 @@ np.savez(spec["out"], *chunks)
 """
 
 
+RED = "a red circle moving left"  # the sessions' prompt
+FRAMES = 24  # a session's length: 8 chunks of 3 on the embedded model
+
+
+def library_references(folder: Path):
+    """`reference(prompt, seed, num_frames, switch, **inputs)`: what `pipe.stream` gives for a session's arguments
+    (a prompt switch at chunk `switch[0]`), as uint8 chunks, each made once (calls with inputs are made afresh)."""
+    made: dict = {}
+
+    def reference(prompt=RED, seed=3, num_frames=FRAMES, switch=None, **inputs) -> list:
+        key = (prompt, seed, num_frames, switch, tuple(sorted(inputs)))
+        if key not in made or inputs:
+            made[key] = reference_chunks(
+                folder, prompt=prompt, seed=seed, num_frames=num_frames, switch=switch, **inputs
+            )
+        return made[key]
+
+    return reference
+
+
+def killed_then_restored(server: Server, restart, after_kill=lambda: None) -> tuple[list, int, list]:
+    """A seeded session (RED, seed 3, FRAMES) on `server` (run with `--state-every 1`): 3 chunks, paused, then the
+    server killed (SIGKILL); `after_kill()`, and the session restored on `restart()` (a new server). Returns the
+    chunks the client got before the kill, the chunk the restore started at, and the chunks after it."""
+    from rolldiff.serving import connect, restore
+
+    live = connect(server.url, prompt=RED, seed=3, num_frames=FRAMES)
+    token = live.ready["token"]
+    chunks = [next(live), next(live), next(live)]
+    live.pause()
+    time.sleep(1.0)  # what the server made ahead goes out (and its state is written) while the session is paused
+    server.stop(signal.SIGKILL)
+    after_kill()
+    chunks += list(live)  # everything that reached the client before the kill
+    live.close()
+    again = restart()
+    try:
+        resumed = restore(again.url, token)
+        return chunks, resumed.ready["next_chunk"], list(resumed)
+    finally:
+        again.stop()
+
+
 def reference_chunks(folder: Path, **spec) -> list:
     """What `pipe.stream` gives for a session's arguments, made in a process of its own (as the server's is, one
     torch thread): uint8 chunks. A test process may carry process-wide settings earlier tests left behind."""

@@ -10,15 +10,23 @@ import time
 
 import numpy as np
 import pytest
-from serve_helpers import Server, free_port, max_difference, reference_chunks, round_robin
+from serve_helpers import (
+    FRAMES,
+    RED,
+    Server,
+    free_port,
+    killed_then_restored,
+    library_references,
+    max_difference,
+    round_robin,
+)
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from rolldiff.cli import main
 from rolldiff.serving import ProtocolError, connect, restore
 
-RED, BLUE = "a red circle moving left", "a blue square moving up"
-FRAMES = 24  # 8 chunks of 3 on the embedded model
+BLUE = "a blue square moving up"
 
 
 @pytest.fixture(scope="module")
@@ -35,19 +43,7 @@ def server(state_dir):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("references")
-    made: dict = {}
-
-    def reference(prompt=RED, seed=3, num_frames=FRAMES, switch=None, **inputs) -> list[np.ndarray]:
-        """What `pipe.stream` gives for a session's arguments (a switch at chunk `switch[0]`), as uint8 chunks."""
-        key = (prompt, seed, num_frames, switch, tuple(sorted(inputs)))
-        if key not in made or inputs:
-            made[key] = reference_chunks(
-                folder, prompt=prompt, seed=seed, num_frames=num_frames, switch=switch, **inputs
-            )
-        return made[key]
-
-    return reference
+    return library_references(tmp_path_factory.mktemp("references"))
 
 
 def _raw(url: str):
@@ -370,21 +366,7 @@ def test_sigterm_suspends_every_session_and_a_new_server_restores_it(tmp_path, r
 
 def test_with_state_every_a_session_survives_sigkill_from_its_last_saved_chunk(tmp_path, references):
     server = Server("--state-dir", str(tmp_path), "--state-every", "1")
-    live = connect(server.url, prompt=RED, seed=3, num_frames=FRAMES)
-    token = live.ready["token"]
-    chunks = [next(live), next(live), next(live)]
-    live.pause()
-    time.sleep(1.0)  # what the server made ahead goes out (and its state is written) while the session is paused
-    server.stop(signal.SIGKILL)
-    chunks += list(live)  # everything that reached the client before the kill
-    live.close()
-    again = Server("--state-dir", str(tmp_path))
-    try:
-        resumed = restore(again.url, token)
-        start = resumed.ready["next_chunk"]
-        rest = list(resumed)
-    finally:
-        again.stop()
+    chunks, start, rest = killed_then_restored(server, lambda: Server("--state-dir", str(tmp_path)))
     assert start == len(chunks) < 8  # it goes on right after the last chunk the client got: no gap, no repeat
     expected = references()
     assert all((g == w).all() for g, w in zip(chunks, expected))

@@ -11,13 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from serve_helpers import Server, free_port, max_difference, reference_chunks, round_robin
+from serve_helpers import (
+    FRAMES,
+    RED,
+    Server,
+    free_port,
+    killed_then_restored,
+    library_references,
+    max_difference,
+    round_robin,
+)
 
 from rolldiff.cli import main
 from rolldiff.serving import ProtocolError, connect, restore
-
-RED = "a red circle moving left"
-FRAMES = 24  # 8 chunks of 3 on the embedded model
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +40,7 @@ def server(state_dir):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("references")
-    made: dict = {}
-
-    def reference(seed: int = 3) -> list:
-        if seed not in made:
-            made[seed] = reference_chunks(folder, prompt=RED, seed=seed, num_frames=FRAMES)
-        return made[seed]
-
-    return reference
+    return library_references(tmp_path_factory.mktemp("references"))
 
 
 def _until(condition, seconds: float = 15.0) -> bool:
@@ -79,7 +77,7 @@ def test_model_and_health_describe_every_worker(server):
 def test_a_lone_session_is_the_librarys_video_bit_for_bit(server, references):
     with connect(server.url, prompt=RED, seed=3, num_frames=FRAMES) as live:
         chunks = list(live)
-    expected = references(3)
+    expected = references(seed=3)
     assert len(chunks) == len(expected) == 8 and all((g == w).all() for g, w in zip(chunks, expected))
 
 
@@ -92,7 +90,7 @@ def test_sessions_spread_evenly_over_the_workers_and_each_stays_within_2_of_255_
         for client in clients.values():
             client.close()
     for seed, chunks in made.items():
-        assert max_difference(chunks, references(seed), min_chunks=8) <= 2, seed
+        assert max_difference(chunks, references(seed=seed), min_chunks=8) <= 2, seed
     health = server.http("/healthz")
     assert health["batched_rows"] > 0  # summed over the workers
     assert _until(lambda: server.http("/healthz")["sessions"] == 0)
@@ -139,7 +137,7 @@ def test_a_session_suspended_in_one_worker_is_restored_in_the_other(server, refe
             chunks += list(resumed)
     finally:
         other.close()
-    expected = references(3)
+    expected = references(seed=3)
     assert len(chunks) == len(expected) and all((g == w).all() for g, w in zip(chunks, expected))
 
 
@@ -175,7 +173,7 @@ def test_sigterm_suspends_the_sessions_of_every_worker_and_a_new_server_restores
     finally:
         again.stop()
     for seed, got in chunks.items():
-        expected = references(seed)
+        expected = references(seed=seed)
         assert len(got) == len(expected) and all((g == w).all() for g, w in zip(got, expected)), seed
     assert list(tmp_path.glob("*.resume.safetensors")) == []
 
@@ -184,23 +182,15 @@ def test_sigkill_of_the_server_takes_its_workers_along_and_state_every_keeps_the
     server = Server("--workers", "2", "--state-dir", str(tmp_path), "--state-every", "1")
     workers = _worker_pids(server)
     assert len(workers) == 2
-    live = connect(server.url, prompt=RED, seed=3, num_frames=FRAMES)
-    token = live.ready["token"]
-    chunks = [next(live), next(live), next(live)]
-    live.pause()
-    time.sleep(1.0)  # what the server made ahead goes out (and its state is written) while the session is paused
-    server.stop(signal.SIGKILL)
-    assert _until(lambda: all(_gone(pid) for pid in workers), 10)  # no orphan keeps serving (or the port)
-    chunks += list(live)
-    live.close()
-    again = Server("--workers", "2", "--state-dir", str(tmp_path), port=server.port)  # the same port, at once
-    try:
-        resumed = restore(again.url, token)
-        start = resumed.ready["next_chunk"]
-        rest = list(resumed)
-    finally:
-        again.stop()
-    expected = references(3)
+
+    def workers_gone() -> None:  # no orphan keeps serving (or holds the port)
+        assert _until(lambda: all(_gone(pid) for pid in workers), 10)
+
+    def restart() -> Server:  # on the same port, at once
+        return Server("--workers", "2", "--state-dir", str(tmp_path), port=server.port)
+
+    chunks, start, rest = killed_then_restored(server, restart, workers_gone)
+    expected = references(seed=3)
     assert start == len(chunks) < 8
     assert all((g == w).all() for g, w in zip(chunks + rest, expected)) and len(chunks + rest) == 8
 

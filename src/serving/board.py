@@ -74,7 +74,7 @@ class ServerBoard:
                 return None
             try:
                 connection, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
+            except OSError:  # nothing waiting (another took it), or the client gave up in between
                 return None
             self._values[self._at(worker, "connections")] += 1
             self._values[self._at(worker, "accepted")] += 1

@@ -99,7 +99,10 @@ class BalancedServer(SuspendingServer):
             waiting_since = None
             connection.setblocking(False)
             self._open.append(connection)
-            await loop.connect_accepted_socket(self._protocol, connection)
+            try:
+                await loop.connect_accepted_socket(self._protocol, connection)
+            except OSError:  # the client was gone before it could be served: the next one
+                connection.close()
 
     def _sweep(self) -> None:
         """Recount the open connections (a closed one's socket has fileno -1) and publish the count."""
@@ -139,9 +142,11 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def worker_main(spec: WorkerSpec, board: ServerBoard, worker: int, listener: socket.socket, reports) -> None:
+def worker_main(
+    spec: WorkerSpec, board: ServerBoard, worker: int, listener: socket.socket, reports, parent: int
+) -> None:
     """One worker process: load the pipeline, then serve its share of the connections until SIGTERM."""
-    _die_with_parent(int(os.environ["ROLLDIFF_SERVE_PARENT"]))
+    _die_with_parent(parent)
     os.setpgid(0, 0)  # Ctrl-C in a terminal reaches the parent only; it forwards one SIGTERM
     import torch
 
@@ -179,20 +184,22 @@ class Supervisor:
         self.board.row(worker).clear()
         process = self.context.Process(
             target=worker_main,
-            args=(self.spec, self.board, worker, self.listener, self.reports),
+            args=(self.spec, self.board, worker, self.listener, self.reports, os.getpid()),
             name=f"rolldiff-serve-worker-{worker}",
         )
         process.start()
         self.processes[worker] = process
 
-    def start(self) -> str:
-        """Start every worker and wait until each serves; the pipeline's class name. Raises `WorkerError` (after
-        stopping the others) when one cannot start."""
-        os.environ["ROLLDIFF_SERVE_PARENT"] = str(os.getpid())  # inherited by the workers
+    def start(self) -> str | None:
+        """Start every worker and wait until each serves; the pipeline's class name, or None when a signal came
+        first (the workers are stopped). Raises `WorkerError` (after stopping the others) when one cannot start."""
         for worker in range(len(self.processes)):
             self._start(worker)
         ready, name = set(), ""
         while len(ready) < len(self.processes):
+            if self.stopping:  # SIGTERM / Ctrl-C while loading: nothing to suspend yet
+                self.kill()
+                return None
             if not self.reports.empty():
                 kind, worker, text = self.reports.get()
                 if kind == "error":
@@ -205,9 +212,6 @@ class Supervisor:
             if gone:
                 self.kill()
                 raise WorkerError(f"worker {gone[0].name} exited ({gone[0].exitcode}) while loading")
-            if self.stopping:
-                self.kill()
-                raise WorkerError("stopped while the workers were loading")
             time.sleep(0.05)
         return name
 
@@ -233,7 +237,9 @@ class Supervisor:
                 return
             multiprocessing.connection.wait([p.sentinel for p in live], timeout=1.0)
             while not self.reports.empty():
-                self.reports.get()  # a replacement's "ready"
+                kind, worker, text = self.reports.get()  # a replacement's "ready", or why it could not start
+                if kind == "error":
+                    raise WorkerError(f"worker {worker} could not be started again: {text}")
             for worker, process in enumerate(self.processes):
                 if process.exitcode is not None and not self.stopping:
                     print(
@@ -255,7 +261,10 @@ def serve_workers(spec: WorkerSpec, workers: int, announce: Callable[[str], None
     for caught in (signal.SIGTERM, signal.SIGINT):
         signal.signal(caught, supervisor.forward)
     try:
-        announce(supervisor.start())
+        pipeline = supervisor.start()
+        if pipeline is None:
+            return
+        announce(pipeline)
         supervisor.supervise()
     finally:
         supervisor.kill()
