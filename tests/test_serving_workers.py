@@ -24,6 +24,7 @@ from serve_helpers import (
 
 from rolldiff.cli import main
 from rolldiff.serving import ProtocolError, connect, restore
+from rolldiff.serving.workers import SWEEP_S
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +51,20 @@ def _until(condition, seconds: float = 15.0) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+def _settled(server: Server) -> None:
+    """No session left, and the workers' counts of open connections swept since the last request (`healthz` polls
+    are connections too), so the next connections spread as the board says."""
+    assert _until(lambda: server.http("/healthz")["sessions"] == 0)
+    time.sleep(4 * SWEEP_S)
+
+
+def _health(server: Server) -> dict:
+    """`/healthz`, before a new connection: the poll is a connection too, so wait until its worker has swept it."""
+    health = server.http("/healthz")
+    time.sleep(4 * SWEEP_S)
+    return health
 
 
 def _worker_pids(server: Server) -> list[int]:
@@ -82,6 +97,7 @@ def test_a_lone_session_is_the_librarys_video_bit_for_bit(server, references):
 
 
 def test_sessions_spread_evenly_over_the_workers_and_each_stays_within_2_of_255_of_its_solo_run(server, references):
+    _settled(server)
     clients = {seed: connect(server.url, prompt=RED, seed=seed, num_frames=FRAMES) for seed in (3, 4, 5, 6)}
     try:
         assert server.http("/healthz")["worker_sessions"] == [2, 2]  # each worker batches its share
@@ -97,6 +113,7 @@ def test_sessions_spread_evenly_over_the_workers_and_each_stays_within_2_of_255_
 
 
 def test_max_sessions_counts_every_workers_sessions(server):
+    _settled(server)
     clients = [connect(server.url, prompt=RED, num_frames=None) for _ in range(4)]
     try:
         for client in clients:
@@ -116,20 +133,24 @@ def test_max_sessions_counts_every_workers_sessions(server):
 
 
 def test_a_session_suspended_in_one_worker_is_restored_in_the_other(server, references):
+    _settled(server)
     holder = connect(server.url, prompt=RED, num_frames=None)  # keeps one worker busier, so the next goes elsewhere
     holder.pause()
-    first = server.http("/healthz")["worker_sessions"].index(1)
+    first = _health(server)["worker_sessions"].index(1)
     live = connect(server.url, prompt=RED, seed=3, num_frames=FRAMES)
     assert server.http("/healthz")["worker_sessions"] == [1, 1]
     chunks = [next(live), next(live)]
     live.pause()
     token = live.suspend()
     chunks += list(live)  # made before the cut
+    assert _until(lambda: server.http("/healthz")["worker_sessions"][1 - first] == 0)
+    time.sleep(4 * SWEEP_S)  # the connection counts are swept every SWEEP_S
     other = connect(server.url, prompt=RED, num_frames=None)  # takes the suspending worker's free place
     other.pause()
+    assert server.http("/healthz")["worker_sessions"] == [1, 1]
     holder.close()  # the first worker now has the fewest connections: the restore goes there
     assert _until(lambda: server.http("/healthz")["worker_sessions"][first] == 0)
-    time.sleep(0.5)  # the connection counts are swept every 0.2 s
+    time.sleep(4 * SWEEP_S)  # the connection counts are swept every SWEEP_S
     try:
         with restore(server.url, token) as resumed:
             sessions = server.http("/healthz")["worker_sessions"]
@@ -155,6 +176,7 @@ def test_a_worker_that_dies_is_replaced(server):
 # ---------------------------------------------------------------------------------------- restarts
 def test_sigterm_suspends_the_sessions_of_every_worker_and_a_new_server_restores_them(tmp_path, references):
     server = Server("--workers", "2", "--state-dir", str(tmp_path))
+    _settled(server)
     lives = {seed: connect(server.url, prompt=RED, seed=seed, num_frames=FRAMES) for seed in (3, 4)}
     assert server.http("/healthz")["worker_sessions"] == [1, 1]
     chunks = {seed: [next(live), next(live)] for seed, live in lives.items()}

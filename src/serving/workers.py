@@ -40,7 +40,7 @@ from .board import ServerBoard, WorkerRow
 from .server import SuspendingServer, run_until_signalled, uvicorn_config
 
 TAKE_ANYWAY_S = 0.25  # a connection no worker took in this long is taken by any (the fewest may be stuck in a chunk)
-SWEEP_S = 0.2  # how often a worker recounts its open connections on the board
+SWEEP_S = 0.05  # how often a worker recounts its open connections on the board (a few list checks)
 
 
 @dataclass(frozen=True)
