@@ -12,8 +12,9 @@ takes a connection the others left waiting), so sessions spread evenly and each 
 (`--max-sessions`) and `/healthz` count every worker's sessions. Suspended sessions go to the shared `--state-dir`,
 so any worker restores any token.
 
-The parent only supervises: it forwards SIGTERM / Ctrl-C to the workers once (each suspends its own sessions, as
-a one-process server does) and exits when they have; a worker that dies is replaced. The workers die with the parent
+The parent only supervises: it hands each SIGTERM / Ctrl-C on to the workers (at the first, each suspends its own
+sessions, as a one-process server does; at a second they stop at once) and exits when they have; a worker that dies
+is replaced. The workers die with the parent
 (a SIGKILL of the parent takes them along, so the port is free for a restart at once).
 """
 
