@@ -42,7 +42,7 @@ import torch
 from _common import WAN_1_3B, WAN_TEXT_TOKENS, latent_hw, markdown_table, steady_stream_fps, wan_config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from serve_helpers import Server  # noqa: E402  (the tests' subprocess runner: one way to start a server)
+from serve_helpers import Server, process_tree  # noqa: E402  (the tests' subprocess runner: one way to start a server)
 
 from rolldiff.defaults import DTYPES, default_device, default_dtype, load_pipeline, native_size  # noqa: E402
 from rolldiff.serving import connect  # noqa: E402
@@ -85,15 +85,7 @@ def server_rss_mib(server: Server, field: str = "VmRSS") -> float:
     """The resident memory of the server's processes (its workers included, with `--workers`): their RSS, or with
     `field="Pss"` their proportional set size (pages shared between processes, torch's libraries among them, split
     between them: what the server adds to the machine)."""
-    return sum(_memory_kib(pid, field) for pid in _process_tree(server.process.pid)) / 1024
-
-
-def _process_tree(pid: int) -> list[int]:
-    try:
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except FileNotFoundError:
-        return []
-    return [pid] + [grandchild for child in children for grandchild in _process_tree(int(child))]
+    return sum(_memory_kib(pid, field) for pid in process_tree(server.process.pid)) / 1024
 
 
 def _memory_kib(pid: int, field: str) -> int:

@@ -23,6 +23,25 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def until(condition, seconds: float = 15.0) -> bool:
+    """Whether `condition()` holds within `seconds` (asked every 0.1 s)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def process_tree(pid: int) -> list[int]:
+    """`pid` and every process under it, parents first (Linux `/proc`); [] once it is gone."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except FileNotFoundError:
+        return []
+    return [pid] + [grandchild for child in children for grandchild in process_tree(int(child))]
+
+
 class _Endpoint:
     """What both servers answer: the WebSocket `url`, `http` GETs, the bounded waits."""
 
@@ -58,12 +77,7 @@ class _Endpoint:
 
     def sessions_within(self, count: int, seconds: float = 10.0) -> bool:
         """Whether `healthz` reports `count` sessions within `seconds`."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if self.http("/healthz")["sessions"] == count:
-                return True
-            time.sleep(0.1)
-        return False
+        return until(lambda: self.http("/healthz")["sessions"] == count, seconds)
 
 
 class InProcessServer(_Endpoint):

@@ -19,7 +19,9 @@ from serve_helpers import (
     killed_then_restored,
     library_references,
     max_difference,
+    process_tree,
     round_robin,
+    until,
 )
 
 from rolldiff.cli import main
@@ -44,19 +46,10 @@ def references(tmp_path_factory):
     return library_references(tmp_path_factory.mktemp("references"))
 
 
-def _until(condition, seconds: float = 15.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def _settled(server: Server) -> None:
     """No session left, and the workers' counts of open connections swept since the last request (`healthz` polls
     are connections too), so the next connections spread as the board says."""
-    assert _until(lambda: server.http("/healthz")["sessions"] == 0)
+    assert server.sessions_within(0, 15)
     time.sleep(4 * SWEEP_S)
 
 
@@ -68,10 +61,15 @@ def _health(server: Server) -> dict:
 
 
 def _worker_pids(server: Server) -> list[int]:
-    """The server's worker processes (its children that run `spawn_main`, not multiprocessing's resource tracker)."""
-    pid = server.process.pid
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    """The server's worker processes (those that run `spawn_main`, not multiprocessing's resource tracker)."""
+    return [pid for pid in process_tree(server.process.pid)[1:] if b"spawn_main" in _command_line(pid)]
+
+
+def _command_line(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:  # gone since it was listed
+        return b""
 
 
 def _gone(pid: int) -> bool:
@@ -109,7 +107,7 @@ def test_sessions_spread_evenly_over_the_workers_and_each_stays_within_2_of_255_
         assert max_difference(chunks, references(seed=seed), min_chunks=8) <= 2, seed
     health = server.http("/healthz")
     assert health["batched_rows"] > 0  # summed over the workers
-    assert _until(lambda: server.http("/healthz")["sessions"] == 0)
+    assert server.sessions_within(0, 15)
 
 
 def test_max_sessions_counts_every_workers_sessions(server):
@@ -123,13 +121,13 @@ def test_max_sessions_counts_every_workers_sessions(server):
             connect(server.url, prompt=RED, num_frames=None)
         assert refused.value.code == "busy"
         clients.pop().close()
-        assert _until(lambda: server.http("/healthz")["sessions"] == 3)
+        assert server.sessions_within(3, 15)
         with connect(server.url, prompt=RED, num_frames=3) as again:  # room again
             assert len(list(again)) == 1
     finally:
         for client in clients:
             client.close()
-    assert _until(lambda: server.http("/healthz")["sessions"] == 0)
+    assert server.sessions_within(0, 15)
 
 
 def test_a_session_suspended_in_one_worker_is_restored_in_the_other(server, references):
@@ -143,13 +141,13 @@ def test_a_session_suspended_in_one_worker_is_restored_in_the_other(server, refe
     live.pause()
     token = live.suspend()
     chunks += list(live)  # made before the cut
-    assert _until(lambda: server.http("/healthz")["worker_sessions"][1 - first] == 0)
+    assert until(lambda: server.http("/healthz")["worker_sessions"][1 - first] == 0)
     time.sleep(4 * SWEEP_S)  # the connection counts are swept every SWEEP_S
     other = connect(server.url, prompt=RED, num_frames=None)  # takes the suspending worker's free place
     other.pause()
     assert server.http("/healthz")["worker_sessions"] == [1, 1]
     holder.close()  # the first worker now has the fewest connections: the restore goes there
-    assert _until(lambda: server.http("/healthz")["worker_sessions"][first] == 0)
+    assert until(lambda: server.http("/healthz")["worker_sessions"][first] == 0)
     time.sleep(4 * SWEEP_S)  # the connection counts are swept every SWEEP_S
     try:
         with restore(server.url, token) as resumed:
@@ -165,8 +163,8 @@ def test_a_session_suspended_in_one_worker_is_restored_in_the_other(server, refe
 def test_a_worker_that_dies_is_replaced(server):
     victim = _worker_pids(server)[0]
     os.kill(victim, signal.SIGKILL)
-    assert _until(lambda: len(_worker_pids(server)) == 2 and victim not in _worker_pids(server), 60)
-    assert _until(lambda: "starting a new one" in server.log.read_text())
+    assert until(lambda: len(_worker_pids(server)) == 2 and victim not in _worker_pids(server), 60)
+    assert until(lambda: "starting a new one" in server.log.read_text())
     for _ in range(2):  # one session on each worker, the new one included
         with connect(server.url, prompt=RED, num_frames=3) as live:
             assert len(list(live)) == 1
@@ -206,7 +204,7 @@ def test_sigkill_of_the_server_takes_its_workers_along_and_state_every_keeps_the
     assert len(workers) == 2
 
     def workers_gone() -> None:  # no orphan keeps serving (or holds the port)
-        assert _until(lambda: all(_gone(pid) for pid in workers), 10)
+        assert until(lambda: all(_gone(pid) for pid in workers), 10)
 
     def restart() -> Server:  # on the same port, at once
         return Server("--workers", "2", "--state-dir", str(tmp_path), port=server.port)

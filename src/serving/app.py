@@ -95,10 +95,10 @@ class Hub:
     """The loaded pipeline, the settings, the scheduler and the store, shared by every connection; `row` is this
     process's row of the server's counts (one of several with `--workers`)."""
 
-    def __init__(self, pipe, settings: ServeSettings, row: WorkerRow | None = None) -> None:
+    def __init__(self, pipe, settings: ServeSettings, row: WorkerRow) -> None:
         self.pipe = pipe
         self.settings = settings
-        self.row = row or ServerBoard().row(0)
+        self.row = row
         self.store = None if settings.state_dir is None else SessionStore(settings.state_dir, settings.model)
         # a transformer that cannot take one cache per row (another family) serves sessions in turns
         self.max_batch = settings.max_batch if batchable(pipe) else 1
@@ -109,7 +109,7 @@ class Hub:
             settings.max_frames,
             self.max_batch,
             settings.parallel_groups,
-            self.row,
+            row=row,
         )
         self.admission = asyncio.Lock()
 
@@ -176,8 +176,10 @@ class Hub:
 
 # ---------------------------------------------------------------------------------------- the app
 def create_app(pipe, settings: ServeSettings, row: WorkerRow | None = None) -> FastAPI:
-    """The app of one server process; `row`: its row of the counts a `--workers` server shares (default: its own)."""
+    """The app of one server process; `row`: its row of the counts a `--workers` server shares (default: a board of
+    its own, one row)."""
     app = FastAPI(title="rolldiff serve", version=PROTOCOL)
+    row = row or ServerBoard().row(0)
     hub = None
 
     def get_hub() -> Hub:

@@ -32,7 +32,7 @@ import torch
 
 from ..pipelines.io.video_writer import frames_to_uint8
 from .batching import Lockstep, LockstepPipeline, batch_key, group_by_key
-from .board import ServerBoard, WorkerRow
+from .board import WorkerRow
 from .frames import encode_frame
 from .protocol import ProtocolError
 from .session import Control, Session
@@ -52,12 +52,13 @@ class Scheduler:
         max_frames: int | None = None,
         max_batch: int = 1,
         parallel_groups: int = 1,
-        row: WorkerRow | None = None,
+        *,
+        row: WorkerRow,
     ) -> None:
         self.store = store
         # this process's row of the server's counts: sessions (reserved at admission, given back when dropped here),
         # session steps in shared forwards, session chunks in shared decodes, groups made beside another
-        self.row = row or ServerBoard().row(0)
+        self.row = row
         self.max_batch = max_batch
         self.parallel_groups = parallel_groups if max_batch > 1 else 1
         # the members of the groups made at once, and of the one the worker makes meanwhile
