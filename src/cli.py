@@ -680,6 +680,9 @@ def run_serve(args: argparse.Namespace) -> int:
             f"--workers {args.workers} runs server processes on a CPU's cores; on a GPU run one server per device "
             "(--device cuda:N), behind a proxy (docs/serving.md)"
         )
+    cores = os.cpu_count() or 1
+    if args.workers > cores:  # each worker is a whole process with its own model: more than cores only costs memory
+        raise UsageError(f"--workers {args.workers}: at most one per core, and this machine has {cores}")
     threads, default_groups = _serving_threads(device, args.workers)
     settings = ServeSettings(
         model=str(args.model or "tiny-bouncing-shapes"),

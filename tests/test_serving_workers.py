@@ -224,6 +224,12 @@ def test_workers_on_a_gpu_are_refused_naming_the_flag(capsys, monkeypatch):
     assert "--workers 2" in error and "one server per device" in error
 
 
+def test_more_workers_than_cores_are_refused_before_any_starts(capsys):
+    cores = os.cpu_count() or 1
+    assert main(["serve", "--workers", str(cores + 1), "--port", str(free_port())]) == 2
+    assert f"--workers {cores + 1}: at most one per core, and this machine has {cores}" in capsys.readouterr().err
+
+
 def test_workers_below_1_are_refused(capsys):
     assert main(["serve", "--workers", "0"]) == 2
     assert "argument --workers: expected a finite int > 0, got '0'" in capsys.readouterr().err
