@@ -1,4 +1,5 @@
-"""The `rolldiff` command: `rolldiff generate` writes a long video to an mp4, `rolldiff demo` serves the Gradio demo.
+"""The `rolldiff` command: `rolldiff generate` writes a long video to an mp4, `rolldiff demo` serves the Gradio demo,
+`rolldiff serve` serves live sessions, `rolldiff convert` turns a published checkpoint into a pipeline folder.
 
 Frames are streamed into the file chunk by chunk as they are generated, so memory stays that of one chunk
 however long the video. Bad arguments end with one line on stderr and exit code 2, never a traceback.
@@ -23,6 +24,7 @@ import torch
 
 from . import __version__ as rolldiff_version
 from .caching.layout import ALL_FRAMES
+from .cli_convert import add_convert_command
 from .defaults import DTYPES, ModelNotFoundError, default_device, default_dtype, load_pipeline, native_size
 from .pipelines.acceleration import compile_cached_step
 from .pipelines.io.resume import ResumeError, load_state, state_path_for, write_video
@@ -359,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-concurrency", type=_positive(int), default=2, help="generations at once (default 2)")
     demo.set_defaults(run=run_demo)
     _add_serve_command(commands)
+    add_convert_command(commands, _positive(int))
     return parser
 
 

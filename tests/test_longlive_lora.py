@@ -2,16 +2,13 @@
 
 import pytest
 import torch
+from checkpoint_layouts import LORA_TARGETS
 from tiny_components import TRANSFORMER_CONFIG, tiny_transformer
 
 from rolldiff import ChunkLayout
 from rolldiff.models.lora_conversion import convert_longlive_lora_state_dict, load_longlive_lora
 
-ORIGINAL_TARGETS = {  # LongLive adapts every Linear of each attention block; diffusers' names beside them
-    "self_attn.q": "attn1.to_q", "self_attn.k": "attn1.to_k", "self_attn.v": "attn1.to_v",
-    "self_attn.o": "attn1.to_out.0", "cross_attn.q": "attn2.to_q", "cross_attn.k": "attn2.to_k",
-    "cross_attn.v": "attn2.to_v", "cross_attn.o": "attn2.to_out.0", "ffn.0": "ffn.net.0.proj", "ffn.2": "ffn.net.2",
-}  # fmt: skip
+ORIGINAL_TARGETS = LORA_TARGETS  # LongLive adapts every Linear of each attention block
 
 
 def _longlive_checkpoint(model, rank: int = 4, seed: int = 0) -> dict:

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from checkpoint_layouts import wan_to_original
 from diffusers import WanTransformer3DModel
 from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 from safetensors.torch import save_file
@@ -39,39 +40,10 @@ WAN_1_3B_CONFIG = {
     "qk_norm": "rms_norm_across_heads",
 }
 
-# diffusers name fragment -> original Wan name fragment, written independently of the module under test.
-_DIFFUSERS_TO_ORIGINAL = (
-    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
-    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
-    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-    ("condition_embedder.time_proj", "time_projection.1"),
-    ("attn1.", "self_attn."),
-    ("attn2.", "cross_attn."),
-    (".to_q.", ".q."),
-    (".to_k.", ".k."),
-    (".to_v.", ".v."),
-    (".to_out.0.", ".o."),
-    (".norm2.", ".norm3."),
-    ("ffn.net.0.proj", "ffn.0"),
-    ("ffn.net.2", "ffn.2"),
-    (".scale_shift_table", ".modulation"),
-    ("proj_out", "head.head"),
-)
-
 
 def to_original_format(diffusers_state_dict, prefix=""):
     """Invert the conversion: diffusers keys -> original Wan keys, optionally behind a wrapper prefix."""
-    original = {}
-    for key, tensor in diffusers_state_dict.items():
-        if key == "scale_shift_table":
-            new_key = "head.modulation"
-        else:
-            new_key = key
-            for diffusers_part, original_part in _DIFFUSERS_TO_ORIGINAL:
-                new_key = new_key.replace(diffusers_part, original_part)
-        original[prefix + new_key] = tensor
-    return original
+    return wan_to_original(diffusers_state_dict, prefix)
 
 
 def make_tiny_model(seed=0):

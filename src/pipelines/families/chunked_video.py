@@ -37,6 +37,7 @@ from ..acceleration import capture_cuda_graphs, enable_fp8, fastest_attention_ba
 from ..codecs.streaming_decode import StreamingWanDecoder
 from ..codecs.streaming_encode import StreamingWanEncoder
 from ..codecs.streaming_tiny_decode import StreamingTinyDecoder
+from ..conversion.adapter import load_kept_adapter, saved_without_adapter
 from ..io.resume import write_video
 from ..request.builder import build_request, num_frames_for
 from ..request.call import VideoCall, takes_call_arguments
@@ -102,7 +103,55 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         folder = Path(str(pretrained_model_name_or_path)).expanduser()
         if folder.is_dir():
             check_pipeline_weights(folder)
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        adapter = pipe.config.get("lora_adapter")
+        if adapter is not None:  # a LoRA kept beside the transformer (`rolldiff convert --keep-lora-adapter`)
+            hub = {key: kwargs[key] for key in ("cache_dir", "local_files_only", "token", "revision") if key in kwargs}
+            load_kept_adapter(pipe.transformer, pretrained_model_name_or_path, adapter, **hub)
+        return pipe
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """diffusers' save, with a kept LoRA adapter written apart from the plain transformer weights."""
+        with saved_without_adapter(self.transformer, self.config.get("lora_adapter"), save_directory):
+            super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_original(  # noqa: PLR0913 (the conversion's options; `rolldiff convert` has a flag for each)
+        cls,
+        checkpoint: str | os.PathLike,
+        base: str | os.PathLike,
+        recipe: str | None = None,
+        lora: str | os.PathLike | None = None,
+        fuse_lora: bool = True,
+        use_ema: bool | None = None,
+        torch_dtype: torch.dtype | None = None,
+        height: int | None = None,
+        width: int | None = None,
+    ):
+        """A pipeline from an original checkpoint file (Self-Forcing, LongLive, Causal Forcing, Rolling Forcing,
+        StreamDiffusionV2, Krea Realtime, LongSANA) and the diffusers base it was trained from, running its authors'
+        recipe by default (`config.recipe`). `save_pretrained` it, or use `rolldiff convert`, for a folder.
+
+        Args:
+            checkpoint: the authors' `.pt` / `.pth` (read with `weights_only=True`) or `.safetensors`.
+            base: a diffusers Wan 2.1 (`Wan-AI/Wan2.1-T2V-1.3B-Diffusers`) or SANA-Video pipeline folder or Hub id;
+                the tokenizer, text encoder and VAE come from it (its transformer weights are never read).
+            recipe: one of `rolldiff.list_recipes(...)`; default: detected (the published file name; SANA's one
+                recipe; a `lora` means LongLive). Rolling Sink runs on Self-Forcing's file, so it is always named.
+            lora: LongLive's `lora.pt` (recipe "longlive" needs it).
+            fuse_lora: fuse the adapter into the weights (fastest); False keeps it as the `"longlive"` adapter.
+            use_ema: take `generator_ema` (True) or `generator` (False); default: what the authors' loader takes.
+            torch_dtype: cast the transformer and text encoder (e.g. `torch.bfloat16`); default: as stored.
+            height, width: the native frame size a call uses when it gives none (default 480 x 832).
+
+        Raises:
+            ValueError: before anything is built, naming what is wrong: an unknown or LoRA-only file, a recipe of
+                another family or one that cannot be told, a base of another family or size, missing keys.
+        """
+        from ..conversion import pipeline_from_original, plan_conversion
+
+        plan = plan_conversion(checkpoint, base, recipe=recipe, lora=lora, use_ema=use_ema)
+        return pipeline_from_original(cls, plan, torch_dtype, fuse_lora, height, width)
 
     @property
     def interrupt(self) -> bool:

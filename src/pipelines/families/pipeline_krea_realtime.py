@@ -167,6 +167,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         context_window_frames: int | None = None,
         adaptive_sink: bool = False,
         adaptive_sink_threshold: float = 0.2,
+        lora_adapter: str | None = None,
     ) -> None:
         super().__init__()
         self.register_modules(
@@ -191,6 +192,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             context_window_frames=context_window_frames,
             adaptive_sink=adaptive_sink,
             adaptive_sink_threshold=adaptive_sink_threshold,
+            lora_adapter=lora_adapter,
         )
         self.set_vae_factors(vae)
 

@@ -109,6 +109,7 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
         height: int = 480,
         width: int = 832,
         recipe: str | None = None,
+        lora_adapter: str | None = None,
     ) -> None:
         super().__init__()
         self.register_modules(
@@ -124,6 +125,7 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
             height=height,
             width=width,
             recipe=recipe,
+            lora_adapter=lora_adapter,
         )
         self.set_vae_factors(vae)
 
