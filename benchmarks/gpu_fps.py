@@ -26,10 +26,15 @@ A compiled row keeps the fastest attention only if that backend takes a mask (pr
 attends with a mask while the window fills; otherwise it runs "native" and the step column says so.
 
 Columns: FPS = 12 pixel frames / median steady-state interval between two chunks' frames reaching the consumer
-(window full; decode included); p50 / p99 = those intervals; time to first frame = a new stream's first frames
-(after the warm-up: a server compiles once at start-up); peak memory = `torch.cuda.max_memory_allocated`; the
+(window full; decode included); p50 / p99 = those intervals; cold first frame = from the row's first call to its
+first frames, compilation (and CUDA-graph capture) included: what a user waits for on a fresh process; time to
+first frame = a new stream's first frames on the warm model (a server compiles once at start-up); peak memory = `torch.cuda.max_memory_allocated`; the
 fraction of bf16 peak = FLOPs of a steady chunk (`FlopCounterMode`, counted once per loop and decoder) per
 second over the dense bf16 peak (spec sheet) and over a bf16 matmul measured here.
+
+Order (`--order`): "unmeasured" (the default) runs first the rows that no recorded run in docs/gpu/ has a number
+for, then the rest, each group in the plan's order, so a short device session measures what is missing first;
+"plan" keeps the plan's order.
 
 A row that cannot run here says why ("not available: ...", "skipped: ..."); the dry run runs every row's CPU
 fallback (synchronous decode, "native" attention, the eager compile backend) and reports CUDA graphs and fp8 as
@@ -45,9 +50,11 @@ import argparse
 import dataclasses
 import itertools
 import math
+import re
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -67,6 +74,7 @@ PUBLISHED_FPS = (("Self-Forcing 1.3B (published, H100)", 17.0), ("LongLive 1.3B 
 BF16_PEAK_TFLOPS = (("H200", 989.4), ("H100 PCIe", 756.0), ("H100", 989.4), ("A100", 312.0), ("B200", 2250.0))
 # seconds a row takes on an H200 (the recorded runs): a row starts only if it should end within the budget
 ROW_COST_S = {"eager": 18.0, "compiled": 180.0}
+RECORDED = Path(__file__).resolve().parent.parent / "docs" / "gpu"  # the recorded runs' tables
 LATENT_CHANNELS = 16  # Wan 2.1's latent channels, also in the dry run: TAEHV's defaults (taew2_1) take 16
 TINY_MODEL = dict(
     patch_size=(1, 2, 2),
@@ -159,6 +167,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip the Self-Forcing rows")
     parser.add_argument("--no-vae", dest="vae", action="store_false", help="transformer only (no decode rows)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="skip rows that would end after this")
+    parser.add_argument(
+        "--order",
+        choices=("unmeasured", "plan"),
+        default="unmeasured",
+        help="unmeasured: rows docs/gpu/ has no number for first (default); plan: the plan's order",
+    )
+    parser.add_argument("--recorded", type=Path, default=RECORDED, help="folder of recorded runs (docs/gpu)")
     args = parser.parse_args(argv)
     dry = args.dry_run
     defaults = dict(chunks=(4, 12), warmup=(1, 4), height=(64, 480), width=(64, 832), layers=(1, 30))
@@ -183,6 +198,7 @@ class Row:
     step: str = "-"
     fps: float = math.nan
     ttff_s: float = math.nan
+    cold_ttff_s: float = math.nan  # the row's first frames from its first call, compilation included
     p50_ms: float = math.nan
     p99_ms: float = math.nan
     peak_mib: float = math.nan
@@ -380,6 +396,8 @@ def run_row(technique: Technique, setup: Setup, args, decoders: Decoders, flops:
         began = time.perf_counter()
         for frames in frames_of(loop, decoder, args.warmup):
             delivered(frames)
+            if math.isnan(row.cold_ttff_s):
+                row.cold_ttff_s = time.perf_counter() - began
         row.warmup_s = time.perf_counter() - began
         key = (technique.approach, row.decoder.split(",")[0])
         if key not in flops and technique.compile is None and not technique.fp8:
@@ -447,6 +465,7 @@ def bf16_peak(device: str) -> tuple[float | None, float]:
 HEADER = [
     "row",
     "FPS",
+    "cold first frame s (compile included)",
     "time to first frame s",
     "chunk p50 ms",
     "chunk p99 ms",
@@ -468,7 +487,8 @@ def table(rows: list[Row], spec: float | None, measured: float) -> str:
             continue
         fraction = f"{row.tflops / spec:.2f}" if spec and not math.isnan(row.tflops) else "-"
         fraction += f" / {row.tflops / measured:.2f}" if not math.isnan(row.tflops) else " / -"
-        numbers = [f"{row.fps:.1f}", f"{row.ttff_s:.2f}", f"{row.p50_ms:.0f}", f"{row.p99_ms:.0f}"]
+        cold = "-" if math.isnan(row.cold_ttff_s) else f"{row.cold_ttff_s:.1f}"
+        numbers = [f"{row.fps:.1f}", cold, f"{row.ttff_s:.2f}", f"{row.p50_ms:.0f}", f"{row.p99_ms:.0f}"]
         body.append(
             [
                 row.name,
@@ -502,12 +522,28 @@ def make_setup(args: argparse.Namespace) -> Setup:
     )
 
 
+def measured_rows(folder: Path) -> set[str]:
+    """Names of the rows some recorded run (a `*gpu_fps*.txt` table in `folder`) has an FPS number for."""
+    names = set()
+    for path in sorted(folder.glob("*gpu_fps*.txt")) if folder.is_dir() else []:
+        for line in path.read_text().splitlines():
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if len(cells) > 1 and re.fullmatch(r"\d+(\.\d+)?", cells[1]):
+                names.add(cells[0])
+    return names
+
+
 def planned(args: argparse.Namespace) -> list[Technique]:
-    return [
+    """The rows to run, the ones no recorded run has measured first (`--order unmeasured`)."""
+    rows = [
         technique
         for technique in PLAN
         if (args.baseline or technique.approach == "ours") and (args.compile or technique.compile is None)
     ]
+    if args.order == "plan":
+        return rows
+    measured = measured_rows(args.recorded)
+    return [row for row in rows if row.name not in measured] + [row for row in rows if row.name in measured]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -522,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     tiny, tiny_missing = build_tiny_decoder(device, dtype) if args.vae else (None, "skipped: --no-vae")
     decoders = Decoders(wan, wan_chunk, tiny, tiny_missing)
     rows, flops = [], {}
-    for technique in planned(args):
+    plan = planned(args)
+    print(f"  order ({args.order}): {'; '.join(technique.name for technique in plan)}", flush=True)
+    for technique in plan:
         cost = ROW_COST_S["eager" if technique.compile is None else "compiled"]
         if not args.dry_run and time.perf_counter() - began + cost > args.budget_s:
             rows.append(Row(technique.name, error=f"skipped: would end past the {args.budget_s:.0f} s budget"))

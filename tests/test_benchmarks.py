@@ -78,7 +78,10 @@ def test_gpu_fps_dry_run_covers_every_row_and_says_which_ran_and_why_not():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     table = [line for line in done.stdout.splitlines() if line.startswith("|")]
-    assert table[0].startswith("| row | FPS | time to first frame s | chunk p50 ms | chunk p99 ms | decoder | step |")
+    header = (
+        "| row | FPS | cold first frame s (compile included) | time to first frame s | chunk p50 ms | chunk p99 ms |"
+    )
+    assert table[0].startswith(header + " decoder | step |")
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in table[2:]}
     published = {name for name, _ in gpu_fps.PUBLISHED_FPS}
     assert set(rows) == {technique.name for technique in gpu_fps.PLAN} | published
@@ -94,11 +97,30 @@ def test_gpu_fps_dry_run_covers_every_row_and_says_which_ran_and_why_not():
         assert rows[name][0].startswith("not available: rolldiff.models has no TinyVideoAutoencoder")
     assert rows[f"{best} + CUDA graphs"][0].startswith("skipped: capture_cuda_graphs (--cuda-graphs)")
     assert rows[f"{best} + CUDA graphs + fp8"][0].startswith("skipped: enable_fp8 (--fp8)")
-    assert rows["ours + overlapped decode"][4] == "Wan VAE, overlapped (CPU: synchronous)"
-    assert rows["ours + Wan VAE, a chunk a call"][4] == "Wan VAE, a chunk a call"
-    assert rows[best][5] == "eager, native"  # the fastest backend on a CPU
-    assert rows[f"{best} + torch.compile (no CUDA graphs)"][9] == "2 (fullgraph)"
+    assert rows["ours + overlapped decode"][5] == "Wan VAE, overlapped (CPU: synchronous)"
+    assert rows["ours + Wan VAE, a chunk a call"][5] == "Wan VAE, a chunk a call"
+    assert rows[best][6] == "eager, native"  # the fastest backend on a CPU
+    compiled = rows[f"{best} + torch.compile (no CUDA graphs)"]
+    assert compiled[10] == "2 (fullgraph)"
+    assert float(compiled[1]) > 0 and float(compiled[1]) <= float(
+        compiled[11].rstrip(" |")
+    )  # cold first frame within warm-up
     assert float(rows["Self-Forcing 1.3B (published, H100)"][0]) == 17.0
+
+
+def test_gpu_fps_runs_the_rows_no_recorded_run_measured_first(tmp_path):
+    """A short device session measures what is missing first: rows with a number in a recorded table go last."""
+    (tmp_path / "h200_gpu_fps.txt").write_text(
+        "| row | FPS | ms |\n| --- | ---: | ---: |\n| ours, eager (baseline) | 18.2 | 658 |\n"
+        "| ours + tiny VAE | 30.4 | 394 |\n| ours + overlapped decode | skipped: budget | - |\n"
+    )
+    args = gpu_fps.parse_args(["--dry-run", "--recorded", str(tmp_path)])
+    names = [technique.name for technique in gpu_fps.planned(args)]
+    assert names[-2:] == ["ours, eager (baseline)", "ours + tiny VAE"]
+    assert names.index("ours + overlapped decode") < names.index("ours, eager (baseline)")  # skipped: no number
+    assert len(names) == len(gpu_fps.PLAN)
+    plan_order = gpu_fps.planned(gpu_fps.parse_args(["--dry-run", "--order", "plan", "--recorded", str(tmp_path)]))
+    assert [technique.name for technique in plan_order] == [technique.name for technique in gpu_fps.PLAN]
 
 
 def no_decoders() -> gpu_fps.Decoders:

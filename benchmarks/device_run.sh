@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The standing GPU order as one prepared script, for a lent device machine (15 minutes of device time a session,
+# the machine's start included): gpu_fps.py (the rows docs/gpu/ has no number for first), then gpu_checks.py, each
+# under its own time limit, every table written to $OUT (or ./gpu-out) as docs/gpu/ files are, command line first.
+#
+# The device machine reaches no registry, so torchao (fp8 rows) comes as wheels downloaded here into ./wheels
+# (git-ignored) and carried with the run:
+#     pip download torchao==0.18.0 torchao==0.16.0 --no-deps -d wheels    # whichever imports with its torch wins
+#     run(command="bash benchmarks/device_run.sh", carry=["wheels"], timeout_s=600)
+# FPS_BUDGET_S and CHECKS_S override the two limits (defaults 380 s and 150 s).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-out}"
+mkdir -p "$OUT"
+FPS_BUDGET_S="${FPS_BUDGET_S:-380}"
+CHECKS_S="${CHECKS_S:-150}"
+# rolldiff from this tree without installing it (the package root is src/): a link named rolldiff on the path.
+SITE="$(mktemp -d)"
+ln -s "$PWD/src" "$SITE/rolldiff"
+export PYTHONPATH="$SITE:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
+: >"$OUT/install.log"
+# torchao from the carried wheels into that folder only (nothing installed into the machine's environment),
+# newest first, kept only if it imports with the machine's torch.
+for wheel in $(ls -r wheels/torchao-*.whl 2>/dev/null); do
+    python -m pip install -q --no-deps --no-index --target "$SITE" "$wheel" >>"$OUT/install.log" 2>&1 &&
+        python -c "import torchao.quantization" >>"$OUT/install.log" 2>&1 && { echo "torchao: $wheel"; break; }
+    rm -rf "$SITE"/torchao "$SITE"/torchao-*
+done
+
+header() {
+    python - "$@" <<'PY'
+import sys, subprocess, torch, diffusers, transformers
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+try:
+    import torchao; ao = f", torchao {torchao.__version__}"
+except ImportError:
+    ao = ", torchao not installed"
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+print("$ python " + " ".join(sys.argv[1:]))
+print(f"Recorded on one {gpu}, torch {torch.__version__}, diffusers {diffusers.__version__}, "
+      f"transformers {transformers.__version__}{ao}, rolldiff {commit or 'working tree'}.\n")
+PY
+}
+
+run_timed() {  # run_timed SECONDS FILE SCRIPT ARGS...: the script's output under its header, cut at SECONDS
+    local seconds=$1 file=$2
+    shift 2
+    { header "$@"; timeout --signal=INT --kill-after=20 "$seconds" python "$@" 2>&1; echo "exit status: $?"; } | tee "$OUT/$file"
+}
+
+run_timed $((FPS_BUDGET_S + 90)) gpu_fps.txt benchmarks/gpu_fps.py --no-baseline --budget-s "$FPS_BUDGET_S"
+run_timed "$CHECKS_S" gpu_checks.txt benchmarks/gpu_checks.py --seconds 3
