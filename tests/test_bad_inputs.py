@@ -21,6 +21,7 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 import torch
+from checkpoint_layouts import wan_to_original
 from diffusers import AutoencoderKLWan
 from tiny_components import tiny_pipeline, tiny_transformer
 
@@ -272,32 +273,7 @@ def test_matching_weights_pass_the_check(model_dir):
 
 def _original_state_dict() -> dict[str, torch.Tensor]:
     """A tiny original-format (Self-Forcing-style) Wan state dict."""
-    model = tiny_transformer()
-    renames = (
-        ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
-        ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-        ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
-        ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-        ("condition_embedder.time_proj", "time_projection.1"),
-        ("attn1.", "self_attn."),
-        ("attn2.", "cross_attn."),
-        (".to_q.", ".q."),
-        (".to_k.", ".k."),
-        (".to_v.", ".v."),
-        (".to_out.0.", ".o."),
-        (".norm2.", ".norm3."),
-        ("ffn.net.0.proj", "ffn.0"),
-        ("ffn.net.2", "ffn.2"),
-        (".scale_shift_table", ".modulation"),
-        ("proj_out", "head.head"),
-    )
-    original = {}
-    for key, tensor in model.state_dict().items():
-        new_key = "head.modulation" if key == "scale_shift_table" else key
-        for new, old in renames:
-            new_key = new_key.replace(new, old)
-        original[new_key] = tensor
-    return original
+    return wan_to_original(tiny_transformer().state_dict())
 
 
 def _pickled_object(tmp_path) -> Path:

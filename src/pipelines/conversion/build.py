@@ -224,21 +224,16 @@ def pipeline_from_original(
     )
 
 
-def convert_checkpoint(  # noqa: PLR0913 (the conversion's options, each one a flag of `rolldiff convert`)
+def convert_checkpoint(
     checkpoint: str | os.PathLike,
     base: str | os.PathLike,
     output: str | os.PathLike,
-    recipe: str | None = None,
-    lora: str | os.PathLike | None = None,
-    fuse_lora: bool = True,
-    use_ema: bool | None = None,
-    torch_dtype: torch.dtype | None = None,
-    height: int | None = None,
-    width: int | None = None,
     overwrite: bool = False,
+    **options,
 ) -> ConversionPlan:
     """Write the pipeline folder of an original checkpoint (`rolldiff convert`); returns the plan it followed.
 
+    `options` are `from_original`'s (`recipe`, `lora`, `use_ema`, `fuse_lora`, `torch_dtype`, `height`, `width`).
     Everything is checked before anything is written; the folder appears whole or not at all. An existing
     non-empty `output` is refused unless `overwrite`, and then replaced only once the new folder is complete.
     """
@@ -248,9 +243,10 @@ def convert_checkpoint(  # noqa: PLR0913 (the conversion's options, each one a f
         raise ValueError(f"`output` {str(output)!r} exists; pass overwrite=True (--overwrite) to replace it.")
     if not output.parent.is_dir():
         raise ValueError(f"`output` {str(output)!r}: its folder {str(output.parent)!r} does not exist.")
-    plan = plan_conversion(checkpoint, base, recipe=recipe, lora=lora, use_ema=use_ema)
+    planned = {name: options.pop(name) for name in ("recipe", "lora", "use_ema") if name in options}
+    plan = plan_conversion(checkpoint, base, **planned)
     pipeline_class = getattr(importlib.import_module("rolldiff"), plan.pipeline_class_name)
-    pipe = pipeline_from_original(pipeline_class, plan, torch_dtype, fuse_lora, height, width)
+    pipe = pipeline_from_original(pipeline_class, plan, **options)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
         pipe.save_pretrained(staging)
