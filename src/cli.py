@@ -25,6 +25,7 @@ import torch
 from . import __version__ as rolldiff_version
 from .caching.layout import ALL_FRAMES
 from .cli_convert import add_convert_command
+from .cli_errors import UsageError
 from .defaults import DTYPES, ModelNotFoundError, default_device, default_dtype, load_pipeline, native_size
 from .pipelines.acceleration import compile_cached_step
 from .pipelines.io.resume import ResumeError, load_state, state_path_for, write_video
@@ -44,10 +45,6 @@ MAX_FPS = 240
 MAX_SEED = 2**64 - 1
 # Device types a pipeline can run on; `meta` holds no data and `cpu`/`cuda` cover the usual cases.
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
-
-
-class UsageError(Exception):
-    """A bad command-line argument; reported as one line, exit code 2."""
 
 
 # The library's argument names and the flags that set them: a library error is relabelled with the flag (the

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .cli_errors import UsageError
 from .recipes import list_recipes
 
 # The library's argument names and the flags of this command that set them.
@@ -73,7 +74,6 @@ def _relabelled(error: Exception) -> str:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    from .cli import UsageError
     from .defaults import DTYPES
     from .pipelines.conversion import convert_checkpoint
 
