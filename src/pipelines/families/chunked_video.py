@@ -229,7 +229,16 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         stream also takes `switch_prompt(...)` at chunk boundaries, `interrupt()`, and round-trips through
         `state_dict()`.
         """
-        return ChunkStream(self, build_request(self, VideoCall.bind("stream", args, kwargs)))
+        return self._stream_of(VideoCall.bind("stream", args, kwargs))
+
+    def _stream_of(self, call: VideoCall) -> ChunkStream:
+        """The stream of a checked call: here, or split over `devices` (`rolldiff.pipelines.parallel`)."""
+        request = build_request(self, call)
+        if request.devices is None or len(request.devices) == 1:
+            return ChunkStream(self, request)
+        from ..parallel.launch import parallel_stream  # torch.distributed only when a stream is split
+
+        return parallel_stream(self, call, request)
 
     def num_frames_for(self, seconds: float, fps: float, **call: Any) -> int:
         """How many frames a call with these arguments makes to last at least `seconds` at `fps`: whole chunks of
@@ -259,7 +268,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         decoder state. `return_dict=False` returns `(frames,)`.
         """
         call = VideoCall.bind("__call__", args, kwargs)
-        stream = ChunkStream(self, build_request(self, call))
+        stream = self._stream_of(call)
         frames = concat_chunks(list(stream), call.output_type)
         if not return_dict:
             return (frames,)

@@ -20,6 +20,7 @@ from ...caching.layout import ALL_FRAMES, ChunkLayout
 from ...checks import check_choice, check_flag, check_number
 from ...recipes import get_recipe
 from ..acceleration import CompiledStep, is_compiled
+from ..parallel.plan import check_devices
 from .call import VideoCall
 from .conditioning import build_conditioning, resolve_strength, strength_steps
 from .prompt_schedule import PromptSchedule
@@ -242,6 +243,7 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
         normalize_input_latents=check_flag("normalize_input_latents", call.normalize_input_latents)
         or call.video is None,
         step_mapping=_step_mapping(pipe, call),
+        devices=check_devices(pipe, call),
     )
     _check_vae_needs(pipe, call, checked)
     _check_adaptive_sink(pipe, call, options, geometry)

@@ -78,6 +78,7 @@ class VideoCall:
     video_denoising_steps: Sequence[float] | None = None
     video_noise_mix: str | None = None
     normalize_input_latents: bool | None = None
+    devices: Sequence[str | torch.device] | None = None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -282,4 +283,10 @@ Args:
         per-channel `(x - mean) / std` (StreamDiffusionV2's `stream_encode(..., is_scale=False)`,
         `models/wan/wan_wrapper.py:134-141`; its decoder still denormalises). Defaults to `True`. A start image is
         frame 0 of the output, so it is always normalised (the decoder's space), under any recipe.
+    devices (`list[str]`, *optional*):
+        Pipeline parallelism: the transformer's blocks split into `len(devices)` contiguous stages, stage r on
+        `devices[r]` in a process of its own (`["cpu", "cpu"]` over gloo, `["cuda:0", "cuda:1", ...]` over NCCL; the
+        first is the pipeline's device and runs here). The frames equal one process's to float tolerance; only
+        rank 0 decodes. Krea-like pipelines; not with `callback_on_step_end`, `denoising="stream_batch"` or
+        `adaptive_sink`; an interrupt takes effect at the next chunk boundary. See docs/pipeline_parallel.md.
 """

@@ -20,6 +20,7 @@ NOT_FINGERPRINTED: dict[str, str] = {
     "callback_on_step_end": "a function: not comparable across processes (the latents it returns are the caller's)",
     "callback_tensor_inputs": "what the callback sees, not what is made",
     "overlap_decode": "when a chunk is decoded, not what: the frames are equal either way",
+    "devices": "where the transformer's stages run, not what they make: the frames equal one process's",
 }
 
 

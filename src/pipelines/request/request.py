@@ -155,6 +155,7 @@ class VideoRequest:
     normalize_input_latents: bool = True  # False: input latents as the VAE encodes them (StreamDiffusionV2)
     step_mapping: StepMapping | None = None  # how steps map to sigmas, for a first step chosen at run time
     in_flight_frames: int = 0  # pipelined: the latent frames in flight at most (one chunk per step)
+    devices: tuple[str, ...] | None = None  # pipeline parallelism: one device per stage (`pipelines.parallel`)
 
     def step_plan_for(self, chunk: int) -> StepPlan:
         """The steps chunk `chunk` is denoised with: the first denoised chunk's own plan, if any (a start image's
