@@ -15,6 +15,7 @@ pixels (Krea's re-encoded first frame), and then decode too.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,7 @@ import torch.distributed as dist
 from ..stream import ChunkStream, StreamPipeline
 from .link import StageLink
 
-GO_ON, STOP, SEND_STATE = 0, 1, 2
+GO_ON, STOP, SEND_STATE, SEND_STATS = 0, 1, 2, 3
 _BLOCK_KEY = re.compile(r"^(layers|_cross_modules|_slot_modules\.\w+)\.(\d+)\.(.*)$")
 
 
@@ -143,6 +144,9 @@ class ParallelChunkStream(ChunkStream):
             if command == SEND_STATE:
                 dist.gather_object(self._cache_states(), None, dst=0)
                 continue
+            if command == SEND_STATS:
+                dist.gather_object(dataclasses.asdict(self._link.stats), None, dst=0)
+                continue
             if switch:
                 embeds = torch.empty_like(self._embeds[0])
                 dist.broadcast(embeds, src=0)
@@ -190,6 +194,15 @@ class ParallelChunkStream(ChunkStream):
             merged = merge_cache_states([per_rank[branch] for per_rank in gathered], self._stages)
             state.update({prefix + key: value for key, value in merged.items()})
         return state
+
+    def stage_stats(self) -> list[dict[str, float]]:
+        """Every stage's `StageStats` so far (leader, between chunks, before the last): compute, waits, forwards."""
+        if self._next_chunk >= self.num_chunks:
+            raise RuntimeError("`stage_stats()` of a split stream after its last chunk: the other stages have ended.")
+        self._broadcast_control(SEND_STATS)
+        gathered: list[Any] = [None] * self._link.world_size
+        dist.gather_object(dataclasses.asdict(self._link.stats), gathered, dst=0)
+        return gathered
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         raise ValueError(
