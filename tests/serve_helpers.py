@@ -146,6 +146,30 @@ class Server(_Endpoint):
             return self.process.wait(timeout=10)
 
 
+class RayServer(Server):
+    """`rolldiff serve --ray` as a subprocess (it starts its own local Ray cluster): ready once the command says every
+    replica serves (the proxy answers as soon as the first does). `ray_address` is its cluster's."""
+
+    def wait_ready(self, seconds: float = 180.0) -> None:
+        super().wait_ready(seconds)
+        assert until(lambda: "Ray at" in self.log.read_text() or self._exited() is not None, seconds), self.log
+        gone = self._exited()
+        if gone is not None:
+            raise RuntimeError(gone)
+        self.ray_address = self.log.read_text().split("Ray at ", 1)[1].split(")", 1)[0]
+
+    def kill_replica(self, replica: str) -> None:
+        """`ray.kill` of one replica's actor (by its id in `/healthz`'s `replicas`), from a Ray driver of its own that
+        joins the cluster (with the token the cluster made in ~/.ray), so the test process never imports Ray."""
+        name = f"SERVE_REPLICA::rolldiff#rolldiff#{replica}"
+        code = (
+            f"import ray; ray.init(address={self.ray_address!r}, logging_level='WARNING'); "
+            f"ray.kill(ray.get_actor({name!r}, namespace='serve'), no_restart=True)"
+        )
+        env = {**os.environ, "RAY_AUTH_MODE": "token"}
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env, capture_output=True)
+
+
 _REFERENCE = r"""
 import json, sys
 import numpy as np, torch

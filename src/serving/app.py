@@ -132,7 +132,7 @@ class Hub:
             "max_sessions": self.settings.max_sessions,
             "max_batch": self.max_batch,
             "parallel_groups": self.scheduler.parallel_groups,
-            "workers": self.row.board.workers,
+            **self.row.board.describe(),  # workers (and replicas, under Ray Serve)
         }
 
     def build(self, start: dict[str, Any], inputs: InputFrames | None):
@@ -191,16 +191,9 @@ def create_app(pipe, settings: ServeSettings, row: WorkerRow | None = None) -> F
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        board = get_hub().row.board  # every worker's counts, whichever worker answers
-        return {
-            "status": "ok",
-            "sessions": board.total("sessions"),
-            "max_sessions": settings.max_sessions,
-            "batched_rows": board.total("batched_rows"),
-            "batched_decodes": board.total("batched_decodes"),
-            "side_by_side_groups": board.total("side_by_side_groups"),
-            "worker_sessions": board.column("sessions"),
-        }
+        board = get_hub().row.board  # every worker's (or replica's) counts, whichever answers
+        counts = await asyncio.to_thread(board.health)  # a Ray board's is a call to its actor
+        return {"status": "ok", "max_sessions": settings.max_sessions, **counts}
 
     @app.get("/v1/model")
     async def model() -> dict[str, Any]:
@@ -306,7 +299,8 @@ class Connection:
                     "bad_request", f"the first message is `start` or `restore`, got {request['type']!r}"
                 )
             async with self.hub.admission:
-                if not self.hub.row.reserve_session(self.hub.settings.max_sessions):  # across all workers
+                # across all workers (or replicas: a call to the Ray board's actor, off the event loop)
+                if not await asyncio.to_thread(self.hub.row.reserve_session, self.hub.settings.max_sessions):
                     raise ProtocolError("busy", f"all {self.hub.settings.max_sessions} sessions are taken; try later")
                 try:
                     self._event_loop, self._outbox = asyncio.get_running_loop(), asyncio.Queue()

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+from typing import Any
 
 FIELDS = ("connections", "accepted", "sessions", "batched_rows", "batched_decodes", "side_by_side_groups")
+HEALTH_TOTALS = ("sessions", "batched_rows", "batched_decodes", "side_by_side_groups")  # what `/healthz` sums
 
 
 class ServerBoard:
@@ -40,6 +42,17 @@ class ServerBoard:
     def column(self, field: str) -> list[int]:
         with self._lock:
             return self._column(field)
+
+    def health(self) -> dict[str, Any]:
+        """The counts `/healthz` reports, read under one lock: each of `HEALTH_TOTALS` summed over the workers, and
+        each worker's sessions."""
+        with self._lock:
+            totals = {field: sum(self._column(field)) for field in HEALTH_TOTALS}
+            return {**totals, "worker_sessions": self._column("sessions")}
+
+    def describe(self) -> dict[str, Any]:
+        """What `/v1/model` says of the server's processes."""
+        return {"workers": self.workers}
 
     def add(self, worker: int, field: str, amount: int = 1) -> None:
         with self._lock:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load, save, save_file
 
 from ...checks import check_number
 from ..request.fingerprint import request_fingerprint
@@ -63,6 +64,20 @@ class RunState:
 def save_state(path: str | os.PathLike, state: RunState) -> None:
     """Write `state` to `path` atomically (temporary file in the same folder, then rename)."""
     path = Path(path)
+    tensors, metadata = _parts(state)
+    temp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(temp), metadata=metadata)
+    os.replace(temp, path)
+
+
+def state_bytes(state: RunState) -> bytes:
+    """`state` as the bytes of the file `save_state` writes (for storage that is not a local folder)."""
+    tensors, metadata = _parts(state)
+    return save(tensors, metadata=metadata)
+
+
+def _parts(state: RunState) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The safetensors tensors of `state` and its metadata (the header, JSON)."""
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.stream.items() if torch.is_tensor(v)}
     extras = {k: v for k, v in state.stream.items() if not torch.is_tensor(v)}
     header = {
@@ -71,9 +86,7 @@ def save_state(path: str | os.PathLike, state: RunState) -> None:
         "frames_written": state.frames_written,
         "extras": extras,
     }
-    temp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(temp), metadata={_METADATA_KEY: json.dumps(header)})
-    os.replace(temp, path)
+    return tensors, {_METADATA_KEY: json.dumps(header)}
 
 
 def load_state(path: str | os.PathLike) -> RunState:
@@ -85,14 +98,31 @@ def load_state(path: str | os.PathLike) -> RunState:
             tensors = {name: file.get_tensor(name) for name in file.keys()}
     except (OSError, ValueError) as error:  # safetensors raises SafetensorError (a ValueError subclass) or OSError
         raise ResumeError(f"{str(path)!r} is not a readable resume state: {error}") from None
+    return _run_state(header, tensors, str(path))
+
+
+def state_from_bytes(data: bytes, where: str) -> RunState:
+    """Read the bytes of a state file (`state_bytes`), `where` naming them in errors. safetensors keeps its metadata
+    in a JSON header after an 8-byte little-endian length; nothing is unpickled."""
+    try:
+        (length,) = struct.unpack("<Q", data[:8])
+        metadata = json.loads(data[8 : 8 + length]).get("__metadata__") or {}
+        header = json.loads(metadata.get(_METADATA_KEY, "null"))
+        tensors = load(data)
+    except (struct.error, ValueError, AttributeError) as error:  # SafetensorError and JSONDecodeError are ValueErrors
+        raise ResumeError(f"{where!r} is not a readable resume state: {error}") from None
+    return _run_state(header, tensors, where)
+
+
+def _run_state(header: Any, tensors: dict[str, torch.Tensor], where: str) -> RunState:
     found = header.get("format") if isinstance(header, dict) else None
     if found in _OLD_FORMATS:
         raise ResumeError(
-            f"{str(path)!r} was saved by an older rolldiff (format {found!r}, this one reads {STATE_FORMAT!r}) and "
+            f"{where!r} was saved by an older rolldiff (format {found!r}, this one reads {STATE_FORMAT!r}) and "
             "cannot be continued; delete it (and the partial video) to start over."
         )
     if found != STATE_FORMAT:
-        raise ResumeError(f"{str(path)!r} is not a rolldiff resume state (format {STATE_FORMAT}).")
+        raise ResumeError(f"{where!r} is not a rolldiff resume state (format {STATE_FORMAT}).")
     return RunState(header["fingerprint"], header["frames_written"], {**tensors, **header["extras"]})
 
 

@@ -1,0 +1,96 @@
+"""`rolldiff serve --ray`'s flags: their checks, made before anything starts, and the hand-over to
+`rolldiff.serving.ray_serve` (imported only when `--ray` is given: Ray is an extra, `pip install "rolldiff[ray]"`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from collections.abc import Callable
+
+import torch
+
+from .cli_errors import UsageError
+
+RAY_MISSING = '--ray needs Ray Serve, which is not installed: pip install "rolldiff[ray]"'
+
+
+def add_ray_arguments(serve: argparse.ArgumentParser, positive_int) -> None:
+    """`--ray`, `--replicas`, `--ray-address` (`positive_int`: the CLI's parser of counts)."""
+    serve.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve with Ray Serve: one replica per GPU (or per CPU core), each a whole server, on one host or many",
+    )
+    serve.add_argument(
+        "--replicas",
+        type=positive_int,
+        metavar="N",
+        help="with --ray: replicas, at most one per GPU (per core on a CPU); default: one per device",
+    )
+    serve.add_argument(
+        "--ray-address",
+        metavar="ADDRESS",
+        help="with --ray: join this Ray cluster (host:port) instead of starting one on this machine",
+    )
+
+
+def check_ray_arguments(args: argparse.Namespace, device: str) -> int:
+    """The replicas `--ray` deploys; a flag that cannot go with it, or more replicas than devices, raise UsageError."""
+    if not args.ray:
+        given = [flag for flag, value in (("--replicas", args.replicas), ("--ray-address", args.ray_address)) if value]
+        if given:
+            raise UsageError(f"{' and '.join(given)} go with --ray (Ray Serve replicas)")
+        return 0
+    if args.workers is not None:
+        raise UsageError(
+            f"--ray and --workers {args.workers} both serve from several processes: --ray deploys Ray Serve replicas "
+            "(one per GPU or core, on one host or many), --workers runs processes on one CPU host; give one of them"
+        )
+    if importlib.util.find_spec("ray") is None:
+        raise UsageError(RAY_MISSING)
+    kind = torch.device(device)
+    if kind.type == "cuda" and kind.index is not None:
+        raise UsageError(f"--device {device}: under --ray each replica gets a GPU of its own; give --device cuda")
+    if kind.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {device}: --ray deploys replicas on CPU cores or CUDA GPUs")
+    unit, devices = ("GPU", torch.cuda.device_count()) if kind.type == "cuda" else ("core", os.cpu_count() or 1)
+    replicas = args.replicas or devices
+    if args.ray_address is None and replicas > devices:  # a joined cluster is counted once joined
+        raise UsageError(
+            f"--replicas {replicas}: 1 to {devices}, at most one per {unit}, and this machine has {devices}"
+        )
+    return replicas
+
+
+def serve_with_ray(
+    args: argparse.Namespace, load: Callable[[], object], settings, device: str, split: tuple[int, int], address: str
+) -> int:
+    """Deploy the replicas with Ray Serve and serve until SIGTERM / Ctrl-C. `load`: each replica's pipeline; `split`:
+    torch threads per replica and replicas (`check_ray_arguments`)."""
+    from .serving.ray_serve import RayServeError, RaySpec, serve_ray
+
+    threads, replicas = split
+    on_gpu = torch.device(device).type == "cuda"
+    cores = os.cpu_count() or 1
+    spec = RaySpec(
+        load=load,
+        settings=settings,
+        host=args.host,
+        port=args.port,
+        replicas=replicas,
+        threads=threads,
+        cpus_per_replica=1 if on_gpu else max(1, cores // replicas),
+        gpus_per_replica=1 if on_gpu else 0,
+        address=args.ray_address,
+        cluster_cpus=cores,
+    )
+
+    def announce(ray_address: str) -> None:
+        print(f"rolldiff serve: {address} ({device}, {replicas} Ray Serve replicas, Ray at {ray_address})", flush=True)
+
+    try:
+        serve_ray(spec, announce)
+    except RayServeError as exc:
+        raise UsageError(str(exc)) from None
+    return 0
