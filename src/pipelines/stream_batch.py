@@ -101,6 +101,11 @@ class StreamBatchDenoising:
     def _entering_rows(self) -> list[BatchRow | None]:
         """This forward's rows, row r at step r: the entering chunk (its noise drawn now, its input read and mixed
         now), then the rows that went on; None where no chunk is (the entering one once nothing enters)."""
+        return [self._entering_row(), *self._batch_rows]
+
+    def _entering_row(self) -> BatchRow | None:
+        """The chunk entering the next forward at row 0 (its noise drawn now, its input read and mixed now), or None
+        once nothing enters (the video or the input ended)."""
         request, index = self._request, self._forwards_done + 1
         entering = None
         if index < request.num_chunks and not self._input_ended:
@@ -113,7 +118,7 @@ class StreamBatchDenoising:
             if not self._input_ended:
                 sigma = self._tables(plan)[0][0] if level is None else level
                 entering = BatchRow(index, self._starting_latents(index, given, sigma), plan)
-        return [entering, *self._batch_rows]
+        return entering
 
     def _batch_forward(self, rows: list[BatchRow | None]) -> torch.Tensor | None:
         """One forward of every row through its own cache; commits each real row's write, re-noises the rows that
@@ -130,19 +135,36 @@ class StreamBatchDenoising:
         last, clean = len(rows) - 1, None
         going_on: list[BatchRow | None] = [None] * last
         for (step, row), row_velocity in zip(live, velocity.split(1)):
-            sigmas = self._tables(row.plan)[0]
-            x0 = row.latents - sigmas[step] * row_velocity
             if row.chunk >= 1:  # a fill row's writes stay pending: chunk 1 writes the same slots after them
                 self._commit_row(self._row_caches[step])
+            noise = None if step == last else self._row_noise(row.latents)
+            x0, going_on_row = self._row_step(step, row, row_velocity, noise)
             if step == last:
                 clean = x0 if row.chunk >= 1 else None
-                continue
-            noise = randn_tensor(x0.shape, generator=request.generator, device=x0.device, dtype=torch.float32)
-            next_sigma = sigmas[step + 1]
-            going_on[step] = BatchRow(row.chunk, (1 - next_sigma) * x0 + next_sigma * noise, row.plan)
+            else:
+                going_on[step] = going_on_row
         self._batch_rows, self._forwards_done = going_on, self._forwards_done + 1
         self._after_batch_step(timestep)
         return None if clean is None else clean.to(dtype)
+
+    def _row_noise(self, latents: torch.Tensor) -> torch.Tensor:
+        """The re-noise of a row that goes on, shaped as its `latents` (one draw a row, in row order: upstream's)."""
+        return randn_tensor(
+            latents.shape, generator=self._request.generator, device=latents.device, dtype=torch.float32
+        )
+
+    def _row_step(
+        self, step: int, row: BatchRow, velocity: torch.Tensor, noise: torch.Tensor | None
+    ) -> tuple[torch.Tensor, BatchRow | None]:
+        """A row after its step: its x0 = x_t - sigma v (float32), and the row going on, re-noised to the next sigma
+        with `noise` (None at the last step: nothing goes on). The one home of the per-row math (a split stream's
+        rows complete through it too)."""
+        sigmas = self._tables(row.plan)[0]
+        x0 = row.latents - sigmas[step] * velocity
+        if noise is None:
+            return x0, None
+        next_sigma = sigmas[step + 1]
+        return x0, BatchRow(row.chunk, (1 - next_sigma) * x0 + next_sigma * noise, row.plan)
 
     def _commit_row(self, cache) -> None:
         """Commit a row's write; from its first real chunk on, its adaptive sink pops at every write."""

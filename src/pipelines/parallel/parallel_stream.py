@@ -9,7 +9,9 @@ effect at the next chunk boundary.
 
 `state_dict()` on the leader gathers every stage's cache state and renumbers its layers into the whole model's
 (`merge_cache_states`), so the saved state is the one-process stream's: a split run can be resumed on one device.
-Only rank 0 decodes and yields frames; followers run with `output_type="latent"` unless the loop needs decoded
+Under `denoising="stream_batch"` the rows of each forward travel through the stages as micro-batches, several in
+flight at once (`inflight_batch.py`); control messages are asynchronous for the leader, so it never waits for the
+last stage to catch up. Only rank 0 decodes and yields frames; followers run with `output_type="latent"` unless the loop needs decoded
 pixels (Krea's re-encoded first frame), and then decode too.
 """
 
@@ -24,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..stream import ChunkStream, StreamPipeline
+from .inflight_batch import InFlightStreamBatch
 from .link import StageLink
 
 GO_ON, STOP, SEND_STATE, SEND_STATS = 0, 1, 2, 3
@@ -54,7 +57,7 @@ def _on_host(state: dict[str, Any]) -> dict[str, Any]:
     return {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()}
 
 
-class ParallelChunkStream(ChunkStream):
+class ParallelChunkStream(InFlightStreamBatch, ChunkStream):
     """A `ChunkStream` whose transformer is one stage of a split model; rank 0 leads, the others follow.
 
     `on_start` (leader) starts the other ranks at the first chunk and returns the link; `on_close` ends them."""
@@ -74,6 +77,7 @@ class ParallelChunkStream(ChunkStream):
         self._stop_requested = False
         self._failed = False
         self._others_stopped = False  # a STOP was sent: the other ranks have left the loop
+        self._init_in_flight()  # `denoising="stream_batch"`: rows in flight through the stages (inflight_batch.py)
 
     @property
     def link(self) -> StageLink | None:
@@ -119,6 +123,7 @@ class ParallelChunkStream(ChunkStream):
         others_wait = not (self._failed or self._others_stopped) and self._next_chunk < self.num_chunks
         if self.is_leader and self._started and self._link is not None and others_wait:
             self._broadcast_control(STOP)
+            self._drain_in_flight()
         if self._link is not None:
             self._link.flush()
         super().close()
@@ -127,11 +132,15 @@ class ParallelChunkStream(ChunkStream):
     # ---------------------------------------------------------------------------------------- control
     def _broadcast_control(self, command: int) -> None:
         switch = self._pending is not None and command == GO_ON
-        control = torch.tensor([command, int(switch), self._pending_blend or 0], dtype=torch.int64)
-        dist.broadcast(self._placed_tensor(control), src=0)
+        control = self._placed_tensor(
+            torch.tensor([command, int(switch), self._pending_blend or 0], dtype=torch.int64)
+        )
+        # asynchronous: with rows in flight the other ranks reach this message a forward later, and the leader goes on
+        self._link.keep(dist.broadcast(control, src=0, async_op=True), control)
         self._others_stopped = command == STOP
         if switch:
-            dist.broadcast(self._pending.contiguous(), src=0)
+            embeds = self._pending.contiguous()
+            self._link.keep(dist.broadcast(embeds, src=0, async_op=True), embeds)
 
     def _placed_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self._placement[0])  # NCCL sends device tensors only
@@ -160,6 +169,7 @@ class ParallelChunkStream(ChunkStream):
         else:
             command = self._receive_control()
         if command == STOP:
+            self._drain_in_flight()
             return None
         return super()._generate_chunk()
 
@@ -182,6 +192,7 @@ class ParallelChunkStream(ChunkStream):
 
     def state_dict(self) -> dict[str, Any]:
         """The one-process stream's state: every stage's caches gathered and renumbered into the whole model's."""
+        self._refuse_state_in_flight()
         state = super().state_dict()
         if self._next_chunk >= self.num_chunks:
             raise RuntimeError("`state_dict()` of a split stream after its last chunk: the other stages have ended.")

@@ -79,10 +79,10 @@ def _check_call(call: Any) -> None:
             "`devices` with `callback_on_step_end`: the callback would run (and change latents) on the first stage "
             "only; drop one of them."
         )
-    if call.denoising == "stream_batch" or call.adaptive_sink:
+    if call.adaptive_sink and call.denoising != "stream_batch":
         raise ValueError(
-            "`devices` runs `denoising`='sequential' or 'pipelined' without `adaptive_sink`; got "
-            f"`denoising`={call.denoising!r}, `adaptive_sink`={call.adaptive_sink!r}."
+            "`devices` runs `adaptive_sink` under `denoising`='stream_batch' only (StreamDiffusionV2's loop, its rows "
+            f"in flight through the stages); got `denoising`={call.denoising!r} with `adaptive_sink`=True."
         )
     video = call.video
     if video is not None and not isinstance(video, (str, os.PathLike, np.ndarray, torch.Tensor)):

@@ -287,6 +287,8 @@ Args:
         Pipeline parallelism: the transformer's blocks split into `len(devices)` contiguous stages, stage r on
         `devices[r]` in a process of its own (`["cpu", "cpu"]` over gloo, `["cuda:0", "cuda:1", ...]` over NCCL; the
         first is the pipeline's device and runs here). The frames equal one process's to float tolerance; only
-        rank 0 decodes. Krea-like pipelines; not with `callback_on_step_end`, `denoising="stream_batch"` or
-        `adaptive_sink`; an interrupt takes effect at the next chunk boundary. See docs/pipeline_parallel.md.
+        rank 0 decodes. Under `denoising="stream_batch"` the rows of each forward are in flight through the stages
+        at once (StreamDiffusionV2's multi-GPU schedule: more stages, more speed; no `state_dict()` once batching).
+        Krea-like pipelines; not with `callback_on_step_end`, nor `adaptive_sink` outside `"stream_batch"`; an
+        interrupt takes effect at the next chunk boundary. See docs/pipeline_parallel.md.
 """
