@@ -111,6 +111,18 @@ def test_two_stages_of_the_embedded_model_make_the_one_process_frames():
     _no_children_left()
 
 
+def test_a_split_video_to_video_stream_batch_ends_with_its_input_as_one_process_does(random_pipe):
+    """Every stage reads the input itself; it ends before `num_frames` (7 pixel frames for 9 chunks), the rows drain on
+    every rank at once, and no rank waits for a stop."""
+    video = np.random.default_rng(0).random((7, 16, 16, 3)).astype(np.float32)
+    call = dict(prompt=PROMPT, num_frames=NUM_FRAMES, video=video, strength=0.7, **BATCH)
+    alone = list(random_pipe.stream(generator=_seed(), **call))
+    split = list(random_pipe.stream(generator=_seed(), devices=["cpu"] * 2, **call))
+    assert len(split) == len(alone) == 6
+    torch.testing.assert_close(torch.cat(split, dim=2), torch.cat(alone, dim=2), atol=ATOL, rtol=0)
+    _no_children_left()
+
+
 def test_a_split_stream_batch_refuses_a_state_once_rows_are_in_flight_and_stops_cleanly(random_pipe):
     """After chunk 0 (denoised alone) the state is the one-process state; from the first batched chunk on the next
     forward's rows are in flight, so `state_dict()` is refused naming `devices`; closing then drains every rank."""

@@ -171,7 +171,10 @@ class ParallelChunkStream(InFlightStreamBatch, ChunkStream):
         if command == STOP:
             self._drain_in_flight()
             return None
-        return super()._generate_chunk()
+        clean = super()._generate_chunk()
+        if clean is None:  # the input video ended, on every rank at once (each reads it): none waits for a STOP
+            self._others_stopped = True
+        return clean
 
     # ---------------------------------------------------------------------------------------- discarded outputs
     def _commit_context(self, clean: torch.Tensor, batched: bool, denoised: bool = True) -> None:
