@@ -98,7 +98,8 @@ class InFlightStreamBatch:
             self._complete_through(self._flight[-1])
             return True
         last = len(rows) - 1
-        noises = {step: self._row_noise(_latents(slot)) for step, slot in enumerate(rows) if slot and step < last}
+        going_on = [(step, slot) for step, slot in enumerate(rows[:last]) if slot is not None]
+        noises = {step: self._row_noise(_latents(slot)) for step, slot in going_on}  # in row order, row 0 first
         self._slots = [None] * last
         forward = self._forwards_done + 1
         for step, slot in enumerate(rows):
