@@ -68,6 +68,8 @@ def serve_with_ray(
 ) -> int:
     """Deploy the replicas with Ray Serve and serve until SIGTERM / Ctrl-C. `load`: each replica's pipeline; `split`:
     torch threads per replica and replicas (`check_ray_arguments`)."""
+    # a Ray call after the cluster is gone (the deploy thread of a failed start) must not start a new one
+    os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     from .serving.ray_serve import RayServeError, RaySpec, serve_ray
 
     threads, replicas = split

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from serve_helpers import FRAMES, RED, RayServer, free_port, library_references, process_tree, until
 
 from rolldiff.cli import main
@@ -197,6 +198,15 @@ def test_more_replicas_than_cores_are_refused_before_anything_starts(capsys):
     cores = os.cpu_count() or 1
     assert main(["serve", "--ray", "--replicas", str(cores + 1), "--device", "cpu", "--port", str(free_port())]) == 2
     assert f"--replicas {cores + 1}: 1 to {cores}, at most one per core" in capsys.readouterr().err
+
+
+def test_on_gpus_replicas_are_one_per_gpu_and_each_gets_its_own(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main(["serve", "--ray", "--replicas", "3", "--device", "cuda", "--port", str(free_port())]) == 2
+    assert "--replicas 3: 1 to 2, at most one per GPU, and this machine has 2" in capsys.readouterr().err
+    assert main(["serve", "--ray", "--device", "cuda:1", "--port", str(free_port())]) == 2
+    assert "--device cuda:1: under --ray each replica gets a GPU of its own" in capsys.readouterr().err
 
 
 def test_replicas_below_1_are_refused(capsys):

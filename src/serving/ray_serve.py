@@ -111,13 +111,16 @@ def serve_ray(spec: RaySpec, announce: Callable[[str], None]) -> None:
     # cluster must outlive it until the replicas have suspended their sessions (then the command stops it)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
-    ray.init(
-        address=spec.address,
-        num_cpus=None if spec.address else spec.cluster_cpus,
-        namespace=NAMESPACE,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-    )
+    try:
+        ray.init(
+            address=spec.address,
+            num_cpus=None if spec.address else spec.cluster_cpus,
+            namespace=NAMESPACE,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+        )
+    except ConnectionError as error:
+        raise RayServeError(f"--ray-address {spec.address}: {error}") from None
     for caught in (signal.SIGTERM, signal.SIGINT):  # after Ray's own
         signal.signal(caught, lambda signum, frame: stop.set())
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
