@@ -141,7 +141,8 @@ class ReplicaRow:
         ray.get(self.board.actor.beat.remote(self.replica))
 
     def add(self, field: str, amount: int = 1) -> None:
-        self.board.actor.add.remote(self.replica, field, amount)
+        if amount:  # the scheduler adds its pass's counts, often 0: no call for those
+            self.board.actor.add.remote(self.replica, field, amount)
 
     def set(self, field: str, value: int) -> None:
         self.board.actor.set.remote(self.replica, field, value)
