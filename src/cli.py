@@ -26,6 +26,7 @@ from . import __version__ as rolldiff_version
 from .caching.layout import ALL_FRAMES
 from .cli_convert import add_convert_command
 from .cli_errors import UsageError
+from .cli_ray import add_ray_arguments, check_ray_arguments, serve_with_ray
 from .defaults import DTYPES, ModelNotFoundError, default_device, default_dtype, load_pipeline, native_size
 from .pipelines.acceleration import compile_cached_step
 from .pipelines.io.resume import ResumeError, load_state, state_path_for, write_video
@@ -77,6 +78,7 @@ FLAGS = {
     "video_noise_mix": "--video-noise-mix",
     "recipe": "--recipe",
     "overlap_decode": "--overlap-decode",
+    "devices": "--pipeline-parallel",
     "path": "--out",
     "quality": "--quality",
     "state_every_s": "--state-every",
@@ -349,6 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="BACKEND",
         help="torch.compile the transformer (fullgraph; default backend inductor): two graphs, no recompiles",
     )
+    generate.add_argument(
+        "--pipeline-parallel",
+        type=_positive(int),
+        metavar="N",
+        help="split the transformer's blocks into N stages, one process each (CPU: gloo; CUDA: NCCL on --device's "
+        "GPU and the next N - 1); the same video as one process",
+    )
     generate.set_defaults(run=run_generate)
 
     demo = commands.add_parser("demo", help="serve the Gradio demo", description="Serve the Gradio demo.")
@@ -404,7 +413,11 @@ def _add_serve_command(commands) -> None:
         action="store_true",
         help="allow binding an address other than loopback without a token (anyone who reaches it may use the GPU)",
     )
-    serve.add_argument("--state-dir", type=Path, help="folder for suspended sessions (suspend/restore, restarts)")
+    serve.add_argument(
+        "--state-dir",
+        metavar="DIR_OR_URL",
+        help="folder or fsspec URL (file:///..., s3://...) for suspended sessions (suspend/restore, restarts)",
+    )
     serve.add_argument(
         "--idle-timeout", type=_positive(float), default=300.0, help="end a session idle this many seconds (300)"
     )
@@ -422,11 +435,11 @@ def _add_serve_command(commands) -> None:
     serve.add_argument(
         "--workers",
         type=_positive(int),
-        default=1,
         metavar="N",
         help="server processes on a CPU's cores, each with its own copy of the model and its share of the sessions, "
         "behind the one port (default 1)",
     )
+    add_ray_arguments(serve, _positive(int))
     serve.set_defaults(run=run_serve, fp8=False, attention_backend=None, cuda_graphs=False, kv_offload=None)
 
 
@@ -482,6 +495,13 @@ def _check_before_loading(args: argparse.Namespace) -> None:
         raise relabel(exc) from None
     if args.video is not None and not args.video.is_file():
         raise UsageError(f"--video: no such file {str(args.video)!r}")
+    if args.pipeline_parallel is not None:
+        # each stage loads the model again and runs it as loaded, and a split run cannot load a saved state
+        given = [flag for flag, on in (("--compile", args.compile), ("--cuda-graphs", args.cuda_graphs),
+                                       ("--fp8", args.fp8), ("--attention-backend", args.attention_backend),
+                                       ("--resume", args.resume)) if on]  # fmt: skip
+        if given:
+            raise UsageError(f"--pipeline-parallel runs the model as loaded, without {', '.join(given)}; drop them.")
 
 
 def _call_arguments(args: argparse.Namespace, image) -> dict:
@@ -509,7 +529,18 @@ def _call_arguments(args: argparse.Namespace, image) -> dict:
         video_noise_mix=args.video_noise_mix,
         recipe=args.recipe,
         overlap_decode=args.overlap_decode,
+        devices=_stage_devices(args.pipeline_parallel, args.device or default_device()),
     )
+
+
+def _stage_devices(stages: int | None, device: str) -> list[str] | None:
+    """`--pipeline-parallel N`: the device of each stage (N CPUs, or --device's GPU and the next N - 1)."""
+    if stages is None:
+        return None
+    if not device.startswith("cuda"):
+        return [device] * stages
+    first = int(device.partition(":")[2] or 0)
+    return [f"cuda:{first + stage}" for stage in range(stages)]
 
 
 def _load(args: argparse.Namespace, device: str):
@@ -629,6 +660,13 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
         )
     if args.state_every < 0 or (args.state_every and args.state_dir is None):
         raise UsageError("--state-every: a number of chunks >= 0, with --state-dir to save into")
+    if args.state_dir is not None:
+        from .serving.store import open_state_folder
+
+        try:
+            open_state_folder(args.state_dir)
+        except ValueError as exc:
+            raise UsageError(str(exc).replace("`state_dir`", "--state-dir")) from None
     try:
         check_address(args.host, args.port)
     except ValueError as exc:
@@ -675,6 +713,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from .serving.app import ServeSettings
 
     device = args.device or default_device()
+    replicas = check_ray_arguments(args, device)  # 0 without --ray
+    args.workers = args.workers or 1
     if args.workers > 1 and torch.device(device).type != "cpu":
         raise UsageError(
             f"--workers {args.workers} runs server processes on a CPU's cores; on a GPU run one server per device "
@@ -683,7 +723,7 @@ def run_serve(args: argparse.Namespace) -> int:
     cores = os.cpu_count() or 1
     if args.workers > cores:  # each worker is a whole process with its own model: more than cores only costs memory
         raise UsageError(f"--workers {args.workers}: at most one per core, and this machine has {cores}")
-    threads, default_groups = _serving_threads(device, args.workers)
+    threads, default_groups = _serving_threads(device, replicas or args.workers)
     settings = ServeSettings(
         model=str(args.model or "tiny-bouncing-shapes"),
         recipe=args.recipe,
@@ -698,6 +738,11 @@ def run_serve(args: argparse.Namespace) -> int:
         fps=args.fps,
     )
     address = f"ws://{args.host}:{args.port}/v1/stream"
+    if args.ray:
+        from functools import partial
+
+        load = partial(load_served_pipeline, args, device, settings)
+        return serve_with_ray(args, load, settings, device, (threads, replicas), address)
     if args.workers > 1:
         return _serve_with_workers(args, device, settings, threads, address)
     from .serving.server import serve
