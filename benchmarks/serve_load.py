@@ -81,6 +81,18 @@ class LoadServer(Server):
         super().wait_ready(seconds)
 
 
+def table_row(label: str, row: dict, rss_mib: float) -> list[str]:
+    """One printed row: aggregate fps, slowest / fastest session, first frame, p50 / p99 gap, server RSS."""
+    return [
+        label,
+        f"{row['aggregate']:.1f}",
+        f"{row['slowest']:.1f} / {row['fastest']:.1f}",
+        f"{row['ttff'] * 1000:.0f}",
+        f"{row['p50'] * 1000:.1f} / {row['p99'] * 1000:.1f}",
+        f"{rss_mib:.0f}",
+    ]
+
+
 def server_rss_mib(server: Server, field: str = "VmRSS") -> float:
     """The resident memory of the server's processes (its workers included, with `--workers`): their RSS, or with
     `field="Pss"` their proportional set size (pages shared between processes, torch's libraries among them, split
@@ -362,14 +374,7 @@ def measure(args: argparse.Namespace) -> int:
             run_row(server, 1, num_frames, size)  # warm-up, untimed: kernels chosen, buffers allocated
             for sessions in counts:
                 row = run_row(server, sessions, num_frames, size)
-                measured[sessions, mode] = [
-                    f"{sessions} {mode}",
-                    f"{row['aggregate']:.1f}",
-                    f"{row['slowest']:.1f} / {row['fastest']:.1f}",
-                    f"{row['ttff'] * 1000:.0f}",
-                    f"{row['p50'] * 1000:.1f} / {row['p99'] * 1000:.1f}",
-                    f"{server_rss_mib(server):.0f}",
-                ]
+                measured[sessions, mode] = table_row(f"{sessions} {mode}", row, server_rss_mib(server))
                 aggregate.setdefault(mode, []).append(row["aggregate"])
                 print(f"  {' | '.join(measured[sessions, mode])}", file=sys.stderr, flush=True)  # shown if cut short
             health = server.http("/healthz")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from _common import markdown_table
-from serve_load import run_row, server_rss_mib
+from serve_load import run_row, server_rss_mib, table_row
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from serve_helpers import RayServer, Server  # noqa: E402  (the tests' subprocess runners)
@@ -54,16 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             run_row(server, 1, frames, size)  # warm-up, untimed
             for sessions in counts:
                 row = run_row(server, sessions, frames, size)
-                rows.append(
-                    [
-                        f"{sessions} {mode}",
-                        f"{row['aggregate']:.1f}",
-                        f"{row['slowest']:.1f} / {row['fastest']:.1f}",
-                        f"{row['ttff'] * 1000:.0f}",
-                        f"{row['p50'] * 1000:.1f} / {row['p99'] * 1000:.1f}",
-                        f"{server_rss_mib(server):.0f}",
-                    ]
-                )
+                rows.append(table_row(f"{sessions} {mode}", row, server_rss_mib(server)))
                 print(f"  {' | '.join(rows[-1])}", file=sys.stderr, flush=True)
             health = server.http("/healthz")
             spread = health.get("replica_sessions", health.get("worker_sessions"))

@@ -18,10 +18,8 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
-from tiny_components import tiny_text_encoder, tiny_transformer, tiny_vae, word_tokenizer
+from parallel_helpers import no_children_left, random_three_block_pipe, seeded
 
-from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.defaults import load_pipeline
 from rolldiff.pipelines.parallel import split_blocks
 from rolldiff.pipelines.parallel.launch import parallel_stream
@@ -35,19 +33,7 @@ SWITCH = [(0, "a red circle moving left"), (4, "a blue square moving up")]
 @pytest.fixture(scope="module")
 def random_pipe():
     """Random weights, 3 blocks (one per stage at 3 stages)."""
-    torch.manual_seed(0)
-    return KreaRealtimeVideoPipeline(
-        tokenizer=word_tokenizer(),
-        text_encoder=tiny_text_encoder(),
-        transformer=tiny_transformer(seed=1, num_layers=3),
-        vae=tiny_vae(False),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-        chunk_frames=1,
-        sink_frames=1,
-        window_frames=8,
-        max_sequence_length=8,
-        denoising_steps=[1000, 750, 500],
-    )
+    return random_three_block_pipe()
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +41,6 @@ def embedded_pipe():
     pipe = load_pipeline(None, device="cpu", dtype="float32")
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def _seed() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
-
-
-def _no_children_left() -> None:
-    for child in multiprocessing.active_children():
-        child.join(timeout=10)
-    assert multiprocessing.active_children() == []
 
 
 def test_blocks_split_into_contiguous_stages_the_first_taking_the_extra_ones():
@@ -75,12 +51,12 @@ def test_blocks_split_into_contiguous_stages_the_first_taking_the_extra_ones():
 
 def test_two_stages_of_the_embedded_model_make_the_one_process_video_across_a_prompt_switch(embedded_pipe):
     call = dict(prompt_schedule=SWITCH, num_frames=embedded_pipe.latent_to_frames(4 * 3), output_type="np")
-    alone = embedded_pipe(generator=_seed(), **call).frames
-    split = embedded_pipe(generator=_seed(), devices=["cpu", "cpu"], **call).frames
+    alone = embedded_pipe(generator=seeded(), **call).frames
+    split = embedded_pipe(generator=seeded(), devices=["cpu", "cpu"], **call).frames
     assert split.shape == alone.shape
     np.testing.assert_allclose(split, alone, atol=ATOL, rtol=0)
     assert len(embedded_pipe.transformer.blocks) == 4  # the caller's pipeline keeps every block
-    _no_children_left()
+    no_children_left()
 
 
 @pytest.mark.parametrize("stages, denoising", [(3, "pipelined"), (3, "sequential")])
@@ -89,7 +65,7 @@ def test_a_split_stream_makes_the_one_process_latents_with_switch_prompt(random_
     call = dict(prompt="a red circle moving left", num_frames=7, output_type="latent", denoising=denoising, **SIZE)
 
     def run(**extra):
-        stream = random_pipe.stream(generator=_seed(), **call, **extra)
+        stream = random_pipe.stream(generator=seeded(), **call, **extra)
         chunks = [next(stream), next(stream)]
         stream.switch_prompt("a blue square moving up")
         chunks += list(stream)
@@ -98,16 +74,16 @@ def test_a_split_stream_makes_the_one_process_latents_with_switch_prompt(random_
     alone = run()
     split = run(devices=["cpu"] * stages)
     torch.testing.assert_close(split, alone, atol=ATOL, rtol=0)
-    _no_children_left()
+    no_children_left()
 
 
 def test_each_stage_holds_its_blocks_weights_and_cache_layers_and_the_gathered_state_is_one_processs(random_pipe):
     call = VideoCall(
-        prompt="a red circle", num_frames=6, output_type="latent", generator=_seed(), devices=["cpu", "cpu"], **SIZE
+        prompt="a red circle", num_frames=6, output_type="latent", generator=seeded(), devices=["cpu", "cpu"], **SIZE
     )
     request = build_request(random_pipe, call)
     stream = parallel_stream(random_pipe, call, request)
-    one = random_pipe.stream(generator=_seed(), prompt="a red circle", num_frames=6, output_type="latent", **SIZE)
+    one = random_pipe.stream(generator=seeded(), prompt="a red circle", num_frames=6, output_type="latent", **SIZE)
     try:
         next(stream)
         next(one)
@@ -124,7 +100,7 @@ def test_each_stage_holds_its_blocks_weights_and_cache_layers_and_the_gathered_s
     finally:
         stream.close()
         one.close()
-    _no_children_left()
+    no_children_left()
 
 
 def test_closing_a_stream_before_its_end_stops_every_stage(random_pipe):
@@ -133,7 +109,7 @@ def test_closing_a_stream_before_its_end_stops_every_stage(random_pipe):
     )
     next(stream)
     stream.close()
-    _no_children_left()
+    no_children_left()
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,8 @@ import multiprocessing
 import numpy as np
 import pytest
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
-from tiny_components import tiny_text_encoder, tiny_transformer, tiny_vae, word_tokenizer
+from parallel_helpers import no_children_left, random_three_block_pipe, seeded
 
-from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.defaults import load_pipeline
 
 ATOL = 1e-5  # batched forward (one process) against per-row forwards (split); measured max difference 3.6e-7
@@ -32,31 +30,7 @@ NUM_FRAMES = 10  # 9 chunks: chunk 0 alone, then fill (chunk 1 leaves at forward
 @pytest.fixture(scope="module")
 def random_pipe():
     """Random weights, 3 blocks (one per stage at 3 stages)."""
-    torch.manual_seed(0)
-    pipe = KreaRealtimeVideoPipeline(
-        tokenizer=word_tokenizer(),
-        text_encoder=tiny_text_encoder(),
-        transformer=tiny_transformer(seed=1, num_layers=3),
-        vae=tiny_vae(False),
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
-        chunk_frames=1,
-        sink_frames=1,
-        window_frames=8,
-        max_sequence_length=8,
-        denoising_steps=[1000, 750, 500],
-    )
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
-def _seed() -> torch.Generator:
-    return torch.Generator().manual_seed(0)
-
-
-def _no_children_left() -> None:
-    for child in multiprocessing.active_children():
-        child.join(timeout=10)
-    assert multiprocessing.active_children() == []
+    return random_three_block_pipe()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +39,7 @@ def split_runs(random_pipe):
     runs = {}
     for stages in (2, 3):
         stream = random_pipe.stream(
-            prompt=PROMPT, generator=_seed(), num_frames=NUM_FRAMES, devices=["cpu"] * stages, **BATCH
+            prompt=PROMPT, generator=seeded(), num_frames=NUM_FRAMES, devices=["cpu"] * stages, **BATCH
         )
         chunks, stats = [], None
         for chunk in stream:
@@ -73,13 +47,13 @@ def split_runs(random_pipe):
             if stream.next_chunk == stream.num_chunks - 1:
                 stats = stream.stage_stats()
         runs[stages] = chunks, stats
-    _no_children_left()
+    no_children_left()
     return runs
 
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_a_split_stream_batch_makes_the_one_process_latents(random_pipe, split_runs, stages):
-    alone = list(random_pipe.stream(prompt=PROMPT, generator=_seed(), num_frames=NUM_FRAMES, **BATCH))
+    alone = list(random_pipe.stream(prompt=PROMPT, generator=seeded(), num_frames=NUM_FRAMES, **BATCH))
     split, _ = split_runs[stages]
     assert len(split) == len(alone) == 9
     torch.testing.assert_close(torch.cat(split, dim=2), torch.cat(alone, dim=2), atol=ATOL, rtol=0)
@@ -104,11 +78,11 @@ def test_two_stages_of_the_embedded_model_make_the_one_process_frames():
         prompt="a red circle moving left", num_frames=pipe.latent_to_frames(8), recipe="streamdiffusionv2",
         denoising="stream_batch", output_type="np",
     )  # fmt: skip
-    alone = pipe(generator=_seed(), **call).frames
-    split = pipe(generator=_seed(), devices=["cpu", "cpu"], **call).frames
+    alone = pipe(generator=seeded(), **call).frames
+    split = pipe(generator=seeded(), devices=["cpu", "cpu"], **call).frames
     assert split.shape == alone.shape and split.shape[1] > 1
     np.testing.assert_allclose(split, alone, atol=ATOL, rtol=0)
-    _no_children_left()
+    no_children_left()
 
 
 def test_a_split_video_to_video_stream_batch_ends_with_its_input_as_one_process_does(random_pipe):
@@ -116,17 +90,17 @@ def test_a_split_video_to_video_stream_batch_ends_with_its_input_as_one_process_
     every rank at once, and no rank waits for a stop."""
     video = np.random.default_rng(0).random((7, 16, 16, 3)).astype(np.float32)
     call = dict(prompt=PROMPT, num_frames=NUM_FRAMES, video=video, strength=0.7, **BATCH)
-    alone = list(random_pipe.stream(generator=_seed(), **call))
-    split = list(random_pipe.stream(generator=_seed(), devices=["cpu"] * 2, **call))
+    alone = list(random_pipe.stream(generator=seeded(), **call))
+    split = list(random_pipe.stream(generator=seeded(), devices=["cpu"] * 2, **call))
     assert len(split) == len(alone) == 6
     torch.testing.assert_close(torch.cat(split, dim=2), torch.cat(alone, dim=2), atol=ATOL, rtol=0)
-    _no_children_left()
+    no_children_left()
 
 
 def test_a_split_stream_batch_refuses_a_state_once_rows_are_in_flight_and_stops_cleanly(random_pipe):
     """After chunk 0 (denoised alone) the state is the one-process state; from the first batched chunk on the next
     forward's rows are in flight, so `state_dict()` is refused naming `devices`; closing then drains every rank."""
-    stream = random_pipe.stream(prompt=PROMPT, generator=_seed(), num_frames=NUM_FRAMES, devices=["cpu"] * 2, **BATCH)
+    stream = random_pipe.stream(prompt=PROMPT, generator=seeded(), num_frames=NUM_FRAMES, devices=["cpu"] * 2, **BATCH)
     try:
         next(stream)
         assert "position" in stream.state_dict()
@@ -139,7 +113,7 @@ def test_a_split_stream_batch_refuses_a_state_once_rows_are_in_flight_and_stops_
     finally:
         stream.close()
     assert stream.rows_in_flight == 0
-    _no_children_left()
+    no_children_left()
 
 
 def test_a_prompt_schedule_is_refused_before_any_process_starts(random_pipe):
