@@ -40,7 +40,8 @@ def check_ray_arguments(args: argparse.Namespace, device: str) -> int:
     if not args.ray:
         given = [flag for flag, value in (("--replicas", args.replicas), ("--ray-address", args.ray_address)) if value]
         if given:
-            raise UsageError(f"{' and '.join(given)} go with --ray (Ray Serve replicas)")
+            verb = "go" if len(given) > 1 else "goes"
+            raise UsageError(f"{' and '.join(given)} {verb} with --ray (Ray Serve replicas)")
         return 0
     if args.workers is not None:
         raise UsageError(

@@ -216,7 +216,7 @@ def test_replicas_below_1_are_refused(capsys):
 
 def test_replicas_without_ray_are_refused(capsys):
     assert main(["serve", "--replicas", "2", "--device", "cpu", "--port", str(free_port())]) == 2
-    assert "--replicas go with --ray" in capsys.readouterr().err
+    assert "--replicas goes with --ray" in capsys.readouterr().err
 
 
 def test_without_ray_installed_the_command_says_how_to_install_it(capsys, monkeypatch):
