@@ -22,6 +22,7 @@ tiny shapes at 64x64, so a CPU runs the same path). The first printed line names
     python benchmarks/serve_load.py                # about ten minutes on 2 CPU cores
     python benchmarks/serve_load.py --dry-run      # 1 and 2 sessions, short videos (CI)
     python benchmarks/serve_load.py --wan-1-3b-shape --device cuda --frames 96   # the GPU row (issue 25)
+    python benchmarks/serve_load.py --wan-1-3b-shape --device cuda --frames 48 --servers batched  # a short GPU run
     python benchmarks/serve_load.py --wan-1-3b-shape --dry-run --device cpu      # the same path, tiny, on a CPU
 """
 
@@ -52,26 +53,38 @@ WAN_SIZE = (480, 832)  # Wan 2.1's native frame size
 DRY_WAN_SIZE = (64, 64)  # gpu_fps's dry-run size
 
 
-def servers(batch: str, device: str) -> list[tuple[str, list[str], dict[str, str]]]:
-    """The servers each row runs on, with their flags and torch threads: sessions taking turns; batched, one group
-    after another; batched, groups of 4 or more side by side (the server's default on a CPU: its cores over torch's
-    threads); and on a CPU of 2 or more cores, batched in one worker process per core (`--workers`, one torch
-    thread each). On a GPU the default is one group at a time, so the second and third are the same server and it
-    runs once, and `--workers` is for CPUs."""
+SERVER_KINDS = ("unbatched", "serial", "batched", "workers")  # `--servers`: the servers a run may start
+
+
+def servers(
+    batch: str, device: str, kinds: tuple[str, ...] = SERVER_KINDS
+) -> list[tuple[str, list[str], dict[str, str]]]:
+    """The servers each row runs on, with their flags and torch threads: sessions taking turns ("unbatched");
+    batched, one group after another ("serial"); batched, groups of 4 or more side by side (the server's default on
+    a CPU: its cores over torch's threads, "batched"); and on a CPU of 2 or more cores, batched in one worker
+    process per core (`--workers`, one torch thread each, "workers"). On a GPU the default is one group at a time,
+    so "serial" and "batched" are the same server and it runs once, and `--workers` is for CPUs. `kinds` keeps
+    only those named."""
     threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     if torch.device(device).type != "cpu":
-        return [("unbatched", ["--max-batch", "1"], threads), ("batched", ["--max-batch", batch], threads)]
-    rows = [
-        ("unbatched", ["--max-batch", "1"], threads),
-        ("batched, one group at a time", ["--max-batch", batch, "--parallel-groups", "1"], threads),
-        ("batched", ["--max-batch", batch], threads),
-    ]
-    cores = os.cpu_count() or 1
-    if cores > 1:
-        rows.append(
-            (f"batched, {cores} workers", ["--max-batch", batch, "--workers", str(cores)], {"OMP_NUM_THREADS": "1"})
-        )
-    return rows
+        rows = [
+            ("unbatched", "unbatched", ["--max-batch", "1"], threads),
+            ("batched", "batched", ["--max-batch", batch], threads),
+        ]
+        kinds = tuple(kind.replace("serial", "batched") for kind in kinds)
+    else:
+        rows = [
+            ("unbatched", "unbatched", ["--max-batch", "1"], threads),
+            ("serial", "batched, one group at a time", ["--max-batch", batch, "--parallel-groups", "1"], threads),
+            ("batched", "batched", ["--max-batch", batch], threads),
+        ]
+        cores = os.cpu_count() or 1
+        if cores > 1:
+            rows.append(
+                ("workers", f"batched, {cores} workers", ["--max-batch", batch, "--workers", str(cores)],
+                 {"OMP_NUM_THREADS": "1"})
+            )  # fmt: skip
+    return [(label, flags, env) for kind, label, flags, env in rows if kind in kinds]
 
 
 class LoadServer(Server):
@@ -258,6 +271,14 @@ def _device(value: str) -> str:
     return value
 
 
+def _server_kinds(value: str) -> tuple[str, ...]:
+    kinds = tuple(kind.strip() for kind in value.split(",") if kind.strip())
+    unknown = [kind for kind in kinds if kind not in SERVER_KINDS]
+    if not kinds or unknown:
+        raise argparse.ArgumentTypeError(f"{value!r}: a comma-separated list of {', '.join(SERVER_KINDS)}")
+    return kinds
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="1 and 2 sessions, 24 frames each (rounded up)")
@@ -276,6 +297,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="serve a random-weight Wan 2.1 1.3B-shape pipeline at 480x832 with a tiny decoder (tiny with --dry-run)",
     )
     parser.add_argument("--plot", type=Path, metavar="PNG", help="also draw aggregate fps against sessions to PNG")
+    parser.add_argument(
+        "--servers",
+        type=_server_kinds,
+        default=SERVER_KINDS,
+        metavar="KIND[,KIND]",
+        help=f"which servers to run, of {', '.join(SERVER_KINDS)} (default: all that apply to the device)",
+    )
     args = parser.parse_args(argv)
     if args.plot is not None and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install 'rolldiff[bench]'")
@@ -291,6 +319,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: no CUDA device here (torch.cuda.is_available() is False).")
     args.dtype = args.dtype or default_dtype(args.device)
+    if not servers("8", args.device, args.servers):
+        parser.error(f"--servers {','.join(args.servers)}: none of them runs on {args.device} (workers is for CPUs)")
     if args.frames is None:
         args.frames = 24 if args.dry_run else 192
     if args.wan_1_3b_shape:
@@ -361,7 +391,7 @@ def measure(args: argparse.Namespace) -> int:
     aggregate: dict[str, list[float]] = {}  # per server, per session count: the plot's lines
     memory = []
     batch = str(max(counts))
-    for mode, flags, threads in servers(batch, args.device):
+    for mode, flags, threads in servers(batch, args.device, args.servers):
         server = LoadServer(
             *model_flags, "--max-sessions", batch, "--max-frames", str(num_frames), *flags, env=threads,
         )  # fmt: skip
@@ -398,7 +428,7 @@ def measure(args: argparse.Namespace) -> int:
         f"pipe.stream alone, same run: {alone:.1f} fps (steady state, {num_frames} frames, {torch.get_num_threads()} torch threads)"
     )
     print("\n".join(memory))
-    modes = [mode for mode, _, _ in servers(batch, args.device)]
+    modes = [mode for mode, _, _ in servers(batch, args.device, args.servers)]
     print(markdown_table(header, [measured[sessions, mode] for sessions in counts for mode in modes]))
     if args.plot is not None:
         model = "Wan 2.1 1.3B shape" if args.wan_1_3b_shape else args.model or "tiny-bouncing-shapes"

@@ -337,15 +337,25 @@ def test_serve_load_refuses_a_plot_path_in_a_missing_folder_before_any_work(tmp_
     assert done.returncode == 2 and "--plot" in done.stderr and "does not exist" in done.stderr, done.stderr[-500:]
 
 
+def test_serve_load_refuses_an_unknown_server_kind_naming_the_choices():
+    command = [sys.executable, str(BENCHMARKS / "serve_load.py"), "--dry-run", "--servers", "batched,ray"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--servers" in done.stderr, done.stderr[-500:]
+    assert "'batched,ray': a comma-separated list of unbatched, serial, batched, workers" in done.stderr
+
+
 def test_serve_load_wan_shape_dry_run_builds_serves_and_says_what_it_ran():
-    """The GPU row's path (a saved Wan-shape pipeline, its tiny decoder, --device/--dtype passed through), tiny."""
+    """The GPU row's path (a saved Wan-shape pipeline, its tiny decoder, --device/--dtype passed through), tiny,
+    on the two servers a GPU run starts (`--servers` keeps only those)."""
     command = [sys.executable, str(BENCHMARKS / "serve_load.py"), "--dry-run", "--wan-1-3b-shape", "--device", "cpu"]
+    command += ["--servers", "unbatched,batched"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     assert lines[0].startswith("serve_load: cpu, float32; model: Wan 2.1 1.3B shape (dry run: tiny)")
     assert "64x64; decoder: TAEHV (tiny decoder); 33 frames a session" in lines[0]  # 24 rounded up to 9 + 12 + 12
     rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ")[1:] for line in lines if line.startswith("| ")}
+    assert set(rows) - {"sessions", "---"} == {"1 unbatched", "1 batched", "2 unbatched", "2 batched"}, rows
     for name in ("1 unbatched", "1 batched", "2 unbatched", "2 batched"):
         assert float(rows[name][0]) > 0 and float(rows[name][2]) > 0, (name, rows[name])  # fps, first frame ms
 
@@ -365,3 +375,18 @@ def test_cpu_threads_refuses_frames_that_are_not_whole_chunks():
         [sys.executable, str(BENCHMARKS / "cpu_threads.py"), "--frames", "7"], capture_output=True, text=True
     )
     assert done.returncode == 2 and "--frames" in done.stderr
+
+
+def test_device_run_refuses_an_unknown_step_before_any_work(tmp_path):
+    """The prepared device script names its steps; a typo costs no device time and writes nothing."""
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(BENCHMARKS / "device_run.sh"), "fps", "serv"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "OUT": str(out)},
+    )
+    assert done.returncode == 2, done.stderr
+    assert "unknown step 'serv': give fps, checks or serve" in done.stderr
+    assert not out.exists() and done.stdout == ""
