@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import socket
 from collections.abc import Callable
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from .cli_errors import UsageError
 
 RAY_MISSING = '--ray needs Ray Serve, which is not installed: pip install "rolldiff[ray]"'
+REACH_S = 5.0  # how long `--ray-address` may take to answer (Ray itself retries for minutes)
 
 
 def add_ray_arguments(serve: argparse.ArgumentParser, positive_int) -> None:
@@ -50,6 +52,8 @@ def check_ray_arguments(args: argparse.Namespace, device: str) -> int:
         )
     if importlib.util.find_spec("ray") is None:
         raise UsageError(RAY_MISSING)
+    if args.ray_address is not None:
+        check_reachable(args.ray_address)
     kind = torch.device(device)
     if kind.type == "cuda" and kind.index is not None:
         raise UsageError(f"--device {device}: under --ray each replica gets a GPU of its own; give --device cuda")
@@ -62,6 +66,23 @@ def check_ray_arguments(args: argparse.Namespace, device: str) -> int:
             f"--replicas {replicas}: 1 to {devices}, at most one per {unit}, and this machine has {devices}"
         )
     return replicas
+
+
+def check_reachable(address: str) -> None:
+    """A head that does not answer is refused in seconds, before the model loads, where `ray.init` would retry for
+    minutes. "auto" (RAY_ADDRESS, or the cluster on this machine) is left to Ray."""
+    if address == "auto":
+        return
+    host, colon, port = address.removeprefix("ray://").rpartition(":")
+    if not colon or not host or not port.isdigit():
+        raise UsageError(f"--ray-address {address!r}: give the head's HOST:PORT (its GCS address, e.g. 10.0.0.5:6379)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_S).close()
+    except OSError as error:
+        raise UsageError(
+            f"--ray-address {address}: nothing answers there ({error.strerror or error}); start the head there with "
+            f"`ray start --head --port {port}`, or leave --ray-address out to start a cluster on this machine"
+        ) from None
 
 
 def serve_with_ray(

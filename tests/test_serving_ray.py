@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -166,6 +168,21 @@ def test_a_killed_replicas_session_restores_on_a_live_one(server, references):
     assert until(lambda: len(server.http("/healthz")["replicas"]) == 2, 90)  # Serve started a new replica
 
 
+def test_a_second_server_joining_the_cluster_is_refused_and_the_first_serves_on(server, references):
+    """One rolldiff server per cluster (Serve has one HTTP proxy per cluster): a second command that joins it is
+    refused by name, and its exit deletes nothing of the first's (the application, the board)."""
+    command = [sys.executable, "-m", "rolldiff", "serve", "--ray", "--ray-address", server.ray_address]
+    command += ["--replicas", "1", "--device", "cpu", "--port", str(free_port())]
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "OMP_NUM_THREADS": "1"}
+    second = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"--ray-address {server.ray_address}: a rolldiff server already serves on this cluster" in second.stderr
+    assert len(server.http("/healthz")["replicas"]) == 2
+    with connect(server.url, prompt=RED, seed=3, num_frames=FRAMES) as live:
+        chunks = list(live)
+    assert len(chunks) == 8 and _same(chunks, references(seed=3))
+
+
 def test_sigterm_suspends_the_sessions_then_stops_serve_and_the_cluster(server):
     """Last: it stops the shared server."""
     assert server.sessions_within(0)
@@ -225,6 +242,17 @@ def test_without_ray_installed_the_command_says_how_to_install_it(capsys, monkey
     assert main(["serve", "--ray", "--device", "cpu", "--port", str(free_port())]) == 2
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and 'pip install "rolldiff[ray]"' in error
+
+
+def test_an_address_where_nothing_answers_is_refused_in_seconds_before_anything_starts(capsys):
+    port = free_port()  # nothing listens on it
+    started = time.monotonic()
+    assert main(["serve", "--ray", "--ray-address", f"127.0.0.1:{port}", "--device", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert f"--ray-address 127.0.0.1:{port}: nothing answers there" in error and error.count("\n") == 1
+    assert time.monotonic() - started < 30  # where ray.init retries for minutes
+    assert main(["serve", "--ray", "--ray-address", "head-without-port", "--device", "cpu"]) == 2
+    assert "--ray-address 'head-without-port': give the head's HOST:PORT" in capsys.readouterr().err
 
 
 def test_a_state_dir_in_one_processs_memory_is_refused(capsys):

@@ -144,6 +144,16 @@ def serve_ray(spec: RaySpec, announce: Callable[[str], None]) -> None:
 
 
 def _check_cluster(spec: RaySpec) -> None:
+    """A joined cluster has no rolldiff server yet (Serve has one HTTP proxy per cluster) and the devices asked for."""
+    try:
+        ray.get_actor(BOARD_NAME, namespace=NAMESPACE)
+    except ValueError:  # no board: no rolldiff server on this cluster
+        pass
+    else:
+        raise RayServeError(
+            f"--ray-address {spec.address}: a rolldiff server already serves on this cluster (Ray Serve has one HTTP "
+            "proxy per cluster); stop it first (SIGTERM), or give another cluster"
+        )
     kind = "GPU" if spec.gpus_per_replica else "CPU"
     need = spec.replicas * (spec.gpus_per_replica or spec.cpus_per_replica)
     has = int(ray.cluster_resources().get(kind, 0))
@@ -187,11 +197,12 @@ def _drain(board) -> None:
 
 
 def _shut_down(board, joined: bool) -> None:
-    """Serve and the local cluster down; in a joined cluster only what this command started."""
+    """Serve and the local cluster down; in a joined cluster only what this command started: the application and the
+    board exist only once the board did (its name is the cluster's lock: a refused second server deletes nothing)."""
     try:
         if joined:
-            serve.delete(APP_NAME)
             if board is not None:
+                serve.delete(APP_NAME)
                 ray.kill(board)
         else:
             serve.shutdown()
