@@ -162,3 +162,55 @@ def test_the_command_refuses_pipeline_parallel_with_compile(tmp_path, capsys):
                  str(tmp_path / "v.mp4")])  # fmt: skip
     assert code == 2
     assert "--pipeline-parallel runs the model as loaded, without --compile" in capsys.readouterr().err
+
+
+SCRIPT = """
+import sys
+import numpy as np
+import torch
+from rolldiff import KreaRealtimeVideoPipeline
+from rolldiff.defaults import load_pipeline
+
+print("the script ran", flush=True)
+
+
+class ScriptPipeline(KreaRealtimeVideoPipeline):  # a class of the script's own: workers need the script for it
+    pass
+
+
+def main():
+    pipe = load_pipeline(None, device="cpu", dtype="float32")
+    if sys.argv[1] == "own-class":
+        pipe.__class__ = ScriptPipeline
+    pipe.set_progress_bar_config(disable=True)
+    call = dict(prompt="a red circle moving left", num_frames=pipe.latent_to_frames(9), output_type="np")
+    alone = pipe(generator=torch.Generator().manual_seed(0), **call).frames
+    split = pipe(generator=torch.Generator().manual_seed(0), devices=["cpu", "cpu"], **call).frames
+    print("max difference", float(np.abs(split - alone).max()))
+
+"""
+
+
+def _run_script(tmp_path, body: str, kind: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "split_stream.py"
+    script.write_text(SCRIPT + body)
+    return subprocess.run([sys.executable, str(script), kind], capture_output=True, text=True, timeout=180)
+
+
+def test_a_script_without_a_main_guard_splits_its_stream_and_is_not_run_again_by_the_workers(tmp_path):
+    done = _run_script(tmp_path, "main()\n", "library-class")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("the script ran") == 1  # the worker did not run it
+    assert float(done.stdout.split("max difference ")[1]) <= ATOL
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "unguarded"])
+def test_a_script_whose_pipeline_class_is_its_own_needs_the_main_guard_and_is_told_so(tmp_path, guarded):
+    body = 'if __name__ == "__main__":\n    main()\n' if guarded else "main()\n"
+    done = _run_script(tmp_path, body, "own-class")
+    if guarded:
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert float(done.stdout.split("max difference ")[1]) <= ATOL
+    else:
+        assert done.returncode != 0
+        assert "so each worker runs that script again: start the stream under `if __name__" in done.stderr

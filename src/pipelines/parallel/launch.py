@@ -7,6 +7,11 @@ its stage's weights are the caller's (`stage_checksums`), builds its stage, repo
 process group (gloo on CPU, NCCL on CUDA) on 127.0.0.1 at a free port. It then runs the same chunk loop as a
 follower until the leader stops it or the video ends.
 
+A script needs no `if __name__ == "__main__":` guard around its stream: a spawned process runs the caller's script
+again (as `__mp_main__`) before its target, so the script's name is hidden from "spawn" while the workers start
+(`_script_not_rerun`); workers need nothing of it, unless the spec refers to something defined there (a pipeline
+class written in the script), and then the usual rule holds and the start error says so.
+
 Nothing is left behind: a worker that fails to start reports its error (raised here, naming its rank); when the
 stream closes, fails or is interrupted (KeyboardInterrupt included) the workers are joined, and terminated then
 killed if they do not end in time; a stream dropped without `close()` ends them when it is collected.
@@ -18,9 +23,11 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import pickle
 import queue
 import shutil
 import socket
+import sys
 import tempfile
 import traceback
 import weakref
@@ -37,6 +44,10 @@ from .parallel_stream import ParallelChunkStream
 from .plan import backend_for, split_blocks
 from .stages import stage_checksums, stage_pipeline, stage_transformer
 
+MAIN_GUARD_HINT = (
+    "; the stream's arguments refer to the script that runs it (`__main__`), so each worker runs that script again: "
+    'start the stream under `if __name__ == "__main__":`'
+)
 START_TIMEOUT_S = 600.0  # loading a large pipeline in every worker takes a while
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
@@ -139,11 +150,30 @@ def worker_main(rank: int, spec: WorkerSpec, reports: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------- leader side
+@contextlib.contextmanager
+def _script_not_rerun(spec: WorkerSpec):
+    """While the workers start: `__main__` without its script's name (`__file__`, `__spec__`), so "spawn" does not run
+    the script in each of them, unless `spec` pickles something of `__main__`. Yields whether it was hidden."""
+    main = sys.modules["__main__"]
+    names = {name: getattr(main, name) for name in ("__file__", "__spec__") if getattr(main, name, None) is not None}
+    if not names or b"__main__" in pickle.dumps(spec):
+        yield not names
+        return
+    main.__spec__ = None
+    vars(main).pop("__file__", None)
+    try:
+        yield True
+    finally:
+        for name, value in names.items():
+            setattr(main, name, value)
+
+
 class Workers:
     """The worker processes of one split stream, ended with it (or when it is collected)."""
 
     def __init__(self, processes: list[Any], folder: str | None) -> None:
         self.processes, self.folder = processes, folder
+        self.hint = ""  # said when a worker dies before it reports
 
     def wait_ready(self, reports: Any) -> None:
         ready = 0
@@ -154,7 +184,7 @@ class Workers:
                 dead = [p.exitcode for p in self.processes if not p.is_alive() and p.exitcode not in (0, None)]
                 if dead:
                     raise StageStartError(
-                        f"A stage's worker process died while starting (exit codes {dead})."
+                        f"A stage's worker process died while starting (exit codes {dead}){self.hint}."
                     ) from None
                 continue
             if error is not None:
@@ -219,8 +249,10 @@ class Leader:
         self.workers = Workers(processes, folder)
         weakref.finalize(stream, self.workers.end, True)
         try:
-            for process in processes:
-                process.start()
+            with _script_not_rerun(spec) as hidden:
+                for process in processes:
+                    process.start()
+            self.workers.hint = "" if hidden else MAIN_GUARD_HINT
             self.workers.wait_ready(reports)
             _join_group(0, devices, spec.port)
         except BaseException:
