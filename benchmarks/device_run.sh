@@ -5,7 +5,8 @@
 #
 # The device machine reaches no registry, so torchao (fp8 rows) comes as wheels downloaded here into ./wheels
 # (git-ignored) and carried with the run:
-#     pip download torchao==0.18.0 torchao==0.16.0 --no-deps -d wheels    # whichever imports with its torch wins
+#     for v in 0.18.0 0.17.0 0.16.0; do pip download "torchao==$v" --no-deps -d wheels; done  # one version a call
+#     (the newest that imports with the machine's torch wins; ~3 MB each)
 #     run(command="bash benchmarks/device_run.sh", carry=["wheels"], timeout_s=600)
 # FPS_BUDGET_S and CHECKS_S override the two limits (defaults 380 s and 150 s).
 #
@@ -28,6 +29,7 @@ FPS_BUDGET_S="${FPS_BUDGET_S:-380}"
 CHECKS_S="${CHECKS_S:-150}"
 # rolldiff from this tree without installing it (the package root is src/): a link named rolldiff on the path.
 SITE="$(mktemp -d)"
+trap 'rm -rf "$SITE"' EXIT
 ln -s "$PWD/src" "$SITE/rolldiff"
 export PYTHONPATH="$SITE:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH}"
 : >"$OUT/install.log"
