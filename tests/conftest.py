@@ -29,6 +29,22 @@ def _diffusers_default_attention():
     _AttentionBackendRegistry.set_active_backend(before)
 
 
+@pytest.fixture(autouse=True)
+def _no_server_outlives_its_test():
+    """A `rolldiff serve` subprocess that a test started and did not stop (an assert failed first) is stopped after
+    it, so it neither loads the machine for the tests after it nor outlives the run. Servers of module fixtures were
+    started before the test and are left to their fixture."""
+    helpers = sys.modules.get("serve_helpers")
+    before = len(helpers.Server.started) if helpers else 0
+    yield
+    helpers = sys.modules.get("serve_helpers")
+    if helpers is None:
+        return
+    for server in helpers.Server.started[before:]:
+        server.stop(seconds=20.0)
+    del helpers.Server.started[before:]
+
+
 @pytest.fixture
 def model_calls(pipe) -> list:
     """One entry per call of the module's `pipe` transformer: proof that no work was done."""

@@ -117,7 +117,10 @@ class InProcessServer(_Endpoint):
 
 class Server(_Endpoint):
     """One `rolldiff serve` subprocess; `url` is its WebSocket endpoint. One torch thread, as the tests' own
-    process (conftest), so a session's frames can equal the library's bit for bit."""
+    process (conftest), so a session's frames can equal the library's bit for bit. Every one started is in
+    `Server.started`, so a test that fails before it stops its server does not leave it running (conftest)."""
+
+    started: list[Server] = []
 
     def __init__(self, *flags: str, port: int | None = None, env: dict | None = None) -> None:
         self.port = port or free_port()
@@ -129,6 +132,7 @@ class Server(_Endpoint):
             stderr=subprocess.STDOUT,
             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         )
+        Server.started.append(self)
         self.wait_ready()
 
     def _exited(self) -> str | None:
