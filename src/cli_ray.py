@@ -33,7 +33,8 @@ def add_ray_arguments(serve: argparse.ArgumentParser, positive_int) -> None:
     serve.add_argument(
         "--ray-address",
         metavar="ADDRESS",
-        help="with --ray: join this Ray cluster (host:port) instead of starting one on this machine",
+        help="with --ray: join this Ray cluster (HOST:PORT; auto: RAY_ADDRESS, else the `ray start` one here) "
+        "instead of starting one of its own",
     )
 
 

@@ -35,10 +35,21 @@ def state_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(state_dir):
-    """Two replicas, sessions saved after every chunk under a `file://` URL (the fsspec store)."""
-    server = RayServer(
-        "--ray", "--replicas", "2", "--state-dir", state_dir.as_uri(), "--state-every", "1", "--max-sessions", "3"
+    """Two replicas, sessions saved after every chunk under a `file://` URL (the fsspec store). RAY_ADDRESS names
+    a head that is not there, as a stale `ray start` leaves it (or its /tmp/ray file): without `--ray-address` the
+    command starts a cluster of its own all the same (`ray.init()` would join that one, and failed)."""
+    flags = (
+        "--ray",
+        "--replicas",
+        "2",
+        "--state-dir",
+        state_dir.as_uri(),
+        "--state-every",
+        "1",
+        "--max-sessions",
+        "3",
     )
+    server = RayServer(*flags, env={"RAY_ADDRESS": f"127.0.0.1:{free_port()}"})
     yield server
     server.stop()
 

@@ -113,7 +113,9 @@ def serve_ray(spec: RaySpec, announce: Callable[[str], None]) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
     try:
         ray.init(
-            address=spec.address,
+            # "local": a cluster of this command's own, even where `ray start` or RAY_ADDRESS names another (which
+            # `ray.init()` would join, and whose Serve applications `serve.shutdown()` would then end)
+            address=spec.address or "local",
             num_cpus=None if spec.address else spec.cluster_cpus,
             namespace=NAMESPACE,
             include_dashboard=False,
