@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import multiprocessing
 import socket
+import time
 from typing import Any
 
 FIELDS = ("connections", "accepted", "sessions", "batched_rows", "batched_decodes", "side_by_side_groups")
 HEALTH_TOTALS = ("sessions", "batched_rows", "batched_decodes", "side_by_side_groups")  # what `/healthz` sums
+# A connection the fewest left waiting this long is taken by another worker if each with fewer has not swept its count
+# in as long (its event loop is stuck in a chunk, or it died) ...
+TAKE_ANYWAY_S = 0.25
+# ... and by any worker after this long whatever the board says (a worker that sweeps but never accepts)
+TAKE_ALWAYS_S = 2.0
 
 
 class ServerBoard:
@@ -23,6 +29,7 @@ class ServerBoard:
         self.workers = workers
         self._lock = context.Lock()
         self._values = context.RawArray("q", workers * len(FIELDS))
+        self._swept_at = context.RawArray("d", workers)  # each worker's last sweep, `time.monotonic()` (system-wide)
 
     def row(self, worker: int) -> WorkerRow:
         if not 0 <= worker < self.workers:
@@ -67,6 +74,13 @@ class ServerBoard:
         with self._lock:
             for field in FIELDS:
                 self._values[self._at(worker, field)] = 0
+            self._swept_at[worker] = 0.0
+
+    def swept(self, worker: int, connections: int) -> None:
+        """`worker` recounted its open connections: the count, and that its event loop is alive (`accept_if_fewest`)."""
+        with self._lock:
+            self._values[self._at(worker, "connections")] = connections
+            self._swept_at[worker] = time.monotonic()
 
     def reserve_session(self, worker: int, limit: int) -> bool:
         """Count a new session in `worker`'s row if the server (all workers) has fewer than `limit`; the scheduler
@@ -77,14 +91,20 @@ class ServerBoard:
             self._values[self._at(worker, "sessions")] += 1
             return True
 
-    def accept_if_fewest(self, worker: int, listener: socket.socket, anyway: bool = False) -> socket.socket | None:
-        """Accept the next pending connection for `worker` if it has the fewest open (ties: whoever comes first), or
-        `anyway`; None when it is another worker's turn or another took it. Decided and counted under the lock, so
-        two workers never both take "the fewest" slot."""
+    def accept_if_fewest(self, worker: int, listener: socket.socket, waited_s: float = 0.0) -> socket.socket | None:
+        """Accept the next pending connection for `worker` if it has the fewest open (ties: whoever comes first); None
+        when it is another worker's turn or another took it. A connection that has `waited_s` is taken out of turn
+        only from a worker that is not sweeping (`TAKE_ANYWAY_S`; a busy machine slows a live one, which then takes
+        it as its turn says), or after `TAKE_ALWAYS_S`. Decided and counted under the lock, so two workers never both
+        take "the fewest" slot."""
         with self._lock:
             counts = self._column("connections")
-            if not anyway and counts[worker] > min(counts):
-                return None
+            fewer = [other for other in range(self.workers) if counts[other] < counts[worker]]
+            if fewer and waited_s < TAKE_ALWAYS_S:
+                silent_since = time.monotonic() - TAKE_ANYWAY_S
+                stuck = waited_s >= TAKE_ANYWAY_S and all(self._swept_at[other] < silent_since for other in fewer)
+                if not stuck:
+                    return None
             try:
                 connection, _ = listener.accept()
             except OSError:  # nothing waiting (another took it), or the client gave up in between
@@ -110,8 +130,11 @@ class WorkerRow:
     def clear(self) -> None:
         self.board.clear(self.worker)
 
+    def swept(self, connections: int) -> None:
+        self.board.swept(self.worker, connections)
+
     def reserve_session(self, limit: int) -> bool:
         return self.board.reserve_session(self.worker, limit)
 
-    def accept_if_fewest(self, listener: socket.socket, anyway: bool = False) -> socket.socket | None:
-        return self.board.accept_if_fewest(self.worker, listener, anyway)
+    def accept_if_fewest(self, listener: socket.socket, waited_s: float = 0.0) -> socket.socket | None:
+        return self.board.accept_if_fewest(self.worker, listener, waited_s)

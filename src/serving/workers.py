@@ -7,8 +7,9 @@ scheduler and sessions, its own event loop) on its own cores, and a session live
 `done`: its controls, input frames and chunks never cross a process.
 
 What they share: the listening socket, bound once by the parent, and a `ServerBoard` (shared memory). A worker takes
-a new connection only while it has the fewest open (`WorkerRow.accept_if_fewest`; after `TAKE_ANYWAY_S` any worker
-takes a connection the others left waiting), so sessions spread evenly and each worker batches its share; admission
+a new connection only while it has the fewest open (`WorkerRow.accept_if_fewest`; one the fewest left waiting is
+taken by another only where the fewest stopped sweeping its count, stuck in a chunk or dead, or after
+`board.TAKE_ALWAYS_S`), so sessions spread evenly, also on a busy machine, and each worker batches its share; admission
 (`--max-sessions`) and `/healthz` count every worker's sessions. Suspended sessions go to the shared `--state-dir`,
 so any worker restores any token.
 
@@ -40,7 +41,6 @@ from .app import ServeSettings, create_app
 from .board import ServerBoard, WorkerRow
 from .server import SuspendingServer, run_until_signalled, uvicorn_config
 
-TAKE_ANYWAY_S = 0.25  # a connection no worker took in this long is taken by any (the fewest may be stuck in a chunk)
 SWEEP_S = 0.05  # how often a worker recounts its open connections on the board (a few list checks)
 
 
@@ -92,8 +92,7 @@ class BalancedServer(SuspendingServer):
             accepted = self._row.board.total("accepted")
             if waiting_since is None or accepted != accepted_then:  # a new wait (or the others took what waited)
                 waiting_since, accepted_then = time.monotonic(), accepted
-            anyway = time.monotonic() - waiting_since > TAKE_ANYWAY_S
-            connection = self._row.accept_if_fewest(listener, anyway)
+            connection = self._row.accept_if_fewest(listener, time.monotonic() - waiting_since)
             if connection is None:  # another worker's turn (or it took it first)
                 await asyncio.sleep(0.002)
                 continue
@@ -108,7 +107,7 @@ class BalancedServer(SuspendingServer):
     def _sweep(self) -> None:
         """Recount the open connections (a closed one's socket has fileno -1) and publish the count."""
         self._open = [connection for connection in self._open if connection.fileno() != -1]
-        self._row.set("connections", len(self._open))
+        self._row.swept(len(self._open))
 
     async def _sweep_forever(self) -> None:
         while True:
