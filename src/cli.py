@@ -667,6 +667,10 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
             open_state_folder(args.state_dir)
         except ValueError as exc:
             raise UsageError(str(exc).replace("`state_dir`", "--state-dir")) from None
+    if (
+        args.ray and args.ray_address
+    ):  # the joined cluster's Serve listens on its nodes (its port: checked once joined)
+        return
     try:
         check_address(args.host, args.port)
     except ValueError as exc:

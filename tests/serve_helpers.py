@@ -140,6 +140,15 @@ class Server(_Endpoint):
             return None
         return f"rolldiff serve exited {self.process.returncode}: {self.log.read_text()}"
 
+    def wait_ready(self, seconds: float = 60.0) -> None:
+        """Answering, and announced: a `--workers` server answers once its first worker serves, and says
+        `rolldiff serve: ...` once every worker does (a `--ray` one once every replica does)."""
+        super().wait_ready(seconds)
+        assert until(lambda: ANNOUNCED in self.log.read_text() or self._exited() is not None, seconds), self.log
+        gone = self._exited()
+        if gone is not None:
+            raise RuntimeError(gone)
+
     def stop(self, sig: int = signal.SIGTERM, seconds: float = 60.0) -> int:
         if self.process.poll() is None:
             self.process.send_signal(sig)
@@ -156,10 +165,6 @@ class RayServer(Server):
 
     def wait_ready(self, seconds: float = 180.0) -> None:
         super().wait_ready(seconds)
-        assert until(lambda: "Ray at" in self.log.read_text() or self._exited() is not None, seconds), self.log
-        gone = self._exited()
-        if gone is not None:
-            raise RuntimeError(gone)
         self.ray_address = self.log.read_text().split("Ray at ", 1)[1].split(")", 1)[0]
 
     def kill_replica(self, replica: str) -> None:
@@ -198,6 +203,7 @@ np.savez(spec["out"], *chunks)
 """
 
 
+ANNOUNCED = "rolldiff serve: "  # the line the command prints once it serves (every worker, every replica)
 RED = "a red circle moving left"  # the sessions' prompt
 FRAMES = 24  # a session's length: 8 chunks of 3 on the embedded model
 

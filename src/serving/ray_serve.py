@@ -126,10 +126,10 @@ def serve_ray(spec: RaySpec, announce: Callable[[str], None]) -> None:
     for caught in (signal.SIGTERM, signal.SIGINT):  # after Ray's own
         signal.signal(caught, lambda signum, frame: stop.set())
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    board = None
+    board, serve_was_running = None, False
     try:
         if spec.address:
-            _check_cluster(spec)
+            serve_was_running = _check_cluster(spec)
         board = start_board()
         serve.start(
             http_options={"host": spec.host, "port": spec.port},
@@ -142,11 +142,12 @@ def serve_ray(spec: RaySpec, announce: Callable[[str], None]) -> None:
             pass
         _drain(board)
     finally:
-        _shut_down(board, joined=spec.address is not None)
+        _shut_down(board, joined=spec.address is not None, keep_serve=serve_was_running)
 
 
-def _check_cluster(spec: RaySpec) -> None:
-    """A joined cluster has no rolldiff server yet (Serve has one HTTP proxy per cluster) and the devices asked for."""
+def _check_cluster(spec: RaySpec) -> bool:
+    """A joined cluster has no rolldiff server yet (Serve has one HTTP proxy per cluster), a Serve already there
+    listens where this command was told to, and the devices asked for are there. Whether Serve was running."""
     try:
         ray.get_actor(BOARD_NAME, namespace=NAMESPACE)
     except ValueError:  # no board: no rolldiff server on this cluster
@@ -156,6 +157,14 @@ def _check_cluster(spec: RaySpec) -> None:
             f"--ray-address {spec.address}: a rolldiff server already serves on this cluster (Ray Serve has one HTTP "
             "proxy per cluster); stop it first (SIGTERM), or give another cluster"
         )
+    proxy = _serve_proxy()
+    if proxy is not None and proxy != (spec.host, spec.port):  # `serve.start` would keep Serve's and only warn
+        host, port = proxy
+        raise RayServeError(
+            f"--host {spec.host} --port {spec.port}: Ray Serve already runs on the cluster at {spec.address} with its "
+            f"HTTP proxy on {host}:{port} (one per cluster); give --host {host} --port {port}, or stop that Serve "
+            "(`serve shutdown`)"
+        )
     kind = "GPU" if spec.gpus_per_replica else "CPU"
     need = spec.replicas * (spec.gpus_per_replica or spec.cpus_per_replica)
     has = int(ray.cluster_resources().get(kind, 0))
@@ -163,6 +172,17 @@ def _check_cluster(spec: RaySpec) -> None:
         raise RayServeError(
             f"--replicas {spec.replicas} needs {need} {kind}s; the cluster at {spec.address} has {has}"
         )
+    return proxy is not None
+
+
+def _serve_proxy() -> tuple[str, int] | None:
+    """Where the Serve already running on the joined cluster has its HTTP proxy; None where no Serve runs there."""
+    from ray.serve.context import _get_global_client  # Serve has no public call that reads its HTTP options
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    if client is None:
+        return None
+    return client.http_config.host, client.http_config.port
 
 
 def _deploy(spec: RaySpec, board, stop: threading.Event) -> bool:
@@ -198,15 +218,19 @@ def _drain(board) -> None:
         time.sleep(0.1)
 
 
-def _shut_down(board, joined: bool) -> None:
+def _shut_down(board, joined: bool, keep_serve: bool) -> None:
     """Serve and the local cluster down; in a joined cluster only what this command started: the application and the
-    board exist only once the board did (its name is the cluster's lock: a refused second server deletes nothing)."""
+    board, and Serve itself unless it ran before (`keep_serve`; left running, its proxy would hold this command's
+    port for the next server). None of it where the board was not made (its name is the cluster's lock: a refused
+    second server deletes nothing)."""
     try:
-        if joined:
-            if board is not None:
-                serve.delete(APP_NAME)
-                ray.kill(board)
-        else:
+        if not joined:
             serve.shutdown()
+        elif board is not None:
+            if keep_serve:
+                serve.delete(APP_NAME)
+            else:
+                serve.shutdown()
+            ray.kill(board)
     finally:
         ray.shutdown()

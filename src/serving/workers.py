@@ -59,16 +59,21 @@ class BalancedServer(SuspendingServer):
     """A worker's uvicorn server: it listens on no socket of its own; its acceptor takes connections from the
     shared listener when the board says it is this worker's turn, and hands each to uvicorn's HTTP protocol."""
 
-    def __init__(self, config: uvicorn.Config, hub_of, listener: socket.socket, row: WorkerRow) -> None:
+    def __init__(
+        self, config: uvicorn.Config, hub_of, listener: socket.socket, row: WorkerRow, serving: Callable[[], None]
+    ) -> None:
         super().__init__(config, hub_of)
         self._listener = listener
         self._row = row
+        self._serving = serving
         self._open: list[socket.socket] = []
         self._tasks: list[asyncio.Task] = []
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=[])  # no listening socket of uvicorn's: the acceptor below feeds it
+        self._sweep()  # on the board as alive before its first turn
         self._tasks = [asyncio.create_task(self._accept()), asyncio.create_task(self._sweep_forever())]
+        self._serving()
 
     async def shutdown(self, sockets=None) -> None:
         for task in self._tasks:
@@ -158,9 +163,12 @@ def worker_main(
         return
     row = board.row(worker)
     app = create_app(pipe, spec.settings, row)
-    server = BalancedServer(uvicorn_config(app, spec.settings, spec.host, spec.port), app.state.get_hub, listener, row)
-    reports.put(("ready", worker, type(pipe).__name__))
-    run_until_signalled(server)
+    config = uvicorn_config(app, spec.settings, spec.host, spec.port)
+
+    def serving() -> None:  # the parent announces the server once every worker takes connections
+        reports.put(("ready", worker, type(pipe).__name__))
+
+    run_until_signalled(BalancedServer(config, app.state.get_hub, listener, row, serving))
 
 
 # ---------------------------------------------------------------------------------------- the parent
