@@ -667,9 +667,8 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
             open_state_folder(args.state_dir)
         except ValueError as exc:
             raise UsageError(str(exc).replace("`state_dir`", "--state-dir")) from None
-    if (
-        args.ray and args.ray_address
-    ):  # the joined cluster's Serve listens on its nodes (its port: checked once joined)
+    # a joined cluster's Serve listens on the cluster's nodes, not necessarily here (its port is checked once joined)
+    if args.ray and args.ray_address:
         return
     try:
         check_address(args.host, args.port)

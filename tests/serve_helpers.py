@@ -171,12 +171,29 @@ class RayServer(Server):
         """`ray.kill` of one replica's actor (by its id in `/healthz`'s `replicas`), from a Ray driver of its own that
         joins the cluster (with the token the cluster made in ~/.ray), so the test process never imports Ray."""
         name = f"SERVE_REPLICA::rolldiff#rolldiff#{replica}"
-        code = (
-            f"import ray; ray.init(address={self.ray_address!r}, logging_level='WARNING'); "
-            f"ray.kill(ray.get_actor({name!r}, namespace='serve'), no_restart=True)"
-        )
-        env = {**os.environ, "RAY_AUTH_MODE": "token"}
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env, capture_output=True)
+        ray_driver(self.ray_address, f"ray.kill(ray.get_actor({name!r}, namespace='serve'), no_restart=True)")
+
+
+RAY_TOKEN = {"RAY_AUTH_MODE": "token"}  # a process joining a cluster uses the token the cluster made in ~/.ray
+
+
+def ray_driver(address: str, code: str) -> None:
+    """`code` run by a Ray driver of its own joined to the cluster at `address` (`ray` and `serve` imported), so the
+    test process never imports Ray."""
+    joined = f"import ray; from ray import serve; ray.init(address={address!r}, logging_level='WARNING'); {code}"
+    env = {**os.environ, **RAY_TOKEN}
+    subprocess.run([sys.executable, "-c", joined], check=True, timeout=120, env=env, capture_output=True)
+
+
+def refused_joining(address: str, *flags: str) -> str:
+    """A `rolldiff serve --ray --ray-address address --replicas 1` on a free port that must be refused (exit 2):
+    its standard error."""
+    command = [sys.executable, "-m", "rolldiff", "serve", "--ray", "--ray-address", address, "--replicas", "1"]
+    command += ["--device", "cpu", "--port", str(free_port()), *flags]
+    env = {**os.environ, **RAY_TOKEN, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    return done.stderr
 
 
 _REFERENCE = r"""

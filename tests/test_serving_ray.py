@@ -8,14 +8,21 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from serve_helpers import FRAMES, RED, RayServer, free_port, library_references, process_tree, until
+from serve_helpers import (
+    FRAMES,
+    RED,
+    RayServer,
+    free_port,
+    library_references,
+    process_tree,
+    refused_joining,
+    until,
+)
 
 from rolldiff.cli import main
 from rolldiff.serving import ProtocolError, connect, restore
@@ -38,18 +45,9 @@ def server(state_dir):
     """Two replicas, sessions saved after every chunk under a `file://` URL (the fsspec store). RAY_ADDRESS names
     a head that is not there, as a stale `ray start` leaves it (or its /tmp/ray file): without `--ray-address` the
     command starts a cluster of its own all the same (`ray.init()` would join that one, and failed)."""
-    flags = (
-        "--ray",
-        "--replicas",
-        "2",
-        "--state-dir",
-        state_dir.as_uri(),
-        "--state-every",
-        "1",
-        "--max-sessions",
-        "3",
-    )
-    server = RayServer(*flags, env={"RAY_ADDRESS": f"127.0.0.1:{free_port()}"})
+    saved = ("--state-dir", state_dir.as_uri(), "--state-every", "1")
+    stale_head = {"RAY_ADDRESS": f"127.0.0.1:{free_port()}"}
+    server = RayServer("--ray", "--replicas", "2", *saved, "--max-sessions", "3", env=stale_head)
     yield server
     server.stop()
 
@@ -182,12 +180,8 @@ def test_a_killed_replicas_session_restores_on_a_live_one(server, references):
 def test_a_second_server_joining_the_cluster_is_refused_and_the_first_serves_on(server, references):
     """One rolldiff server per cluster (Serve has one HTTP proxy per cluster): a second command that joins it is
     refused by name, and its exit deletes nothing of the first's (the application, the board)."""
-    command = [sys.executable, "-m", "rolldiff", "serve", "--ray", "--ray-address", server.ray_address]
-    command += ["--replicas", "1", "--device", "cpu", "--port", str(free_port())]
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "OMP_NUM_THREADS": "1"}
-    second = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
-    assert second.returncode == 2, second.stderr[-2000:]
-    assert f"--ray-address {server.ray_address}: a rolldiff server already serves on this cluster" in second.stderr
+    refusal = refused_joining(server.ray_address)
+    assert f"--ray-address {server.ray_address}: a rolldiff server already serves on this cluster" in refusal
     assert len(server.http("/healthz")["replicas"]) == 2
     with connect(server.url, prompt=RED, seed=3, num_frames=FRAMES) as live:
         chunks = list(live)

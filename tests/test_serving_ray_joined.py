@@ -16,7 +16,17 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from serve_helpers import FRAMES, RED, RayServer, free_port, library_references, until
+from serve_helpers import (
+    FRAMES,
+    RAY_TOKEN,
+    RED,
+    RayServer,
+    free_port,
+    library_references,
+    ray_driver,
+    refused_joining,
+    until,
+)
 
 from rolldiff.serving import connect
 
@@ -60,8 +70,7 @@ def test_a_server_joins_a_ray_start_cluster_serves_and_leaves_it_as_it_found_it(
     elsewhere is refused by name instead of deploying behind a port nobody was told."""
     process, port = head
     address = f"127.0.0.1:{port}"
-    env = {"RAY_AUTH_MODE": "token"}  # the token `ray start` made in ~/.ray, as on every host of a cluster
-    first = RayServer("--ray", "--ray-address", address, "--replicas", "1", env=env)
+    first = RayServer("--ray", "--ray-address", address, "--replicas", "1", env=RAY_TOKEN)
     assert first.ray_address.endswith(f":{port}")  # the head node's own IP
     with connect(first.url, prompt=RED, seed=3, num_frames=FRAMES) as live:
         chunks = list(live)
@@ -73,18 +82,10 @@ def test_a_server_joins_a_ray_start_cluster_serves_and_leaves_it_as_it_found_it(
     assert until(lambda: not _answers(first.port), 10)  # nor does its Serve hold the port on
 
     theirs = free_port()  # someone's Serve, started before ours: its proxy is the cluster's
-    start_serve = f"import ray; from ray import serve; ray.init(address={address!r}); serve.start(http_options={{'port': {theirs}}})"
-    subprocess.run(
-        [sys.executable, "-c", start_serve], check=True, timeout=120, env={**os.environ, **env}, capture_output=True
-    )
-    command = [sys.executable, "-m", "rolldiff", "serve", "--ray", "--ray-address", address, "--replicas", "1"]
-    command += ["--device", "cpu", "--port", str(free_port())]
-    refused = subprocess.run(command, capture_output=True, text=True, timeout=180, env={**os.environ, **env})
-    assert refused.returncode == 2, refused.stderr[-2000:]
-    assert (
-        f"HTTP proxy on 127.0.0.1:{theirs} (one per cluster); give --host 127.0.0.1 --port {theirs}" in refused.stderr
-    )
-    second = RayServer("--ray", "--ray-address", address, "--replicas", "1", port=theirs, env=env)
+    ray_driver(address, f"serve.start(http_options={{'port': {theirs}}})")
+    refusal = refused_joining(address)
+    assert f"HTTP proxy on 127.0.0.1:{theirs} (one per cluster); give --host 127.0.0.1 --port {theirs}" in refusal
+    second = RayServer("--ray", "--ray-address", address, "--replicas", "1", port=theirs, env=RAY_TOKEN)
     try:
         assert second.http("/healthz")["replica_sessions"] == [0]
     finally:

@@ -126,10 +126,11 @@ def serve_ray(spec: RaySpec, announce: Callable[[str], None]) -> None:
     for caught in (signal.SIGTERM, signal.SIGINT):  # after Ray's own
         signal.signal(caught, lambda signum, frame: stop.set())
     logging.getLogger("ray.serve").setLevel(logging.WARNING)
-    board, serve_was_running = None, False
+    board, proxy = None, None
     try:
         if spec.address:
-            serve_was_running = _check_cluster(spec)
+            proxy = _serve_proxy()
+            _check_cluster(spec, proxy)
         board = start_board()
         serve.start(
             http_options={"host": spec.host, "port": spec.port},
@@ -142,12 +143,12 @@ def serve_ray(spec: RaySpec, announce: Callable[[str], None]) -> None:
             pass
         _drain(board)
     finally:
-        _shut_down(board, joined=spec.address is not None, keep_serve=serve_was_running)
+        _shut_down(board, joined=spec.address is not None, keep_serve=proxy is not None)
 
 
-def _check_cluster(spec: RaySpec) -> bool:
+def _check_cluster(spec: RaySpec, proxy: tuple[str, int] | None) -> None:
     """A joined cluster has no rolldiff server yet (Serve has one HTTP proxy per cluster), a Serve already there
-    listens where this command was told to, and the devices asked for are there. Whether Serve was running."""
+    (its `proxy`) listens where this command was told to, and the devices asked for are there."""
     try:
         ray.get_actor(BOARD_NAME, namespace=NAMESPACE)
     except ValueError:  # no board: no rolldiff server on this cluster
@@ -157,7 +158,6 @@ def _check_cluster(spec: RaySpec) -> bool:
             f"--ray-address {spec.address}: a rolldiff server already serves on this cluster (Ray Serve has one HTTP "
             "proxy per cluster); stop it first (SIGTERM), or give another cluster"
         )
-    proxy = _serve_proxy()
     if proxy is not None and proxy != (spec.host, spec.port):  # `serve.start` would keep Serve's and only warn
         host, port = proxy
         raise RayServeError(
@@ -172,7 +172,6 @@ def _check_cluster(spec: RaySpec) -> bool:
         raise RayServeError(
             f"--replicas {spec.replicas} needs {need} {kind}s; the cluster at {spec.address} has {has}"
         )
-    return proxy is not None
 
 
 def _serve_proxy() -> tuple[str, int] | None:
