@@ -185,12 +185,12 @@ def ray_driver(address: str, code: str) -> None:
     subprocess.run([sys.executable, "-c", joined], check=True, timeout=120, env=env, capture_output=True)
 
 
-def refused_joining(address: str, *flags: str) -> str:
+def refused_joining(address: str, *flags: str, env: dict | None = None) -> str:
     """A `rolldiff serve --ray --ray-address address --replicas 1` on a free port that must be refused (exit 2):
-    its standard error."""
+    its standard error. `env`: variables beside this process's."""
     command = [sys.executable, "-m", "rolldiff", "serve", "--ray", "--ray-address", address, "--replicas", "1"]
     command += ["--device", "cpu", "--port", str(free_port()), *flags]
-    env = {**os.environ, **RAY_TOKEN, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **RAY_TOKEN, "OMP_NUM_THREADS": "1", **(env or {})}
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 2, done.stderr[-2000:]
     return done.stderr

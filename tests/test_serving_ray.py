@@ -260,6 +260,14 @@ def test_an_address_where_nothing_answers_is_refused_in_seconds_before_anything_
     assert "--ray-address 'head-without-port': give the head's HOST:PORT" in capsys.readouterr().err
 
 
+def test_auto_where_no_cluster_runs_says_so_in_our_flags_words(tmp_path):
+    """`--ray-address auto` with no RAY_ADDRESS and no `ray start` cluster (Ray looks in RAY_TMPDIR, an empty
+    folder here): one line that names our flag and what to do, not Ray's `--address`."""
+    refusal = refused_joining("auto", env={"RAY_TMPDIR": str(tmp_path)})  # (this process has no RAY_ADDRESS)
+    assert "--ray-address auto: RAY_ADDRESS is not set and no `ray start` cluster runs on this machine" in refusal
+    assert "--address" not in refusal.replace("--ray-address", "")
+
+
 def test_a_state_dir_in_one_processs_memory_is_refused(capsys):
     assert main(["serve", "--ray", "--device", "cpu", "--state-dir", "memory://sessions"]) == 2
     error = capsys.readouterr().err

@@ -122,6 +122,11 @@ def serve_ray(spec: RaySpec, announce: Callable[[str], None]) -> None:
             logging_level=logging.WARNING,
         )
     except ConnectionError as error:
+        if spec.address == "auto":  # Ray's own words name its `--address` flag, not ours
+            raise RayServeError(
+                "--ray-address auto: RAY_ADDRESS is not set and no `ray start` cluster runs on this machine; start one "
+                "(`ray start --head`), give its HOST:PORT, or leave --ray-address out to start a cluster of its own"
+            ) from None
         raise RayServeError(f"--ray-address {spec.address}: {error}") from None
     for caught in (signal.SIGTERM, signal.SIGINT):  # after Ray's own
         signal.signal(caught, lambda signum, frame: stop.set())
