@@ -5,14 +5,12 @@ and time. The board's admission and the shared store are also checked in this pr
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import signal
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-import torch
 from serve_helpers import (
     FRAMES,
     RED,
@@ -24,7 +22,6 @@ from serve_helpers import (
     until,
 )
 
-from rolldiff.cli import main
 from rolldiff.serving import ProtocolError, connect, restore
 from rolldiff.serving.board import FIELDS
 
@@ -32,7 +29,7 @@ pytest.importorskip("ray.serve", reason='pip install "rolldiff[ray]" (the dev ex
 
 from rolldiff.serving import ray_board  # noqa: E402 (Ray is an extra)
 
-ROUTED_S = 1.0  # Serve's proxy counts a replica's open requests when they end, a moment after its session did
+ROUTED_S = 1.5  # Serve's proxy counts a replica's open requests when they end, a moment after its session did
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +58,15 @@ def _sessions(server: RayServer) -> list[int]:
     return server.http("/healthz")["replica_sessions"]
 
 
+def _idle(server: RayServer) -> bool:
+    """No session, and Serve's proxy has counted their requests' ends: it routes by those counts, and one it still
+    counts sends the next session to the other replica (a CI run put two on one replica that way)."""
+    if not server.sessions_within(0):
+        return False
+    time.sleep(ROUTED_S)
+    return True
+
+
 def _same(got: list, want: list) -> bool:
     return len(got) == len(want) and all((g == w).all() for g, w in zip(got, want))
 
@@ -81,7 +87,7 @@ def test_a_lone_session_is_the_librarys_video_bit_for_bit(server, references):
 
 
 def test_sessions_spread_over_both_replicas(server, references):
-    assert server.sessions_within(0)
+    assert _idle(server)
     lives = {seed: connect(server.url, prompt=RED, seed=seed, num_frames=FRAMES) for seed in (3, 4)}
     try:
         assert _sessions(server) == [1, 1]  # each alone on its replica: each is the library's video
@@ -94,7 +100,7 @@ def test_sessions_spread_over_both_replicas(server, references):
 
 
 def test_max_sessions_counts_every_replicas_sessions(server):
-    assert server.sessions_within(0)
+    assert _idle(server)
     lives = [connect(server.url, prompt=RED, num_frames=None) for _ in range(3)]
     try:
         for live in lives:
@@ -114,31 +120,29 @@ def test_max_sessions_counts_every_replicas_sessions(server):
 
 
 def test_a_session_suspended_on_one_replica_restores_on_the_other(server, references):
-    assert server.sessions_within(0)
-    holder = connect(server.url, prompt=RED, num_frames=None)  # keeps one replica busier: the next goes elsewhere
-    holder.pause()
-    first = _sessions(server).index(1)
-    live = connect(server.url, prompt=RED, seed=3, num_frames=FRAMES)
-    assert _sessions(server) == [1, 1]
-    chunks = [next(live), next(live)]
-    live.pause()
-    token = live.suspend()
-    chunks += list(live)  # made before the cut
-    assert until(lambda: _sessions(server)[1 - first] == 0)
-    time.sleep(ROUTED_S)
-    other = connect(server.url, prompt=RED, num_frames=None)  # takes the suspending replica's free place
-    other.pause()
-    assert _sessions(server) == [1, 1]
-    holder.close()  # the first replica now has the fewest requests: the restore goes there
-    assert until(lambda: _sessions(server)[first] == 0)
-    time.sleep(ROUTED_S)
-    try:
-        with restore(server.url, token) as resumed:
-            assert resumed.ready["next_chunk"] == len(chunks)
-            assert _sessions(server) == [1, 1]  # in the first replica, beside `other`'s
-            chunks += list(resumed)
-    finally:
-        other.close()
+    assert _idle(server)
+    with ExitStack() as clients:  # closed however the test ends: the next tests start from no session
+        holder = clients.enter_context(connect(server.url, prompt=RED, num_frames=None))  # its replica is busier
+        holder.pause()
+        first = _sessions(server).index(1)
+        live = clients.enter_context(connect(server.url, prompt=RED, seed=3, num_frames=FRAMES))
+        assert _sessions(server) == [1, 1]
+        chunks = [next(live), next(live)]
+        live.pause()
+        token = live.suspend()
+        chunks += list(live)  # made before the cut
+        assert until(lambda: _sessions(server)[1 - first] == 0)
+        time.sleep(ROUTED_S)
+        other = clients.enter_context(connect(server.url, prompt=RED, num_frames=None))  # takes the free place
+        other.pause()
+        assert _sessions(server) == [1, 1]
+        holder.close()  # the first replica now has the fewest requests: the restore goes there
+        assert until(lambda: _sessions(server)[first] == 0)
+        time.sleep(ROUTED_S)
+        resumed = clients.enter_context(restore(server.url, token))
+        assert resumed.ready["next_chunk"] == len(chunks)
+        assert _sessions(server) == [1, 1]  # in the first replica, beside `other`'s
+        chunks += list(resumed)
     assert _same(chunks, references(seed=3))
 
 
@@ -207,71 +211,6 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX"
     except FileNotFoundError:
         return True
-
-
-# ---------------------------------------------------------------------------------------- refusals
-def test_ray_and_workers_together_are_refused_naming_both(capsys):
-    assert main(["serve", "--ray", "--workers", "2", "--device", "cpu", "--port", str(free_port())]) == 2
-    error = capsys.readouterr().err
-    assert "--ray and --workers 2" in error and error.count("\n") == 1
-
-
-def test_more_replicas_than_cores_are_refused_before_anything_starts(capsys):
-    cores = os.cpu_count() or 1
-    assert main(["serve", "--ray", "--replicas", str(cores + 1), "--device", "cpu", "--port", str(free_port())]) == 2
-    assert f"--replicas {cores + 1}: 1 to {cores}, at most one per core" in capsys.readouterr().err
-
-
-def test_on_gpus_replicas_are_one_per_gpu_and_each_gets_its_own(capsys, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert main(["serve", "--ray", "--replicas", "3", "--device", "cuda", "--port", str(free_port())]) == 2
-    assert "--replicas 3: 1 to 2, at most one per GPU, and this machine has 2" in capsys.readouterr().err
-    assert main(["serve", "--ray", "--device", "cuda:1", "--port", str(free_port())]) == 2
-    assert "--device cuda:1: under --ray each replica gets a GPU of its own" in capsys.readouterr().err
-
-
-def test_replicas_below_1_are_refused(capsys):
-    assert main(["serve", "--ray", "--replicas", "0"]) == 2
-    assert "argument --replicas: expected a finite int > 0, got '0'" in capsys.readouterr().err
-
-
-def test_replicas_without_ray_are_refused(capsys):
-    assert main(["serve", "--replicas", "2", "--device", "cpu", "--port", str(free_port())]) == 2
-    assert "--replicas goes with --ray" in capsys.readouterr().err
-
-
-def test_without_ray_installed_the_command_says_how_to_install_it(capsys, monkeypatch):
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
-    assert main(["serve", "--ray", "--device", "cpu", "--port", str(free_port())]) == 2
-    error = capsys.readouterr().err
-    assert error.count("\n") == 1 and 'pip install "rolldiff[ray]"' in error
-
-
-def test_an_address_where_nothing_answers_is_refused_in_seconds_before_anything_starts(capsys):
-    port = free_port()  # nothing listens on it
-    started = time.monotonic()
-    assert main(["serve", "--ray", "--ray-address", f"127.0.0.1:{port}", "--device", "cpu"]) == 2
-    error = capsys.readouterr().err
-    assert f"--ray-address 127.0.0.1:{port}: nothing answers there" in error and error.count("\n") == 1
-    assert time.monotonic() - started < 30  # where ray.init retries for minutes
-    assert main(["serve", "--ray", "--ray-address", "head-without-port", "--device", "cpu"]) == 2
-    assert "--ray-address 'head-without-port': give the head's HOST:PORT" in capsys.readouterr().err
-
-
-def test_auto_where_no_cluster_runs_says_so_in_our_flags_words(tmp_path):
-    """`--ray-address auto` with no RAY_ADDRESS and no `ray start` cluster (Ray looks in RAY_TMPDIR, an empty
-    folder here): one line that names our flag and what to do, not Ray's `--address`."""
-    refusal = refused_joining("auto", env={"RAY_TMPDIR": str(tmp_path)})  # (this process has no RAY_ADDRESS)
-    assert "--ray-address auto: RAY_ADDRESS is not set and no `ray start` cluster runs on this machine" in refusal
-    assert "--address" not in refusal.replace("--ray-address", "")
-
-
-def test_a_state_dir_in_one_processs_memory_is_refused(capsys):
-    assert main(["serve", "--ray", "--device", "cpu", "--state-dir", "memory://sessions"]) == 2
-    error = capsys.readouterr().err
-    assert "--state-dir 'memory://sessions'" in error and "memory://" in error
 
 
 # ---------------------------------------------------------------------------------------- the board, without Ray
