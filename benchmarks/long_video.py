@@ -51,13 +51,12 @@ import sys
 import time
 
 import torch
-from _common import WAN_1_3B
+from _common import WAN_1_3B, WAN_TEXT_TOKENS, MiB
 
 from rolldiff import ChunkLayout, KreaRealtimeTransformer3DModel
 from rolldiff.caching import CacheLayer, CrossAttentionLayer, RollingKVCache
 from rolldiff.pipelines.flow_matching import add_noise, predict_clean, sigma_for_step
 
-MiB = 2**20
 DENOISING_STEPS = (1000, 750, 500, 250)
 SHIFT = 5.0
 SAMPLE = 10  # chunks in each median (first 10 / last 10 after warm-up)
@@ -77,22 +76,7 @@ CPU_MODEL = {  # Wan 1.3B's config with narrower heads, FFN and text, and 2 laye
 CPU_LATENT = (16, 16)  # (height, width) -> 8x8 = 64 tokens per frame after the 2x2 patch
 CPU_TEXT_TOKENS = 16
 
-WAN_1_3B = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=12,
-    attention_head_dim=128,
-    in_channels=16,
-    out_channels=16,
-    text_dim=4096,
-    freq_dim=256,
-    ffn_dim=8960,
-    num_layers=30,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
-    rope_max_seq_len=1024,
-)
 WAN_LATENT = (60, 104)  # 480x832 pixels / 8 -> 30x52 = 1560 tokens per frame
-WAN_TEXT_TOKENS = 512
 
 
 # ----------------------------------------------------------------------------------------- the no-eviction baseline
