@@ -667,11 +667,9 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
             open_state_folder(args.state_dir)
         except ValueError as exc:
             raise UsageError(str(exc).replace("`state_dir`", "--state-dir")) from None
-    # a joined cluster's Serve listens on the cluster's nodes, not necessarily here (its port is checked once joined)
-    if args.ray and args.ray_address:
-        return
     try:
-        check_address(args.host, args.port)
+        # a joined cluster's Serve listens on the cluster's nodes, not necessarily here (its port is checked once joined)
+        check_address(args.host, args.port, bind=not (args.ray and args.ray_address))
     except ValueError as exc:
         raise UsageError(str(exc).replace("`host`", "--host").replace("`port`", "--port")) from None
 

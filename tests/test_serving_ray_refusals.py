@@ -79,3 +79,16 @@ def test_a_state_dir_in_one_processs_memory_is_refused(capsys):
     assert main(["serve", "--ray", "--device", "cpu", "--state-dir", "memory://sessions"]) == 2
     error = capsys.readouterr().err
     assert "--state-dir 'memory://sessions'" in error and "memory://" in error
+
+
+def test_a_joining_servers_address_is_checked_for_its_form_before_anything_starts(capsys):
+    """Joining, the port is the cluster's nodes' to bind (not probed here), but a port or host no node could use is
+    refused before Ray is asked anything."""
+    head = f"127.0.0.1:{free_port()}"  # nothing answers there: a refusal that got past the address would say so
+    assert main(["serve", "--ray", "--ray-address", head, "--device", "cpu", "--port", "70000"]) == 2
+    error = capsys.readouterr().err
+    assert "--port must be a whole number from 1 to 65535, got 70000" in error and "nothing answers" not in error
+    assert (
+        main(["serve", "--ray", "--ray-address", head, "--device", "cpu", "--host", "999.1.1.1", "--token", "t"]) == 2
+    )
+    assert "--host '999.1.1.1' is not a valid IPv4 address" in capsys.readouterr().err

@@ -14,8 +14,9 @@ import socket
 from typing import Any
 
 
-def check_address(host: Any, port: Any) -> None:
-    """Refuse, with a ValueError naming `host` or `port`, an address the demo could not serve on."""
+def check_address(host: Any, port: Any, bind: bool = True) -> None:
+    """Refuse, with a ValueError naming `host` or `port`, an address the demo could not serve on; `bind=False` where
+    other machines bind it (a joined Ray cluster's nodes): its form only, not whether this machine can."""
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
         raise ValueError(f"`port` must be a whole number from 1 to 65535, got {port!r}.")
     if not isinstance(host, str) or not host.strip():
@@ -29,6 +30,8 @@ def check_address(host: Any, port: Any) -> None:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: a name idna cannot encode (a label > 63 chars)
         raise ValueError(f"`host` {host!r} is not an address or a name this machine can resolve ({exc}).") from None
+    if not bind:
+        return
     with socket.socket(family, kind, proto) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
         try:
