@@ -1,10 +1,20 @@
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import their shared tiny components
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# What the tests and the processes they start put in the temporary folder goes to a folder of this run, removed
+# when the run passes: gradio_client leaves an empty folder in /tmp for every file it downloads, each server test
+# leaves its log, each Ray cluster its session folder. Set before any test module imports gradio, which takes its
+# cache folder from it at import. (A short path: Ray's Unix sockets live under it.)
+RUN_TEMP = Path(tempfile.mkdtemp(prefix="rolldiff-tests-"))
+tempfile.tempdir = os.environ["TMPDIR"] = str(RUN_TEMP)
 
 # Tiny tensors: one thread is faster than several and keeps the suite steady on a busy 2-core machine.
 torch.set_num_threads(1)
@@ -52,3 +62,11 @@ def model_calls(pipe) -> list:
     handle = pipe.transformer.register_forward_pre_hook(lambda *args: calls.append(1))
     yield calls
     handle.remove()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int) -> None:
+    """A failed or interrupted run keeps its temporary folder (the servers' logs) and says where; any other removes it."""
+    if exitstatus in (pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED):
+        terminalreporter.write_line(f"temporary files of this run (the servers' logs): {RUN_TEMP}")
+    else:
+        shutil.rmtree(RUN_TEMP, ignore_errors=True)

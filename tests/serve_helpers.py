@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -124,7 +125,7 @@ class Server(_Endpoint):
 
     def __init__(self, *flags: str, port: int | None = None, env: dict | None = None) -> None:
         self.port = port or free_port()
-        self.log = Path(os.environ.get("TMPDIR", "/tmp")) / f"rolldiff-serve-{self.port}.log"
+        self.log = Path(tempfile.gettempdir()) / f"rolldiff-serve-{self.port}.log"  # the run's folder (conftest)
         command = [sys.executable, "-m", "rolldiff", "serve", "--port", str(self.port), "--device", "cpu", *flags]
         self.process = subprocess.Popen(
             command,
