@@ -25,7 +25,7 @@ from checkpoint_layouts import wan_to_original
 from diffusers import AutoencoderKLWan
 from tiny_components import tiny_pipeline, tiny_transformer
 
-import rolldiff.cli
+import rolldiff.cli.loading
 from rolldiff import KreaRealtimeTransformer3DModel, KreaRealtimeVideoPipeline
 from rolldiff.cli import main
 from rolldiff.defaults import ModelNotFoundError, load_pipeline
@@ -130,7 +130,7 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(rolldiff.cli, "load_pipeline", refuse)
+    monkeypatch.setattr(rolldiff.cli.loading, "load_pipeline", refuse)
 
 
 @pytest.mark.parametrize("argv, names", CLI_BEFORE_LOAD.values(), ids=CLI_BEFORE_LOAD.keys())

@@ -57,7 +57,7 @@ def test_the_adaptive_sink_recipe_compiles_pipelined_and_is_refused_sequentially
     (counted), the video is the eager one; sequentially every write decides on the host: a usage error."""
     from torch._dynamo.testing import CompileCounter
 
-    import rolldiff.cli as cli
+    import rolldiff.cli.loading as cli  # where the command compiles the step
 
     counter, steps = CompileCounter(), []
 

@@ -11,14 +11,15 @@ from collections.abc import Callable
 
 import torch
 
-from .cli_errors import UsageError
+from .arguments import positive
+from .errors import UsageError
 
 RAY_MISSING = '--ray needs Ray Serve, which is not installed: pip install "rolldiff[ray]"'
 REACH_S = 5.0  # how long `--ray-address` may take to answer (Ray itself retries for minutes)
 
 
-def add_ray_arguments(serve: argparse.ArgumentParser, positive_int) -> None:
-    """`--ray`, `--replicas`, `--ray-address` (`positive_int`: the CLI's parser of counts)."""
+def add_ray_arguments(serve: argparse.ArgumentParser) -> None:
+    """`--ray`, `--replicas`, `--ray-address`."""
     serve.add_argument(
         "--ray",
         action="store_true",
@@ -26,7 +27,7 @@ def add_ray_arguments(serve: argparse.ArgumentParser, positive_int) -> None:
     )
     serve.add_argument(
         "--replicas",
-        type=positive_int,
+        type=positive(int),
         metavar="N",
         help="with --ray: replicas, at most one per GPU (per core on a CPU); default: one per device",
     )
@@ -93,7 +94,7 @@ def serve_with_ray(
     torch threads per replica and replicas (`check_ray_arguments`)."""
     # a Ray call after the cluster is gone (the deploy thread of a failed start) must not start a new one
     os.environ.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
-    from .serving.ray_serve import RayServeError, RaySpec, serve_ray
+    from ..serving.ray_serve import RayServeError, RaySpec, serve_ray
 
     threads, replicas = split
     on_gpu = torch.device(device).type == "cuda"

@@ -10,8 +10,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .cli_errors import UsageError
-from .recipes import list_recipes
+from ..recipes import list_recipes
+from .arguments import positive
+from .errors import relabel
 
 # The library's argument names and the flags of this command that set them.
 CONVERT_FLAGS = {
@@ -29,8 +30,8 @@ CONVERT_FLAGS = {
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
-def add_convert_command(commands, positive_int) -> None:
-    """The `convert` subcommand (`positive_int`: the CLI's parser of sizes)."""
+def add_convert_command(commands) -> None:
+    """The `convert` subcommand and its flags."""
     convert = commands.add_parser(
         "convert",
         help="turn a published checkpoint (Self-Forcing, LongLive, Krea, LongSANA, ...) into a pipeline folder",
@@ -60,22 +61,15 @@ def add_convert_command(commands, positive_int) -> None:
     convert.add_argument(
         "--dtype", choices=DTYPE_NAMES, help="cast the transformer and text encoder (default: as stored)"
     )
-    convert.add_argument("--height", type=positive_int, help="native frame height calls default to (480)")
-    convert.add_argument("--width", type=positive_int, help="native frame width calls default to (832)")
+    convert.add_argument("--height", type=positive(int), help="native frame height calls default to (480)")
+    convert.add_argument("--width", type=positive(int), help="native frame width calls default to (832)")
     convert.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     convert.set_defaults(run=run_convert)
 
 
-def _relabelled(error: Exception) -> str:
-    message = str(error)
-    for name, flag in CONVERT_FLAGS.items():
-        message = message.replace(f"`{name}`", f"{flag} (`{name}`)")
-    return message
-
-
 def run_convert(args: argparse.Namespace) -> int:
-    from .defaults import DTYPES
-    from .pipelines.conversion import convert_checkpoint
+    from ..defaults import DTYPES
+    from ..pipelines.conversion import convert_checkpoint
 
     try:
         plan = convert_checkpoint(
@@ -92,7 +86,7 @@ def run_convert(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
         )
     except ValueError as exc:
-        raise UsageError(_relabelled(exc)) from None
+        raise relabel(exc, CONVERT_FLAGS) from None
     print(
         f"rolldiff convert: {args.out} ({plan.pipeline_class_name}, recipe {plan.recipe}, {plan.decided})\n"
         f"  run it: rolldiff generate --model {args.out} --prompt '...' --out video.mp4",

@@ -1,0 +1,50 @@
+"""The `rolldiff` command: `rolldiff generate` writes a long video to an mp4, `rolldiff demo` serves the Gradio demo,
+`rolldiff serve` serves live sessions, `rolldiff convert` turns a published checkpoint into a pipeline folder.
+
+One module per subcommand; this one builds the parser and dispatches. Bad arguments end with one line on stderr and
+exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__ as rolldiff_version
+from ..defaults import ModelNotFoundError
+from .arguments import Parser
+from .convert import add_convert_command
+from .demo import add_demo_command
+from .errors import EXIT_USAGE, UsageError
+from .generate import add_generate_command
+from .loading import quiet_libraries
+from .serve import add_serve_command
+
+__all__ = ["UsageError", "build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="rolldiff", description="Generate long videos chunk by chunk with a rolling KV cache.")
+    parser.add_argument("--version", action="version", version=f"rolldiff {rolldiff_version}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    add_generate_command(commands)
+    add_demo_command(commands)
+    add_serve_command(commands)
+    add_convert_command(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `rolldiff` command; returns the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv:  # `rolldiff` alone: say what it does and how to start, not "the following arguments are required"
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        args = parser.parse_args(argv)
+        with quiet_libraries():
+            return args.run(args)
+    except (UsageError, ModelNotFoundError) as exc:
+        print(f"rolldiff: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever the message
+        return EXIT_USAGE

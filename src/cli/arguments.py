@@ -1,0 +1,136 @@
+"""The command line's value types (each refuses a bad value with a message argparse shows beside the flag) and the
+flags every model-loading subcommand shares."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+from ..caching.layout import ALL_FRAMES
+from ..defaults import DTYPES
+from ..pipelines.io.video_writer import check_quality
+from .errors import UsageError
+
+# One run is at most a day of video: a typo such as --seconds 1e9 is refused instead of running for decades.
+MAX_SECONDS = 24 * 3600.0
+MAX_FPS = 240
+# torch.Generator.manual_seed takes any 64-bit value.
+MAX_SEED = 2**64 - 1
+# Device types a pipeline can run on; `meta` holds no data and `cpu`/`cuda` cover the usual cases.
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are ours: one `rolldiff: error:` line and exit code 2 (`main`), not its usage block."""
+
+    def error(self, message: str):  # argparse would print the usage block and exit itself
+        raise UsageError(message)
+
+
+def prompt_at(text: str) -> tuple[int, str]:
+    frame, sep, prompt = text.partition(":")
+    if not sep or not frame.strip().isdigit() or not prompt.strip():
+        raise argparse.ArgumentTypeError(f"expected FRAME:TEXT with FRAME a frame number >= 0, got {text!r}")
+    return int(frame), prompt.strip()
+
+
+def step_list(text: str) -> list[int]:
+    try:
+        return [int(step) for step in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 1000,750,500,250, got {text!r}"
+        ) from None
+
+
+def positive(kind, maximum: float = math.inf):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not (value > 0 and math.isfinite(value)):
+            raise argparse.ArgumentTypeError(f"expected a finite {kind.__name__} > 0, got {text!r}")
+        if value > maximum:
+            raise argparse.ArgumentTypeError(f"expected at most {maximum:g}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+def window_frames(text: str) -> int | str:
+    """A number of latent frames, or the one spelling of an unbounded window (`ALL_FRAMES`)."""
+    if text == ALL_FRAMES:
+        return ALL_FRAMES
+    try:
+        return positive(int)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an int > 0 or {ALL_FRAMES!r}, got {text!r}") from None
+
+
+window_frames.__name__ = "window"  # argparse names the type in its messages
+
+
+def quality(text: str) -> float:
+    try:
+        return check_quality(float(text))  # the writer's own range
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number from 1 to 10, got {text!r}") from None
+
+
+def non_negative_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64 - 1], got {text!r}")
+    return value
+
+
+def compile_backend(text: str) -> str:
+    if text not in torch._dynamo.list_backends(exclude_tags=()):  # noqa: SLF001 (dynamo's backend registry)
+        usual = sorted({*torch._dynamo.list_backends(), "eager"})  # noqa: SLF001
+        raise argparse.ArgumentTypeError(f"expected a torch.compile backend such as {', '.join(usual)}; got {text!r}")
+    return text
+
+
+def device_name(text: str) -> str:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"expected a torch device like cpu, cuda or cuda:1, got {text!r}") from None
+    if device.type not in _DEVICE_TYPES:
+        raise argparse.ArgumentTypeError(f"expected one of the device types {', '.join(_DEVICE_TYPES)}, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r} asked for, but CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s)"
+        )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r} asked for, but MPS is not available on this machine")
+    if device.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise argparse.ArgumentTypeError(f"{text!r} asked for, but XPU is not available on this machine")
+    return text
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="pipeline folder or Hugging Face Hub id (default: the embedded tiny model)")
+    parser.add_argument("--device", type=device_name, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    parser.add_argument(
+        "--dtype", choices=list(DTYPES), help="weights dtype (default: bfloat16 on cuda, else float32)"
+    )

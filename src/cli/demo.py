@@ -1,0 +1,37 @@
+"""`rolldiff demo`: the Gradio demo (docs/demo.md); Gradio is an extra, imported only by this command."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+from ..defaults import default_device, default_dtype
+from .arguments import add_model_arguments, positive
+from .errors import UsageError
+
+
+def add_demo_command(commands) -> None:
+    """The `demo` subcommand and its flags."""
+    demo = commands.add_parser("demo", help="serve the Gradio demo", description="Serve the Gradio demo.")
+    add_model_arguments(demo)
+    demo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    demo.add_argument("--port", type=int, default=7860, help="port, 1 to 65535 (default 7860)")
+    demo.add_argument("--max-concurrency", type=positive(int), default=2, help="generations at once (default 2)")
+    demo.set_defaults(run=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("gradio") is None:
+        raise UsageError("the demo needs Gradio, which is not installed: pip install 'rolldiff[demo]'")
+    from ..demo import build_demo, check_address  # build_demo imports gradio: only for this command
+
+    try:  # a busy port or a foreign address fails before the model loads
+        check_address(args.host, args.port)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("`host`", "--host").replace("`port`", "--port")) from None
+    device = args.device or default_device()
+    demo = build_demo(
+        args.model, max_concurrency=args.max_concurrency, device=device, dtype=args.dtype or default_dtype(device)
+    )
+    demo.launch(server_name=args.host, server_port=args.port)
+    return 0
