@@ -1,6 +1,6 @@
 """The pipeline a command runs, loaded as the flags say: `--model`, `--device`, `--dtype`, `--tiny-vae`, then the
 speed switches (`--fp8`, `--attention-backend`, `--cuda-graphs`, `--compile`); `rolldiff generate` and `rolldiff
-serve` load the same way."""
+serve` load the same way, with diffusers' and transformers' loading bars and chatter kept off stderr."""
 
 from __future__ import annotations
 
