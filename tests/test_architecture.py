@@ -119,3 +119,13 @@ def test_public_names_still_import(module, names):
     loaded = importlib.import_module(module)
     missing = [name for name in names if not hasattr(loaded, name)]
     assert missing == []
+
+
+def test_every_package_is_in_the_wheel():
+    """`pip install .` ships only the packages pyproject lists; the editable install CI uses finds every folder, so a
+    package left out of the list would pass CI and be missing for users (`rolldiff` failing at its first import)."""
+    import tomllib
+
+    listed = set(tomllib.loads((SRC.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {_module_name(init) for init in SRC.rglob("__init__.py")}
+    assert listed == folders, f"not listed: {sorted(folders - listed)}; listed but absent: {sorted(listed - folders)}"
