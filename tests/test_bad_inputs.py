@@ -189,6 +189,26 @@ def test_demo_command_without_gradio_says_how_to_install_it(monkeypatch, capsys)
     assert "pip install 'rolldiff[demo]'" in captured.err
 
 
+@pytest.mark.parametrize(
+    "absent, said",
+    [
+        ({"uvicorn"}, "serving needs uvicorn, which is not installed"),
+        ({"fastapi", "websockets"}, "serving needs fastapi, websockets, which are not installed"),
+    ],
+)
+def test_serve_command_without_its_extra_names_what_is_missing_and_how_to_install_it(
+    monkeypatch, capsys, absent, said
+):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in absent else real_find_spec(name, *a)
+    )
+    assert main(["serve"]) == 2
+    captured = capsys.readouterr()
+    _assert_one_line(captured, said)
+    assert "pip install 'rolldiff[serve]'" in captured.err
+
+
 def test_demo_command_on_a_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys):
     import socket
 

@@ -157,7 +157,10 @@ def load_served_pipeline(args: argparse.Namespace, device: str, settings):
 def run_serve(args: argparse.Namespace) -> int:
     missing = [name for name in ("fastapi", "uvicorn", "websockets") if importlib.util.find_spec(name) is None]
     if missing:
-        raise UsageError(f"serving needs {', '.join(missing)}, which is not installed: pip install 'rolldiff[serve]'")
+        verb = "is" if len(missing) == 1 else "are"
+        raise UsageError(
+            f"serving needs {', '.join(missing)}, which {verb} not installed: pip install 'rolldiff[serve]'"
+        )
     _check_serve_arguments(args)
     from ..serving.app import ServeSettings
 
