@@ -128,6 +128,23 @@ def device_name(text: str) -> str:
     return text
 
 
+def add_address_arguments(parser: argparse.ArgumentParser, port: int) -> None:
+    """`--host` and `--port` of a command that serves (`check_address_flags` checks them)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=port, help=f"port, 1 to 65535 (default {port})")
+
+
+def check_address_flags(args: argparse.Namespace, bind: bool = True) -> None:
+    """`rolldiff.demo.check_address` on `--host` / `--port`, its refusal in the flags' words (before the model loads:
+    a busy port or a foreign address costs no load)."""
+    from ..demo import check_address
+
+    try:
+        check_address(args.host, args.port, bind=bind)
+    except ValueError as exc:
+        raise UsageError(str(exc).replace("`host`", "--host").replace("`port`", "--port")) from None
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="pipeline folder or Hugging Face Hub id (default: the embedded tiny model)")
     parser.add_argument("--device", type=device_name, help="cpu, cuda, cuda:1, ... (default: cuda when available)")

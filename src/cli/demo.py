@@ -6,7 +6,7 @@ import argparse
 import importlib.util
 
 from ..defaults import default_device, default_dtype
-from .arguments import add_model_arguments, positive
+from .arguments import add_address_arguments, add_model_arguments, check_address_flags, positive
 from .errors import UsageError
 
 
@@ -14,8 +14,7 @@ def add_demo_command(commands) -> None:
     """The `demo` subcommand and its flags."""
     demo = commands.add_parser("demo", help="serve the Gradio demo", description="Serve the Gradio demo.")
     add_model_arguments(demo)
-    demo.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    demo.add_argument("--port", type=int, default=7860, help="port, 1 to 65535 (default 7860)")
+    add_address_arguments(demo, port=7860)
     demo.add_argument("--max-concurrency", type=positive(int), default=2, help="generations at once (default 2)")
     demo.set_defaults(run=run_demo)
 
@@ -23,12 +22,9 @@ def add_demo_command(commands) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("gradio") is None:
         raise UsageError("the demo needs Gradio, which is not installed: pip install 'rolldiff[demo]'")
-    from ..demo import build_demo, check_address  # build_demo imports gradio: only for this command
+    from ..demo import build_demo  # imports gradio: only for this command
 
-    try:  # a busy port or a foreign address fails before the model loads
-        check_address(args.host, args.port)
-    except ValueError as exc:
-        raise UsageError(str(exc).replace("`host`", "--host").replace("`port`", "--port")) from None
+    check_address_flags(args)
     device = args.device or default_device()
     demo = build_demo(
         args.model, max_concurrency=args.max_concurrency, device=device, dtype=args.dtype or default_dtype(device)

@@ -28,7 +28,6 @@ from .arguments import (
     MAX_FPS,
     MAX_SECONDS,
     add_model_arguments,
-    compile_backend,
     non_negative_seconds,
     positive,
     prompt_at,
@@ -38,7 +37,7 @@ from .arguments import (
     window_frames,
 )
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, relabel
-from .loading import load_from_flags
+from .loading import add_compile_and_decoder_arguments, load_from_flags
 
 # The library's argument names and the flags that set them: a library error is relabelled with the flag (the
 # rule itself is checked once, by the library).
@@ -194,14 +193,7 @@ def _add_input_arguments(group) -> None:
 
 def _add_speed_arguments(group) -> None:
     """The GPU speed switches, the tiny decoder and pipeline parallelism."""
-    group.add_argument(
-        "--compile",
-        nargs="?",
-        const="inductor",
-        type=compile_backend,
-        metavar="BACKEND",
-        help="torch.compile the transformer (fullgraph; default backend inductor): two graphs, no recompiles",
-    )
+    add_compile_and_decoder_arguments(group)
     group.add_argument(
         "--cuda-graphs", action="store_true", help="replay the compiled cached step as CUDA graphs (implies --compile)"
     )
@@ -217,12 +209,6 @@ def _add_speed_arguments(group) -> None:
     )
     group.add_argument(
         "--overlap-decode", action="store_true", help="decode chunk k on a side stream while chunk k+1 denoises (CUDA)"
-    )
-    group.add_argument(
-        "--tiny-vae",
-        type=Path,
-        metavar="PATH",
-        help="decode with a tiny autoencoder (TAEHV: taew2_1.pth / .safetensors) instead of the full VAE",
     )
     group.add_argument(
         "--pipeline-parallel",

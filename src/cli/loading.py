@@ -7,10 +7,30 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from ..defaults import default_dtype, load_pipeline
 from ..pipelines.acceleration import compile_cached_step
+from .arguments import compile_backend
 from .errors import UsageError
+
+
+def add_compile_and_decoder_arguments(parser) -> None:
+    """`--compile` and `--tiny-vae`, offered by every command that loads with `load_from_flags` (which reads them)."""
+    parser.add_argument(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        type=compile_backend,
+        metavar="BACKEND",
+        help="torch.compile the transformer (fullgraph; default backend inductor): two graphs, no recompiles",
+    )
+    parser.add_argument(
+        "--tiny-vae",
+        type=Path,
+        metavar="PATH",
+        help="decode with a tiny autoencoder (TAEHV: taew2_1.pth / .safetensors) instead of the full VAE",
+    )
 
 
 def load_from_flags(args: argparse.Namespace, device: str):

@@ -7,15 +7,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-from pathlib import Path
 
 import torch
 
 from ..defaults import default_device
 from ..recipes import list_recipes
-from .arguments import add_model_arguments, compile_backend, positive
+from .arguments import add_address_arguments, add_model_arguments, check_address_flags, positive
 from .errors import UsageError
-from .loading import load_from_flags, quiet_libraries
+from .loading import add_compile_and_decoder_arguments, load_from_flags, quiet_libraries
 from .serve_ray import add_ray_arguments, check_ray_arguments, serve_with_ray
 
 
@@ -28,17 +27,8 @@ def add_serve_command(commands) -> None:
     )
     add_model_arguments(serve)
     serve.add_argument("--recipe", choices=list_recipes(), help="the recipe sessions use unless they name one")
-    serve.add_argument(
-        "--compile",
-        nargs="?",
-        const="inductor",
-        type=compile_backend,
-        metavar="BACKEND",
-        help="torch.compile the transformer (fullgraph; default backend inductor)",
-    )
-    serve.add_argument("--tiny-vae", type=Path, metavar="PATH", help="decode with a tiny autoencoder (TAEHV)")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="port, 1 to 65535 (default 8000)")
+    add_compile_and_decoder_arguments(serve)
+    add_address_arguments(serve, port=8000)
     serve.add_argument("--max-sessions", type=positive(int), default=4, help="sessions at once (default 4)")
     serve.add_argument(
         "--max-batch",
@@ -93,8 +83,6 @@ def add_serve_command(commands) -> None:
 
 
 def _check_serve_arguments(args: argparse.Namespace) -> None:
-    from ..demo import check_address
-
     loopback = args.host in ("127.0.0.1", "localhost", "::1") or args.host.startswith("127.")
     if not loopback and not args.token and not args.insecure_no_token:
         raise UsageError(
@@ -115,11 +103,8 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
             open_state_folder(args.state_dir)
         except ValueError as exc:
             raise UsageError(str(exc).replace("`state_dir`", "--state-dir")) from None
-    try:
-        # a joined cluster's Serve listens on the cluster's nodes, not necessarily here (its port is checked once joined)
-        check_address(args.host, args.port, bind=not (args.ray and args.ray_address))
-    except ValueError as exc:
-        raise UsageError(str(exc).replace("`host`", "--host").replace("`port`", "--port")) from None
+    # a joined cluster's Serve listens on the cluster's nodes, not necessarily here (its port is checked once joined)
+    check_address_flags(args, bind=not (args.ray and args.ray_address))
 
 
 def _serving_threads(device: str, workers: int) -> tuple[int, int]:
