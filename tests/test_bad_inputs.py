@@ -23,6 +23,7 @@ import pytest
 import torch
 from checkpoint_layouts import wan_to_original
 from diffusers import AutoencoderKLWan
+from serve_helpers import free_port
 from tiny_components import tiny_pipeline, tiny_transformer
 
 import rolldiff.cli.loading
@@ -178,35 +179,29 @@ def test_demo_command_refuses_before_the_model_loads(monkeypatch, capsys, argv, 
     _assert_one_line(capsys.readouterr(), names)
 
 
-def test_demo_command_without_gradio_says_how_to_install_it(monkeypatch, capsys):
-    real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == "gradio" else real_find_spec(name, *a)
-    )
-    assert main(["demo"]) == 2
-    captured = capsys.readouterr()
-    _assert_one_line(captured, "Gradio")
-    assert "pip install 'rolldiff[demo]'" in captured.err
-
-
 @pytest.mark.parametrize(
-    "absent, said",
+    "argv, absent, said, install",
     [
-        ({"uvicorn"}, "serving needs uvicorn, which is not installed"),
-        ({"fastapi", "websockets"}, "serving needs fastapi, websockets, which are not installed"),
+        (["demo"], {"gradio"}, "the demo needs Gradio, which is not installed", "pip install 'rolldiff[demo]'"),
+        (["serve"], {"uvicorn"}, "serving needs uvicorn, which is not installed", "pip install 'rolldiff[serve]'"),
+        (["serve"], {"fastapi", "websockets"}, "serving needs fastapi, websockets, which are not installed",
+         "pip install 'rolldiff[serve]'"),
+        (["serve", "--ray", "--device", "cpu"], {"ray"}, "--ray needs Ray Serve, which is not installed",
+         'pip install "rolldiff[ray]"'),
     ],
-)
-def test_serve_command_without_its_extra_names_what_is_missing_and_how_to_install_it(
-    monkeypatch, capsys, absent, said
+    ids=["demo", "serve-one", "serve-two", "ray"],
+)  # fmt: skip
+def test_a_command_without_its_extra_names_what_is_missing_and_how_to_install_it(
+    monkeypatch, capsys, argv, absent, said, install
 ):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name in absent else real_find_spec(name, *a)
     )
-    assert main(["serve"]) == 2
+    assert main([*argv, "--port", str(free_port())]) == 2
     captured = capsys.readouterr()
     _assert_one_line(captured, said)
-    assert "pip install 'rolldiff[serve]'" in captured.err
+    assert install in captured.err
 
 
 def test_demo_command_on_a_busy_port_is_refused_before_the_model_loads(monkeypatch, capsys):

@@ -4,7 +4,6 @@ for GCS processes too), so it runs where no test's cluster is up."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
@@ -46,14 +45,6 @@ def test_replicas_below_1_are_refused(capsys):
 def test_replicas_without_ray_are_refused(capsys):
     assert main(["serve", "--replicas", "2", "--device", "cpu", "--port", str(free_port())]) == 2
     assert "--replicas goes with --ray" in capsys.readouterr().err
-
-
-def test_without_ray_installed_the_command_says_how_to_install_it(capsys, monkeypatch):
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else find_spec(name, *a))
-    assert main(["serve", "--ray", "--device", "cpu", "--port", str(free_port())]) == 2
-    error = capsys.readouterr().err
-    assert error.count("\n") == 1 and 'pip install "rolldiff[ray]"' in error
 
 
 def test_an_address_where_nothing_answers_is_refused_in_seconds_before_anything_starts(capsys):
