@@ -17,11 +17,12 @@ from diffusers import DiffusionPipeline
 
 import rolldiff
 
+from .choices import DTYPE_NAMES
 from .pipelines import KreaRealtimeVideoPipeline
 
 DEFAULT_MODEL_NAME = "tiny-bouncing-shapes"
 EMBEDDED_MODEL_NAMES = (DEFAULT_MODEL_NAME, "tiny-bouncing-shapes-sana")  # the default first
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 # "name" or "org/name": what the Hugging Face Hub accepts as a repository id.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

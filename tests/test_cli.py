@@ -170,6 +170,62 @@ def test_version_and_usage_without_arguments(capsys):
     assert out.startswith("usage: rolldiff") and "generate" in out and "demo" in out
 
 
+# Run in a fresh interpreter (this one has imported torch long ago): what answering each command line imported.
+_IMPORTED_BY = """
+import sys
+from rolldiff.cli import main
+argv = sys.argv[1:]
+try:
+    code = main(argv)
+except SystemExit as exit:
+    code = exit.code
+print(code, sorted({name.split(".")[0] for name in sys.modules} & {"torch", "diffusers", "transformers", "numpy"}))
+"""
+
+
+@pytest.mark.parametrize(
+    "argv, code",
+    [
+        (["--version"], 0),
+        ([], 2),
+        (["generate", "--help"], 0),
+        (["serve", "--help"], 0),
+        (["demo", "--help"], 0),
+        (["convert", "--help"], 0),
+        (["generate", "--seconds", "x"], 2),
+        (["generate", "--dtype", "float64"], 2),
+        (["serve", "--workers", "0"], 2),
+        (["genrate"], 2),
+    ],
+)
+def test_help_version_and_a_mistyped_flag_answer_without_loading_torch(argv, code):
+    """The parser imports nothing heavy (torch, diffusers: 5 s on a laptop): a command's run imports them."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _IMPORTED_BY, *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines()[-1] == f"{code} []", (done.stdout, done.stderr[-500:])
+
+
+def test_import_rolldiff_loads_its_classes_when_first_used():
+    """`import rolldiff` is light (PEP 562); each public name, and the subpackages `import rolldiff` gave before,
+    resolve on first use to the class its module defines."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, rolldiff
+before = "torch" in sys.modules
+names = [name for name in rolldiff.__all__ if getattr(rolldiff, name).__name__ == name]
+print(before, len(names) == len(rolldiff.__all__), set(rolldiff.__all__) <= set(dir(rolldiff)))
+print(rolldiff.caching.RollingKVCache is rolldiff.RollingKVCache, hasattr(rolldiff, "NoSuchName"))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "True", "True", "False"], done.stdout
+
+
 def test_interrupted_run_keeps_the_old_video_and_the_frames_made(model_dir, tmp_path, monkeypatch, capsys):
     out = tmp_path / "v.mp4"
     assert _generate(model_dir, out, "--prompt", RED, "--seconds", "0.25") == 0  # 2 frames: the finished video

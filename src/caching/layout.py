@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_choice, check_flag, check_int
+from ..choices import ALL_FRAMES
 from .rolling_sink import SINK_MODES
 
 POSITION_MODES = ("absolute", "relative")
-ALL_FRAMES = "all"  # `window_frames` of an unbounded window: every earlier frame stays visible
 
 
 def window_start(committed, sink: int, window: int, chunk: int, out: torch.Tensor | None = None):

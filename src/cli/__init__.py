@@ -1,8 +1,10 @@
 """The `rolldiff` command: `rolldiff generate` writes a long video to an mp4, `rolldiff demo` serves the Gradio demo,
 `rolldiff serve` serves live sessions, `rolldiff convert` turns a published checkpoint into a pipeline folder.
 
-One module per subcommand; this one builds the parser and dispatches. Bad arguments end with one line on stderr and
-exit code 2, never a traceback.
+One module per subcommand's flags; this one builds the parser and dispatches. A command's run lives in its own module
+(`run_generate.py`, `run_serve.py`), imported when it runs: the parser imports nothing heavy, so `--help`, `--version`
+and a mistyped flag answer without loading torch. Bad arguments end with one line on stderr and exit code 2, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -11,13 +13,12 @@ import argparse
 import sys
 
 from .. import __version__ as rolldiff_version
-from ..defaults import ModelNotFoundError
 from .arguments import Parser
 from .convert import add_convert_command
 from .demo import add_demo_command
 from .errors import EXIT_USAGE, UsageError
 from .generate import add_generate_command
-from .loading import quiet_libraries
+from .quiet import quiet_libraries
 from .serve import add_serve_command
 
 __all__ = ["UsageError", "build_parser", "main"]
@@ -45,6 +46,6 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         with quiet_libraries():
             return args.run(args)
-    except (UsageError, ModelNotFoundError) as exc:
+    except UsageError as exc:
         print(f"rolldiff: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever the message
         return EXIT_USAGE

@@ -1,16 +1,14 @@
 """The command line's value types (each refuses a bad value with a message argparse shows beside the flag) and the
-flags every model-loading subcommand shares."""
+flags every model-loading subcommand shares. Nothing heavy is imported here: the parser is built for every command,
+`--help` and `--version` included; a value type that needs torch imports it when it is called."""
 
 from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 
-import torch
-
-from ..caching.layout import ALL_FRAMES
-from ..defaults import DTYPES
-from ..pipelines.io.video_writer import check_quality
+from ..choices import ALL_FRAMES, DTYPE_NAMES
 from .errors import UsageError
 
 # One run is at most a day of video: a typo such as --seconds 1e9 is refused instead of running for decades.
@@ -75,6 +73,8 @@ window_frames.__name__ = "window"  # argparse names the type in its messages
 
 
 def quality(text: str) -> float:
+    from ..pipelines.io.video_writer import check_quality
+
     try:
         return check_quality(float(text))  # the writer's own range
     except ValueError:
@@ -102,6 +102,8 @@ def seed(text: str) -> int:
 
 
 def compile_backend(text: str) -> str:
+    import torch
+
     if text not in torch._dynamo.list_backends(exclude_tags=()):  # noqa: SLF001 (dynamo's backend registry)
         usual = sorted({*torch._dynamo.list_backends(), "eager"})  # noqa: SLF001
         raise argparse.ArgumentTypeError(f"expected a torch.compile backend such as {', '.join(usual)}; got {text!r}")
@@ -109,6 +111,8 @@ def compile_backend(text: str) -> str:
 
 
 def device_name(text: str) -> str:
+    import torch
+
     try:
         device = torch.device(text)
     except RuntimeError:
@@ -148,6 +152,23 @@ def check_address_flags(args: argparse.Namespace, bind: bool = True) -> None:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="pipeline folder or Hugging Face Hub id (default: the embedded tiny model)")
     parser.add_argument("--device", type=device_name, help="cpu, cuda, cuda:1, ... (default: cuda when available)")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, help="weights dtype (default: bfloat16 on cuda, else float32)")
+
+
+def add_compile_and_decoder_arguments(parser) -> None:
+    """`--compile` and `--tiny-vae`, offered by every command that loads with `loading.load_from_flags` (which reads
+    them)."""
     parser.add_argument(
-        "--dtype", choices=list(DTYPES), help="weights dtype (default: bfloat16 on cuda, else float32)"
+        "--compile",
+        nargs="?",
+        const="inductor",
+        type=compile_backend,
+        metavar="BACKEND",
+        help="torch.compile the transformer (fullgraph; default backend inductor): two graphs, no recompiles",
+    )
+    parser.add_argument(
+        "--tiny-vae",
+        type=Path,
+        metavar="PATH",
+        help="decode with a tiny autoencoder (TAEHV: taew2_1.pth / .safetensors) instead of the full VAE",
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..choices import DTYPE_NAMES
 from ..recipes import list_recipes
 from .arguments import positive
 from .errors import relabel
@@ -27,7 +28,6 @@ CONVERT_FLAGS = {
     "height": "--height",
     "width": "--width",
 }
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 def add_convert_command(commands) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from ..defaults import default_device, default_dtype
 from .arguments import add_address_arguments, add_model_arguments, check_address_flags, positive
 from .errors import UsageError
 
@@ -22,12 +21,16 @@ def add_demo_command(commands) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("gradio") is None:
         raise UsageError("the demo needs Gradio, which is not installed: pip install 'rolldiff[demo]'")
+    from ..defaults import ModelNotFoundError, default_device, default_dtype  # torch: only when the command runs
     from ..demo import build_demo  # imports gradio: only for this command
 
     check_address_flags(args)
     device = args.device or default_device()
-    demo = build_demo(
-        args.model, max_concurrency=args.max_concurrency, device=device, dtype=args.dtype or default_dtype(device)
-    )
+    try:
+        demo = build_demo(
+            args.model, max_concurrency=args.max_concurrency, device=device, dtype=args.dtype or default_dtype(device)
+        )
+    except ModelNotFoundError as exc:  # its message names --model
+        raise UsageError(str(exc)) from None
     demo.launch(server_name=args.host, server_port=args.port)
     return 0

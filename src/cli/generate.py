@@ -1,32 +1,16 @@
-"""`rolldiff generate`: a video written to an mp4 as it is made, chunk by chunk, so memory stays that of one chunk
-however long the video. Every flag is checked before the model loads (the library's own checks, their messages
-shown with the flags' names); Ctrl-C or SIGTERM keeps the frames made, and `--resume` continues from them."""
+"""`rolldiff generate`'s flags, in the groups `--help` shows; the run is `run_generate.py`, imported when the command
+runs (so `--help` and a mistyped flag answer without loading torch)."""
 
 from __future__ import annotations
 
 import argparse
-import math
-import signal
-import sys
-import threading
-import time
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-import torch
-
-from ..defaults import default_device, native_size
-from ..pipelines.io.resume import ResumeError, load_state, state_path_for, write_video
-from ..pipelines.io.video_writer import check_output_path, count_frames, partial_path_for
-from ..pipelines.request.builder import check_image_mode
-from ..pipelines.request.prompt_schedule import PromptSchedule
-from ..pipelines.request.text_encoding import PromptWarning
 from ..recipes import list_recipes
 from .arguments import (
     MAX_FPS,
     MAX_SECONDS,
+    add_compile_and_decoder_arguments,
     add_model_arguments,
     non_negative_seconds,
     positive,
@@ -36,44 +20,6 @@ from .arguments import (
     step_list,
     window_frames,
 )
-from .errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, relabel
-from .loading import add_compile_and_decoder_arguments, load_from_flags
-
-# The library's argument names and the flags that set them: a library error is relabelled with the flag (the
-# rule itself is checked once, by the library).
-FLAGS = {
-    "prompt": "--prompt",
-    "prompt_schedule": "--prompt-at",
-    "denoising_steps": "--steps",
-    "first_chunk_steps": "--first-chunk-steps",
-    "denoising": "--denoising",
-    "height": "--height",
-    "width": "--width",
-    "num_frames": "--seconds",
-    "seconds": "--seconds",
-    "fps": "--fps",
-    "chunk_frames": "--chunk-frames",
-    "sink_frames": "--sink-frames",
-    "window_frames": "--window-frames",
-    "position_mode": "--position-mode",
-    "sink_mode": "--sink-mode",
-    "context_policy": "--context-policy",
-    "elastic_window": "--elastic-window",
-    "context_window_frames": "--context-window-frames",
-    "kv_quantization": "--kv-quantization",
-    "kv_offload": "--kv-offload",
-    "image": "--image",
-    "image_mode": "--image-mode",
-    "video": "--video",
-    "strength": "--strength",
-    "video_noise_mix": "--video-noise-mix",
-    "recipe": "--recipe",
-    "overlap_decode": "--overlap-decode",
-    "devices": "--pipeline-parallel",
-    "path": "--out",
-    "quality": "--quality",
-    "state_every_s": "--state-every",
-}
 
 
 def add_generate_command(commands) -> None:
@@ -117,7 +63,7 @@ def add_generate_command(commands) -> None:
     _add_input_arguments(generate.add_argument_group("start image and input video"))
     _add_speed_arguments(generate.add_argument_group("speed"))
     _add_file_arguments(generate.add_argument_group("the file"))
-    generate.set_defaults(run=run_generate)
+    generate.set_defaults(run=_run)
 
 
 def _add_denoising_arguments(group) -> None:
@@ -242,161 +188,7 @@ def _add_file_arguments(group) -> None:
     )
 
 
-def _start_image(path: Path | None):
-    """`--image` read as an RGB picture, or a usage error naming the file."""
-    if path is None:
-        return None
-    from ..pipelines.io.video_input import read_image
+def _run(args: argparse.Namespace) -> int:
+    from .run_generate import run_generate  # torch and the pipelines load when the command runs, not for --help
 
-    try:
-        return read_image(path)
-    except ValueError as exc:
-        raise UsageError(f"--image: cannot read {str(path)!r} as an image ({exc})") from None
-
-
-# ---------------------------------------------------------------------------------------- the run
-def _check_before_loading(args: argparse.Namespace) -> None:
-    """The rules that need no model, run by the library's own checks before it loads (so a typo costs no load)."""
-    try:
-        check_output_path(args.out)
-        PromptSchedule.build(args.prompt, sorted(args.prompt_at) or None, num_frames=math.inf)
-        check_image_mode(args.image_mode, args.image)
-    except ValueError as exc:
-        raise relabel(exc, FLAGS) from None
-    if args.video is not None and not args.video.is_file():
-        raise UsageError(f"--video: no such file {str(args.video)!r}")
-    if args.pipeline_parallel is not None:
-        # each stage loads the model again and runs it as loaded, and a split run cannot load a saved state
-        given = [flag for flag, on in (("--compile", args.compile), ("--cuda-graphs", args.cuda_graphs),
-                                       ("--fp8", args.fp8), ("--attention-backend", args.attention_backend),
-                                       ("--resume", args.resume)) if on]  # fmt: skip
-        if given:
-            raise UsageError(f"--pipeline-parallel runs the model as loaded, without {', '.join(given)}; drop them.")
-
-
-def _call_arguments(args: argparse.Namespace, image) -> dict:
-    """The `pipe.stream` arguments the flags set (None: the recipe's or the model's)."""
-    return dict(
-        prompt=args.prompt,
-        prompt_schedule=sorted(args.prompt_at) or None,
-        denoising_steps=args.steps,
-        first_chunk_steps=args.first_chunk_steps,
-        denoising=args.denoising,
-        chunk_frames=args.chunk_frames,
-        sink_frames=args.sink_frames,
-        window_frames=args.window_frames,
-        position_mode=args.position_mode,
-        sink_mode=args.sink_mode,
-        context_policy=args.context_policy,
-        elastic_window=args.elastic_window,
-        context_window_frames=args.context_window_frames,
-        kv_quantization=args.kv_quantization,
-        kv_offload=args.kv_offload,
-        image=image,
-        image_mode=args.image_mode,
-        video=None if args.video is None else str(args.video),
-        strength=args.strength,
-        video_noise_mix=args.video_noise_mix,
-        recipe=args.recipe,
-        overlap_decode=args.overlap_decode,
-        devices=_stage_devices(args.pipeline_parallel, args.device or default_device()),
-    )
-
-
-def _stage_devices(stages: int | None, device: str) -> list[str] | None:
-    """`--pipeline-parallel N`: the device of each stage (N CPUs, or --device's GPU and the next N - 1)."""
-    if stages is None:
-        return None
-    if not device.startswith("cuda"):
-        return [device] * stages
-    first = int(device.partition(":")[2] or 0)
-    return [f"cuda:{first + stage}" for stage in range(stages)]
-
-
-def run_generate(args: argparse.Namespace) -> int:
-    _check_before_loading(args)
-    image = _start_image(args.image)  # read (and refused) before the model loads
-    device = args.device or default_device()
-    pipe = load_from_flags(args, device)
-    native_height, native_width = native_size(pipe)
-    height, width = args.height or native_height, args.width or native_width
-    call = _call_arguments(args, image)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", PromptWarning)
-            # The length as the stream resolves it (the flags, else --recipe's or the folder's), then every
-            # argument checked and the bad one named; nothing runs until the stream is iterated.
-            num_frames = pipe.num_frames_for(args.seconds, args.fps, **call)
-            generator = torch.Generator("cpu").manual_seed(args.seed)
-            stream = pipe.stream(num_frames=num_frames, height=height, width=width, generator=generator, **call)
-    except (ValueError, TypeError, OSError) as exc:
-        raise relabel(exc, FLAGS) from exc
-    _report_warnings(caught)
-    rounded = " (rounded up to whole chunks)" if num_frames != round(args.seconds * args.fps) else ""
-    duration = num_frames / args.fps
-    print(f"Generating {num_frames} frames{rounded}: {duration:.2f} s at {args.fps} fps, {height}x{width}, {device}")
-
-    pipe.set_progress_bar_config(disable=False, unit="chunk")  # the stream makes its bar at the first chunk
-    start = time.perf_counter()
-    try:
-        with _sigterm_as_interrupt():
-            # a temporary file beside --out until the end; resume states beside it
-            frames = write_video(
-                stream,
-                args.out,
-                args.fps,
-                resume=args.resume,
-                state_every_s=args.state_every,
-                quality=args.quality,
-            )
-    except KeyboardInterrupt:
-        print(f"rolldiff: interrupted; {_kept(args.out)}", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except ResumeError as exc:
-        raise UsageError(f"--resume: {relabel(exc, FLAGS)}") from exc
-    except (FloatingPointError, MemoryError) as exc:  # NaN latents, or a cache that does not fit: stopped there
-        print(f"rolldiff: error: {exc} {_kept(args.out)}", file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        stream.close()  # its input video and offload hooks, however the run ended
-    elapsed = time.perf_counter() - start
-    print(f"Wrote {frames} frames to {args.out.resolve()}")
-    print(f"{frames / elapsed:.1f} frames per second ({elapsed:.1f} s for the whole video)")
-    return 0
-
-
-def _kept(out: Path) -> str:
-    """What a failed run left: the partial file (if any frame was made), the untouched target, how to resume."""
-    partial, state = partial_path_for(out), state_path_for(out)
-    if not partial.exists():
-        return f"no frame was finished; {out} was not touched."
-    message = f"the {count_frames(partial)} frames made are kept in {partial}; {out} was not touched."
-    if state.exists():
-        message += f" Run the same command with --resume to continue from frame {load_state(state).frames_written}."
-    return message
-
-
-def _report_warnings(caught: list[warnings.WarningMessage]) -> None:
-    """One `rolldiff: warning:` line per prompt warning (unknown words, truncation); others as Python shows them."""
-    for warning in caught:
-        if issubclass(warning.category, PromptWarning):
-            print(f"rolldiff: warning: {warning.message}", file=sys.stderr)
-        else:
-            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """`kill PID` stops a run like Ctrl-C does: the frames done are kept, not lost with an unfinished file."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():  # signal handlers live on the main thread
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return run_generate(args)

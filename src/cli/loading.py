@@ -1,41 +1,22 @@
 """The pipeline a command runs, loaded as the flags say: `--model`, `--device`, `--dtype`, `--tiny-vae`, then the
 speed switches (`--fp8`, `--attention-backend`, `--cuda-graphs`, `--compile`); `rolldiff generate` and `rolldiff
-serve` load the same way, with diffusers' and transformers' loading bars and chatter kept off stderr."""
+serve` load the same way. Imported by the commands' runs only: it loads torch and the pipelines."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
-from ..defaults import default_dtype, load_pipeline
+from ..defaults import ModelNotFoundError, default_dtype, load_pipeline
 from ..pipelines.acceleration import compile_cached_step
-from .arguments import compile_backend
 from .errors import UsageError
-
-
-def add_compile_and_decoder_arguments(parser) -> None:
-    """`--compile` and `--tiny-vae`, offered by every command that loads with `load_from_flags` (which reads them)."""
-    parser.add_argument(
-        "--compile",
-        nargs="?",
-        const="inductor",
-        type=compile_backend,
-        metavar="BACKEND",
-        help="torch.compile the transformer (fullgraph; default backend inductor): two graphs, no recompiles",
-    )
-    parser.add_argument(
-        "--tiny-vae",
-        type=Path,
-        metavar="PATH",
-        help="decode with a tiny autoencoder (TAEHV: taew2_1.pth / .safetensors) instead of the full VAE",
-    )
 
 
 def load_from_flags(args: argparse.Namespace, device: str):
     """The pipeline the flags describe, sped up as they ask, its own progress bar off (a command counts chunks)."""
-    pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
+    try:
+        pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
+    except ModelNotFoundError as exc:  # its message names --model
+        raise UsageError(str(exc)) from None
     pipe.set_progress_bar_config(disable=True)  # ours counts chunks of the whole video instead
     if args.tiny_vae is not None:
         try:
@@ -65,24 +46,3 @@ def _accelerate(pipe, args: argparse.Namespace) -> None:
             compile_cached_step(pipe.transformer, backend=args.compile)
     except (ValueError, RuntimeError, ImportError) as exc:
         raise UsageError(f"{flag}: {exc}") from None
-
-
-@contextmanager
-def quiet_libraries() -> Iterator[None]:
-    """Keep stderr for our progress bar and errors: no per-component loading bars or library chatter."""
-    import diffusers.utils.logging as diffusers_logging
-    import transformers.utils.logging as transformers_logging
-
-    saved = [
-        (lib, lib.get_verbosity(), lib.is_progress_bar_enabled()) for lib in (diffusers_logging, transformers_logging)
-    ]
-    for lib, _, _ in saved:
-        lib.set_verbosity_error()
-        lib.disable_progress_bar()
-    try:
-        yield
-    finally:  # `main` may run inside a bigger program (or a test session): leave it as it was
-        for lib, verbosity, bars in saved:
-            lib.set_verbosity(verbosity)
-            if bars:
-                lib.enable_progress_bar()

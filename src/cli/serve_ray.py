@@ -1,5 +1,6 @@
-"""`rolldiff serve --ray`'s flags: their checks, made before anything starts, and the hand-over to
-`rolldiff.serving.ray_serve` (imported only when `--ray` is given: Ray is an extra, `pip install "rolldiff[ray]"`)."""
+"""`rolldiff serve --ray`: its flags' checks (the flags are `serve.py`'s), made before anything starts, and the
+hand-over to `rolldiff.serving.ray_serve` (imported only when `--ray` is given: Ray is an extra,
+`pip install "rolldiff[ray]"`)."""
 
 from __future__ import annotations
 
@@ -11,32 +12,10 @@ from collections.abc import Callable
 
 import torch
 
-from .arguments import positive
 from .errors import UsageError
 
 RAY_MISSING = '--ray needs Ray Serve, which is not installed: pip install "rolldiff[ray]"'
 REACH_S = 5.0  # how long `--ray-address` may take to answer (Ray itself retries for minutes)
-
-
-def add_ray_arguments(serve: argparse.ArgumentParser) -> None:
-    """`--ray`, `--replicas`, `--ray-address`."""
-    serve.add_argument(
-        "--ray",
-        action="store_true",
-        help="serve with Ray Serve: one replica per GPU (or per CPU core), each a whole server, on one host or many",
-    )
-    serve.add_argument(
-        "--replicas",
-        type=positive(int),
-        metavar="N",
-        help="with --ray: replicas, at most one per GPU (per core on a CPU); default: one per device",
-    )
-    serve.add_argument(
-        "--ray-address",
-        metavar="ADDRESS",
-        help="with --ray: join this Ray cluster (HOST:PORT; auto: RAY_ADDRESS, else the `ray start` one here) "
-        "instead of starting one of its own",
-    )
 
 
 def check_ray_arguments(args: argparse.Namespace, device: str) -> int:
