@@ -67,6 +67,11 @@ def test_clicking_generate_shows_the_video_and_the_live_plots(page, demo_url, re
     assert page.input_value("#prompt textarea") == EXAMPLE_PROMPTS[3]  # set at once, in the page
     page.click("#advanced button")  # open the Advanced section
     page.wait_for_selector("#chunk_frames textarea", state="visible")
+    # A video long enough to be running when Stop is clicked, however slow the machine's browser is to show the
+    # chunks: 60 s (120 chunks) needs relative positions (the tiny model's RoPE table has 64 frames).
+    page.click("#position_mode label:has-text('relative')")
+    page.fill("#seconds input", "60")
+    page.locator("#seconds input").press("Tab")
     page.click("#generate")
     page.wait_for_selector("#preview img[src]", timeout=60_000)  # the live preview shows the first chunk
     if "hls-stream" in request.node.name:  # streaming: the one player gets each chunk's segment
@@ -75,6 +80,7 @@ def test_clicking_generate_shows_the_video_and_the_live_plots(page, demo_url, re
     for plot in ("#time-plot", "#memory-plot"):  # Vega draws each plot once it has a chunk
         page.wait_for_selector(f"{plot} canvas, {plot} svg.marks", timeout=30_000)
     page.wait_for_function(f"() => {CHUNKS_SHOWN} >= 2", timeout=60_000)
+    assert " of 120 took" in page.inner_text("#summary")  # the length and position mode typed were the run's
     page.click("#switch")  # to the "Switch prompt to" text, at the next chunk
     page.get_by_text(f"Switching to “{EXAMPLE_PROMPTS[1]}” at the next chunk.").wait_for(timeout=30_000)
     page.wait_for_function(f"() => {CHUNKS_SHOWN} >= 4", timeout=60_000)  # a few points on each line
