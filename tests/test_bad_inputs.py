@@ -220,6 +220,10 @@ CLI_AFTER_LOAD = {
     "height-not-multiple": (["--prompt", RED, "--height", "20"], "height"),
     "steps-increasing": (["--prompt", RED, "--steps", "250,500"], "denoising_steps"),
     "position-mode": (["--prompt", RED, "--position-mode", "sideways"], "position_mode"),
+    "past-the-rope-table": (  # 20 s at 16 fps, 320 latent frames, where the tiny table has 64
+        ["--prompt", RED, "--seconds", "20", "--position-mode", "absolute"],
+        "--seconds (`num_frames`) is 320 latent frames, more than the RoPE table's 64 positions with --position-mode",
+    ),
     "prompt-at-past-end": (["--prompt", RED, "--prompt-at", "100:a blue square moving up"], "prompt_schedule"),
     "missing-model": (["--prompt", RED, "--model", "/no/such/pipeline"], "--model"),
     "prompt-no-known-word": (["--prompt", "un cercle rouge"], "prompt"),

@@ -226,6 +226,19 @@ def test_a_step_list_the_pipeline_allows_is_taken_as_typed(pipe):
     assert generation.num_frames == 4
 
 
+def test_a_video_past_the_rope_table_names_the_length_and_the_position_mode(pipe, model_calls):
+    """The model's frame budget, in the page's words: 60 s at 4 fps is 240 latent frames, the tiny table 64."""
+    with pytest.raises(DemoInputError) as refused:
+        _generation(pipe, seconds=60, position_mode="absolute")
+    assert str(refused.value) == (
+        "Length (seconds): is 240 latent frames, more than the RoPE table's 64 positions with Position "
+        "mode='absolute': make fewer frames, or give Position mode='relative' (positions re-based in place: no "
+        "length limit)."
+    )
+    assert model_calls == []
+    assert _generation(pipe, seconds=60, position_mode="relative").num_frames == 240
+
+
 def test_the_position_mode_is_one_of_the_caches_or_empty():
     assert parse_position_mode("relative") == "relative" and parse_position_mode("") is None
     with pytest.raises(DemoInputError, match=r"^Position mode: choose one of absolute, relative, got 'up'\.$"):

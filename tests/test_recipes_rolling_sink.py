@@ -80,7 +80,7 @@ def test_rolling_sink_recipe_past_the_rope_table_matches_upstream(monkeypatch):
     chunks = len(golden.clean)
     num_frames = pipe.latent_to_frames(3 * chunks)
     assert 3 * chunks > table
-    with pytest.raises(ValueError, match="exceed the RoPE table"):
+    with pytest.raises(ValueError, match="more than the RoPE table"):
         pipe.stream(num_frames=num_frames, prompt_embeds=golden.text["a"], output_type="latent", recipe="self-forcing")
     noise = _inject(golden, monkeypatch)
     stream = pipe.stream(num_frames=num_frames, prompt_embeds=golden.text["a"], output_type="latent", recipe=RECIPE)

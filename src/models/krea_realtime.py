@@ -566,9 +566,10 @@ class KreaRealtimeTransformer3DModel(StrictWeightsMixin, WanTransformer3DModel):
         """Refuse a video whose absolute positions would leave the RoPE table (never silently wrong)."""
         limit = self.frame_budget(layout)
         if limit is not None and num_latent_frames > limit:
-            raise ValueError(
-                f"{num_latent_frames} latent frames exceed the RoPE table of {limit} positions in "
-                "`position_mode='absolute'`; use position_mode='relative' for longer videos."
+            raise ValueError(  # names the arguments, so the command line and the demo show their flags and fields
+                f"`num_frames` is {num_latent_frames} latent frames, more than the RoPE table's {limit} positions with "
+                "`position_mode`='absolute': make fewer frames, or give `position_mode`='relative' (positions "
+                "re-based in place: no length limit)."
             )
 
     def committed_frames(self, kv_cache: RollingKVCache, layout: ChunkLayout) -> int:

@@ -402,9 +402,10 @@ class LongSanaTransformer3DModel(SanaVideoTransformer3DModel):
         """
         limit = self.frame_budget(layout)
         if limit is not None and num_latent_frames > limit:
-            raise ValueError(
-                f"{num_latent_frames} latent frames exceed the RoPE table of `rope_max_seq_len`={limit} "
-                "positions (LongSANA uses absolute frame positions); generate fewer frames."
+            raise ValueError(  # names the arguments, so the command line and the demo show their flags and fields
+                f"`num_frames` is {num_latent_frames} latent frames, more than the RoPE table's {limit} positions "
+                "(`rope_max_seq_len`) with `position_mode`='absolute': make fewer frames, or give "
+                "`position_mode`='relative' (positions re-based in place: no length limit)."
             )
 
     @torch.no_grad()
