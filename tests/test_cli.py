@@ -150,6 +150,19 @@ def test_help_exits_0(capsys):
     assert exit_info.value.code == 0 and "--prompt-at FRAME:TEXT" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("command", ["generate", "serve", "convert"])
+def test_help_names_each_recipe_whole(command, capsys):
+    """`--recipe NAME` in the usage line, and the names in its help, none broken at a hyphen across two lines."""
+    from rolldiff.recipes import list_recipes
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    words = out.replace(",", " ").replace(":", " ").split()
+    assert "[--recipe NAME]" in " ".join(out.split()) and "{causal-forcing," not in out
+    assert [name for name in list_recipes() if name not in words] == []
+
+
 def test_long_video_example_parses_help(capsys):
     path = Path(__file__).parents[1] / "examples" / "long_video.py"
     spec = importlib.util.spec_from_file_location("long_video", path)

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 from pathlib import Path
 
 from ..choices import ALL_FRAMES, DTYPE_NAMES
+from ..recipes import list_recipes
 from .errors import UsageError
 
 # One run is at most a day of video: a typo such as --seconds 1e9 is refused instead of running for decades.
@@ -20,8 +22,18 @@ MAX_SEED = 2**64 - 1
 _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's, without breaking a line inside a hyphenated name (`causal-forcing-1step`, `--window-frames`)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are ours: one `rolldiff: error:` line and exit code 2 (`main`), not its usage block."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **{"formatter_class": HelpFormatter, **kwargs})
 
     def error(self, message: str):  # argparse would print the usage block and exit itself
         raise UsageError(message)
@@ -171,4 +183,12 @@ def add_compile_and_decoder_arguments(parser) -> None:
         type=Path,
         metavar="PATH",
         help="decode with a tiny autoencoder (TAEHV: taew2_1.pth / .safetensors) instead of the full VAE",
+    )
+
+
+def add_recipe_argument(parser, help: str) -> None:
+    """`--recipe NAME`, one of `rolldiff.recipes`, the names listed once in its help (as choices they would fill the
+    usage line)."""
+    parser.add_argument(
+        "--recipe", choices=list_recipes(), metavar="NAME", help=f"{help}: {', '.join(list_recipes())}"
     )

@@ -11,8 +11,7 @@ import argparse
 from pathlib import Path
 
 from ..choices import DTYPE_NAMES
-from ..recipes import list_recipes
-from .arguments import positive
+from .arguments import add_recipe_argument, positive
 from .errors import relabel
 
 # The library's argument names and the flags of this command that set them.
@@ -46,9 +45,7 @@ def add_convert_command(commands) -> None:
         "Efficient-Large-Model/SANA-Video_2B_480p_diffusers)",
     )
     convert.add_argument("--out", type=Path, required=True, help="the pipeline folder to write (must not exist)")
-    convert.add_argument(
-        "--recipe", choices=list_recipes(), help="the checkpoint's recipe (default: detected from the file)"
-    )
+    add_recipe_argument(convert, "the checkpoint's recipe (default: detected from the file)")
     convert.add_argument("--lora", type=Path, help="LongLive's lora.pt, fused into the weights (recipe longlive)")
     convert.add_argument(
         "--keep-lora-adapter",

@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..recipes import list_recipes
 from .arguments import (
     MAX_FPS,
     MAX_SECONDS,
     add_compile_and_decoder_arguments,
     add_model_arguments,
+    add_recipe_argument,
     non_negative_seconds,
     positive,
     prompt_at,
@@ -52,11 +52,7 @@ def add_generate_command(commands) -> None:
     )
     generate.add_argument("--height", type=positive(int), help="pixels (default: the model's native size)")
     generate.add_argument("--width", type=positive(int), help="pixels (default: the model's native size)")
-    generate.add_argument(
-        "--recipe",
-        choices=list_recipes(),
-        help="the checkpoint authors' inference settings (rolldiff.recipes); explicit flags override them",
-    )
+    add_recipe_argument(generate, "the checkpoint authors' inference settings (explicit flags override them)")
     _add_denoising_arguments(
         generate.add_argument_group("denoising and context (default: the recipe's, else the model's)")
     )

@@ -6,8 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..recipes import list_recipes
-from .arguments import add_address_arguments, add_compile_and_decoder_arguments, add_model_arguments, positive
+from .arguments import (
+    add_address_arguments,
+    add_compile_and_decoder_arguments,
+    add_model_arguments,
+    add_recipe_argument,
+    positive,
+)
 
 
 def add_serve_command(commands) -> None:
@@ -18,7 +23,7 @@ def add_serve_command(commands) -> None:
         description="Serve live generation sessions at ws://HOST:PORT/v1/stream (docs/serving.md).",
     )
     add_model_arguments(serve)
-    serve.add_argument("--recipe", choices=list_recipes(), help="the recipe sessions use unless they name one")
+    add_recipe_argument(serve, "the recipe sessions use unless they name one")
     add_compile_and_decoder_arguments(serve)
     add_address_arguments(serve, port=8000)
     serve.add_argument("--max-sessions", type=positive(int), default=4, help="sessions at once (default 4)")
