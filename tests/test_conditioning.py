@@ -63,6 +63,33 @@ def test_the_start_image_is_the_clean_first_chunk(pipe, monkeypatch):
 
 
 @torch.no_grad()
+def test_a_picture_files_path_is_the_picture(pipe, tmp_path):
+    """`image="start.png"` (str or Path) is the video of the picture in that file, as `video="input.mp4"` is."""
+    import PIL.Image
+
+    image = _input_video(pipe, 1)[0]
+    PIL.Image.fromarray(image).save(tmp_path / "start.png")  # PNG: lossless
+    made = pipe(PROMPT, num_frames=_frames(pipe), image=image, generator=_seed()).frames
+    for path in (str(tmp_path / "start.png"), tmp_path / "start.png"):
+        np.testing.assert_array_equal(
+            pipe(PROMPT, num_frames=_frames(pipe), image=path, generator=_seed()).frames, made
+        )
+
+
+@torch.no_grad()
+def test_a_list_of_picture_files_is_the_video_they_hold(pipe, tmp_path):
+    """`video=sorted(folder.glob("*.png"))`: each frame read from its file, the video of the frames themselves."""
+    import PIL.Image
+
+    frames = _input_video(pipe, _frames(pipe))
+    for index, frame in enumerate(frames):
+        PIL.Image.fromarray(frame).save(tmp_path / f"{index:03d}.png")
+    made = pipe(PROMPT, num_frames=_frames(pipe), video=frames, generator=_seed()).frames
+    from_files = pipe(PROMPT, num_frames=_frames(pipe), video=sorted(tmp_path.glob("*.png")), generator=_seed())
+    np.testing.assert_array_equal(from_files.frames, made)
+
+
+@torch.no_grad()
 def test_image_to_video_continues_from_the_image_and_is_seeded(pipe):
     image = _input_video(pipe, 1)[0]
     first = pipe(PROMPT, num_frames=_frames(pipe), image=image, generator=_seed()).frames
@@ -153,6 +180,9 @@ def test_video_to_video_with_a_prompt_switch_resumes_exactly(pipe, tmp_path):
         ({"video": "/no/such/video.mp4"}, "video.mp4"),
         ({"image": [np.zeros((16, 16, 3), np.uint8)] * 3}, "image"),
         ({"image": np.zeros((16, 16, 5), np.uint8)}, "image"),
+        ({"image": "/no/such/start.png"}, r"`image` '/no/such/start.png' is not a file"),
+        ({"image": __file__}, r"`image` '.*test_conditioning.py' cannot be read as a picture"),
+        ({"image": 3}, r"`image` must be a PIL image, a picture file's path, a numpy array or a torch tensor"),
     ],
     ids=[
         "both",
@@ -164,6 +194,9 @@ def test_video_to_video_with_a_prompt_switch_resumes_exactly(pipe, tmp_path):
         "missing",
         "batch",
         "channels",
+        "image-missing",
+        "image-not-a-picture",
+        "image-kind",
     ],
 )
 def test_bad_conditioning_is_refused_before_any_work(pipe, kwargs, message, monkeypatch):

@@ -115,7 +115,8 @@ def test_crop_mode_keeps_the_aspect_ratio_and_centre_crops():
         (torch.zeros(4, 8, 8), r"`image` tensor must have shape \(3, height, width\)"),
         ([torch.zeros(8, 8, 3)] * 2, r"`image\[0\]` tensor must have shape \(3, height, width\) or \(1, 3, height"),
         (torch.zeros(3, 3, 8, 8), r"\(1, 3, height, width\) or \(2, 3, height, width\)"),
-        ("start.png", r"`image` must be a PIL image, a numpy array or a torch tensor, got str"),
+        ("start.png", r"`image` 'start.png' is not a file"),  # a path is read as a picture file (when there is one)
+        (7, r"`image` must be a PIL image, a picture file's path, a numpy array or a torch tensor, got int"),
         ([np.zeros((8, 8, 3), np.uint8), 7], r"`image\[1\]` must be a PIL image"),
         (np.full((8, 8, 3), 2.0, dtype=np.float32), r"float pixels must be in \[0, 1\]"),
         (np.full((8, 8, 3), np.nan, dtype=np.float32), r"`image` holds NaN or infinite values"),
@@ -310,7 +311,8 @@ def bad_frame_at(index: int, bad_frame) -> list:
         (bad_frame_at(3, np.zeros((8, 8, 4), np.uint8)), r"frame 3 of `video` must have shape \(height, width, 3\)"),
         (bad_frame_at(5, np.full((8, 8, 3), np.nan, np.float32)), r"frame 5 of `video` holds NaN or infinite values"),
         (bad_frame_at(2, np.zeros((8, 8, 3), np.int16)), r"frame 2 of `video` has dtype int16"),
-        (bad_frame_at(1, "frame.png"), r"frame 1 of `video` must be a PIL image, a numpy array or a torch tensor"),
+        (bad_frame_at(1, "frame.png"), r"frame 1 of `video` 'frame.png' is not a file"),
+        (bad_frame_at(1, 7), r"frame 1 of `video` must be a PIL image, a picture file's path, a numpy array or a"),
     ],
 )
 def test_a_bad_frame_mid_stream_is_refused_naming_its_index(frames, message):

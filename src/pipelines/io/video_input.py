@@ -27,7 +27,7 @@ from einops import rearrange, repeat
 from ...checks import check_int
 from .video_writer import count_frames
 
-Picture = PIL.Image.Image | np.ndarray | torch.Tensor
+Picture = PIL.Image.Image | np.ndarray | torch.Tensor | str | os.PathLike
 RESIZE_MODES = ("default", "crop", "fill")
 
 # vae_scale_factor=1: the processor would otherwise round (height, width) down to its multiples without a word;
@@ -73,8 +73,18 @@ def _to_pil(picture: Picture, name: str, values_checked: bool = False) -> PIL.Im
     (`_check_video_array`), not scanned again."""
     if isinstance(picture, PIL.Image.Image):
         return picture if picture.mode == "RGB" else picture.convert("RGB")
+    if isinstance(picture, (str, os.PathLike)):  # a picture file, as `video=` takes a video file
+        if not os.path.isfile(picture):
+            raise ValueError(f"{name} {str(picture)!r} is not a file.")
+        try:
+            return read_image(picture)
+        except ValueError as exc:
+            raise ValueError(f"{name} {str(picture)!r} cannot be read as a picture: {exc}") from None
     if not isinstance(picture, (np.ndarray, torch.Tensor)):
-        raise ValueError(f"{name} must be a PIL image, a numpy array or a torch tensor, got {type(picture).__name__}.")
+        raise ValueError(
+            f"{name} must be a PIL image, a picture file's path, a numpy array or a torch tensor, got "
+            f"{type(picture).__name__}."
+        )
     pixels = _to_numpy(picture)
     if pixels.ndim != 3 or pixels.shape[-1] != 3:
         raise ValueError(f"{name} must have shape (height, width, 3) (RGB), got {tuple(pixels.shape)}.")
@@ -142,10 +152,10 @@ def load_start_image(
     """The start frame of an image-to-video generation as a one-frame video.
 
     Args:
-        image: a PIL image; an `(height, width, 3)` numpy array, uint8 (0-255) or float (0-1); a `(3, height,
-            width)` or `(1, 3, height, width)` tensor, uint8 or float in [0, 1] (diffusers' layout; also
-            `(batch_size, 3, height, width)`, one per batch element); or a list of `batch_size` of these, one per
-            batch element. A single image (or a list of one) is used for every batch element.
+        image: a PIL image; the path of a picture file (read now); an `(height, width, 3)` numpy array, uint8
+            (0-255) or float (0-1); a `(3, height, width)` or `(1, 3, height, width)` tensor, uint8 or float in
+            [0, 1] (diffusers' layout; also `(batch_size, 3, height, width)`, one per batch element); or a list of
+            `batch_size` of these, one per batch element. A single image (or a list of one) is used for every batch element.
         batch_size: the generation's batch size.
         height, width: the output size in pixels; the image is resized to it (see the module docstring).
         resize_mode: "default" (stretch, diffusers' Wan image-to-video), "crop" or "fill".
