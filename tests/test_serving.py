@@ -9,6 +9,7 @@ import signal
 import time
 
 import numpy as np
+import PIL.Image
 import pytest
 from serve_helpers import (
     FRAMES,
@@ -171,13 +172,15 @@ def test_suspend_then_restore_continues_the_uninterrupted_video(server, referenc
     assert all((got == want).all() for got, want in zip(chunks, expected))
 
 
-def test_image_to_video_session_is_the_librarys(server, references):
+def test_image_to_video_session_is_the_librarys(server, references, tmp_path):
     image = np.zeros((32, 32, 3), dtype=np.uint8)
     image[8:16, 8:16] = (255, 0, 0)
-    with connect(server.url, prompt=RED, seed=1, num_frames=FRAMES, image=image) as live:
-        chunks = list(live)
+    PIL.Image.fromarray(image).save(tmp_path / "start.png")
     expected = references(seed=1, image=image)
-    assert all((got == want).all() for got, want in zip(chunks, expected))
+    for given in (image, tmp_path / "start.png"):  # an array, or a picture file's path, as the library takes
+        with connect(server.url, prompt=RED, seed=1, num_frames=FRAMES, image=given) as live:
+            chunks = list(live)
+        assert len(chunks) == len(expected) and all((got == want).all() for got, want in zip(chunks, expected))
 
 
 def test_video_input_follows_the_input_chunk_by_chunk(server, references):

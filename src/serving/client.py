@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -155,14 +156,24 @@ class RemoteStream(Iterator[np.ndarray]):
 
 def connect(url: str, prompt: str, *, token: str | None = None, image=None, **start: Any) -> RemoteStream:
     """Start a session: `start`'s fields as keywords (`seed`, `num_frames`, `height`, `width`, `format`,
-    `input`, `strength`, `recipe`, `guidance_scale`); `image` a PIL image or `(H, W, 3)` array (image-to-video)."""
+    `input`, `strength`, `recipe`, `guidance_scale`); `image` a PIL image, an `(H, W, 3)` array or a picture file's
+    path (image-to-video), as the library's `image=` takes."""
     message = {"type": "start", "prompt": prompt, **start}
     if image is not None:
-        buffer = io.BytesIO()
-        picture = image if isinstance(image, PIL.Image.Image) else PIL.Image.fromarray(np.asarray(image))
-        picture.save(buffer, format="PNG")
-        message.update(input="image", image=base64.b64encode(buffer.getvalue()).decode())
+        message.update(input="image", image=base64.b64encode(_png(image)).decode())
     return RemoteStream(url, message, token)
+
+
+def _png(image: PIL.Image.Image | np.ndarray | str | os.PathLike) -> bytes:
+    """The start image as PNG bytes (lossless), the file's picture for a path."""
+    if isinstance(image, (str, os.PathLike)):
+        with PIL.Image.open(image) as opened:
+            picture = opened.convert("RGB")
+    else:
+        picture = image if isinstance(image, PIL.Image.Image) else PIL.Image.fromarray(np.asarray(image))
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def restore(url: str, session_token: str, *, token: str | None = None) -> RemoteStream:
