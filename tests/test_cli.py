@@ -163,6 +163,24 @@ def test_help_names_each_recipe_whole(command, capsys):
     assert [name for name in list_recipes() if name not in words] == []
 
 
+def test_every_example_in_the_help_is_a_command_line_the_parser_takes(capsys):
+    """The examples `--help` ends with (generate, serve, convert) use flags that exist, with values they take."""
+    import shlex
+
+    from rolldiff.cli import build_parser
+
+    parser, examples = build_parser(), []
+    for command in ("generate", "serve", "convert"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        help_text = capsys.readouterr().out
+        examples += [line.partition("#")[0] for line in help_text.splitlines() if line.startswith("  rolldiff ")]
+    assert len(examples) == 10, examples
+    for line in examples:
+        args = parser.parse_args(shlex.split(line)[1:])
+        assert callable(args.run), line
+
+
 def test_long_video_example_parses_help(capsys):
     path = Path(__file__).parents[1] / "examples" / "long_video.py"
     spec = importlib.util.spec_from_file_location("long_video", path)

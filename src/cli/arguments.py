@@ -23,10 +23,16 @@ _DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 
 
 class HelpFormatter(argparse.HelpFormatter):
-    """argparse's, without breaking a line inside a hyphenated name (`causal-forcing-1step`, `--window-frames`)."""
+    """argparse's, without breaking a line inside a hyphenated name (`causal-forcing-1step`, `--window-frames`), and
+    with a command's examples (its epilog) shown as written."""
 
     def _split_lines(self, text: str, width: int) -> list[str]:
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if "\n" in text:  # an epilog of example commands, laid out by hand: kept as written
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
 
 
 class Parser(argparse.ArgumentParser):

@@ -29,6 +29,14 @@ CONVERT_FLAGS = {
 }
 
 
+EXAMPLES = """examples:
+  rolldiff convert checkpoints/self_forcing_dmd.pt --base Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out self-forcing
+  rolldiff convert models/longlive_base.pt --lora models/lora.pt --base Wan-AI/Wan2.1-T2V-1.3B-Diffusers --out longlive
+  rolldiff generate --model self-forcing --prompt "..." --seconds 60   # the authors' settings, no other flag
+one command per published checkpoint: docs/real_checkpoints.md
+"""
+
+
 def add_convert_command(commands) -> None:
     """The `convert` subcommand and its flags."""
     convert = commands.add_parser(
@@ -36,6 +44,7 @@ def add_convert_command(commands) -> None:
         help="turn a published checkpoint (Self-Forcing, LongLive, Krea, LongSANA, ...) into a pipeline folder",
         description="Write a pipeline folder from an original checkpoint and its diffusers base; the folder's "
         "model_index.json names the recipe, so `rolldiff generate --model FOLDER` runs the authors' settings.",
+        epilog=EXAMPLES,
     )
     convert.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="the authors' .pt/.pth/.safetensors")
     convert.add_argument(

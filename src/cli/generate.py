@@ -21,6 +21,14 @@ from .arguments import (
     window_frames,
 )
 
+EXAMPLES = """examples:
+  rolldiff generate --prompt "a red circle moving left" --seconds 20 --out video.mp4
+  rolldiff generate --prompt "a red circle moving left" --prompt-at "160:a blue square moving up" --seconds 30
+  rolldiff generate --image start.png --prompt "a red circle moving left" --out i2v.mp4
+  rolldiff generate --model FOLDER --prompt "..." --seconds 3600 --out hour.mp4 --resume   # again after Ctrl-C
+every flag: docs/cli.md
+"""
+
 
 def add_generate_command(commands) -> None:
     """The `generate` subcommand, its flags in groups as `--help` shows them."""
@@ -28,6 +36,7 @@ def add_generate_command(commands) -> None:
         "generate",
         help="write a video to an mp4 file",
         description="Write a video to an mp4, streaming frames into the file as they are generated.",
+        epilog=EXAMPLES,
     )
     generate.add_argument("--prompt", help="the text (optional when a --prompt-at starts at frame 0)")
     generate.add_argument(

@@ -14,6 +14,13 @@ from .arguments import (
     positive,
 )
 
+EXAMPLES = """examples:
+  rolldiff serve                                    # then open http://127.0.0.1:8000/ (the page)
+  rolldiff serve --workers 2 --state-dir sessions   # a process per core; sessions survive a restart
+  rolldiff serve --ray --replicas 2                 # Ray Serve replicas, one per GPU
+the protocol, the page and the limits: docs/serving.md
+"""
+
 
 def add_serve_command(commands) -> None:
     """The `serve` subcommand and its flags (`--ray`'s with them)."""
@@ -21,6 +28,7 @@ def add_serve_command(commands) -> None:
         "serve",
         help="serve real-time sessions over WebSocket (rolldiff-stream/1)",
         description="Serve live generation sessions at ws://HOST:PORT/v1/stream (docs/serving.md).",
+        epilog=EXAMPLES,
     )
     add_model_arguments(serve)
     add_recipe_argument(serve, "the recipe sessions use unless they name one")
