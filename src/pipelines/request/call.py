@@ -198,9 +198,10 @@ Args:
     adaptive_sink_threshold (`float`, *optional*):
         The adaptive sink's similarity threshold in [-1, 1] (upstream's `adapt_sink_threshold`, 0.2 in
         `configs/wan_causal_dmd_v2v.yaml`; -1 never refreshes). Only with `adaptive_sink=True`.
-    image (`PIL.Image.Image`, `np.ndarray` or `torch.Tensor`, *optional*):
-        A start frame (image-to-video), or one per batch element: `(H, W, 3)` arrays, `(3, H, W)` tensors. It is
-        encoded and becomes the clean first context: frame 0 of the video is the image.
+    image (`PIL.Image.Image`, `str`, `os.PathLike`, `np.ndarray` or `torch.Tensor`, *optional*):
+        A start frame (image-to-video), or one per batch element: a picture file's path (read when the call is
+        checked), `(H, W, 3)` arrays, `(3, H, W)` tensors. It is encoded and becomes the clean first context: frame
+        0 of the video is the image.
     video (`str`, `np.ndarray` or iterator of frames, *optional*):
         An input video (video-to-video), streamed chunk by chunk: a file path, an `(F, H, W, 3)` array or any
         iterator of frames (a webcam included). The output ends with the input.
