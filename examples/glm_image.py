@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> Path:
         sys.exit(f"--image: no such file(s): {', '.join(missing)}")
     references = [PIL.Image.open(path).convert("RGB") for path in args.image] or None
 
-    pipe = GlmImageCachedPipeline.from_pretrained(args.model, torch_dtype=DTYPES[args.dtype], local_files_only=True)
+    pipe = GlmImageCachedPipeline.from_pretrained(args.model, dtype=DTYPES[args.dtype], local_files_only=True)
     if args.cpu_offload:
         pipe.enable_model_cpu_offload(device=args.device)
     else:

@@ -244,13 +244,13 @@ def test_a_restore_token_the_server_did_not_issue_is_not_found(server, token):
 
 
 def test_a_client_that_disconnects_mid_chunk_frees_its_session(server):
-    socket = _raw(server.url)
-    socket.send(json.dumps({"type": "start", "prompt": RED, "num_frames": None}))
-    assert json.loads(socket.recv(timeout=30))["type"] == "ready"
-    socket.recv(timeout=30)  # the first chunk is on its way
-    assert server.http("/healthz")["sessions"] == 1
-    socket.close()
-    assert server.sessions_within(0, seconds=10)
+    with _raw(server.url) as socket:
+        socket.send(json.dumps({"type": "start", "prompt": RED, "num_frames": None}))
+        assert json.loads(socket.recv(timeout=30))["type"] == "ready"
+        socket.recv(timeout=30)  # the first chunk is on its way
+        assert server.http("/healthz")["sessions"] == 1
+        socket.close()  # mid-stream, the way a closed browser tab leaves
+        assert server.sessions_within(0, seconds=10)
 
 
 def test_too_many_sessions_close_with_1013(state_dir):

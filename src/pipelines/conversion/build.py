@@ -157,13 +157,13 @@ def plan_conversion(
 def _component(base: BaseModel, name: str, torch_dtype: torch.dtype | None):
     library, class_name = base.component(name)
     component_class = getattr(importlib.import_module(library), class_name)
-    kwargs = {"torch_dtype": torch_dtype} if torch_dtype is not None and name == "text_encoder" else {}
+    kwargs = {"dtype": torch_dtype} if torch_dtype is not None and name == "text_encoder" else {}
     return component_class.from_pretrained(base.folder / name, **kwargs)
 
 
 def _cast(transformer, torch_dtype: torch.dtype) -> None:
     """`transformer` in `torch_dtype` but for the modules diffusers keeps in float32 (`_keep_in_fp32_modules`:
-    RoPE, the time embedder, the modulation tables, the norms), as `from_pretrained(torch_dtype=...)` does."""
+    RoPE, the time embedder, the modulation tables, the norms), as `from_pretrained(dtype=...)` does."""
     transformer.to(torch_dtype)
     kept = set(getattr(transformer, "_keep_in_fp32_modules", None) or [])
     for name, tensor in [*transformer.named_parameters(), *transformer.named_buffers()]:
