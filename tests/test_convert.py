@@ -144,11 +144,23 @@ def test_kept_longlive_adapter_round_trips_and_equals_the_fused_weights(folders,
 
 def test_bfloat16_keeps_diffusers_float32_modules(folders, tmp_path):
     pipe = KreaRealtimeVideoPipeline.from_original(
-        write_published(tmp_path, "self-forcing"), folders["wan"], torch_dtype=torch.bfloat16
+        write_published(tmp_path, "self-forcing"), folders["wan"], dtype=torch.bfloat16
     )
     assert pipe.transformer.blocks[0].attn1.to_q.weight.dtype == torch.bfloat16
     assert pipe.transformer.blocks[0].scale_shift_table.dtype == torch.float32
     assert pipe.text_encoder.dtype == torch.bfloat16 and pipe.vae.dtype == torch.float32
+
+
+def test_the_old_name_torch_dtype_is_taken_with_a_future_warning_and_a_conflict_is_refused(folders, tmp_path):
+    """diffusers 0.42 and transformers take `dtype` and deprecate `torch_dtype`; `from_original` does the same."""
+    checkpoint = write_published(tmp_path, "self-forcing")
+    with pytest.warns(FutureWarning, match="`torch_dtype` is deprecated: pass `dtype`"):
+        pipe = KreaRealtimeVideoPipeline.from_original(checkpoint, folders["wan"], torch_dtype=torch.bfloat16)
+    assert pipe.text_encoder.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="Give `dtype` only"):
+        KreaRealtimeVideoPipeline.from_original(
+            checkpoint, folders["wan"], dtype=torch.float16, torch_dtype=torch.bfloat16
+        )
 
 
 def test_cli_convert_then_generate_with_no_other_flag(folders, tmp_path, capsys):

@@ -357,7 +357,7 @@ def test_turning_time_upscale_off_keeps_the_last_frames_weights(tmp_path):
     save_file(model.state_dict(), str(tmp_path / "tae.safetensors"))
 
     preview = TinyVideoAutoencoder.from_single_file(
-        tmp_path / "tae.safetensors", decoder_time_upscale=(False, True, False), torch_dtype=torch.float64
+        tmp_path / "tae.safetensors", decoder_time_upscale=(False, True, False), dtype=torch.float64
     )
 
     assert preview.dtype == torch.float64 and preview.temporal_upscale == 2

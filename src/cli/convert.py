@@ -86,7 +86,7 @@ def run_convert(args: argparse.Namespace) -> int:
             lora=args.lora,
             fuse_lora=not args.keep_lora_adapter,
             use_ema=args.use_ema,
-            torch_dtype=None if args.dtype is None else DTYPES[args.dtype],
+            dtype=None if args.dtype is None else DTYPES[args.dtype],
             height=args.height,
             width=args.width,
             overwrite=args.overwrite,

@@ -47,6 +47,7 @@ from .weights import (
     WeightsMismatchError,
     preview_keys,
     read_checkpoint_file,
+    resolve_dtype,
     weight_mismatches,
 )
 
@@ -364,9 +365,10 @@ class TinyVideoAutoencoder(StrictWeightsMixin, ModelMixin, ConfigMixin):
         cls,
         path: str | os.PathLike,
         *,
-        torch_dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None,
         decoder_time_upscale: Sequence[bool] | None = None,
         decoder_space_upscale: Sequence[bool] | None = None,
+        torch_dtype: torch.dtype | None = None,
     ) -> TinyVideoAutoencoder:
         """Load a published TAEHV checkpoint (`taew2_1.pth`, `taew2_1.safetensors`, ...), strictly.
 
@@ -376,7 +378,8 @@ class TinyVideoAutoencoder(StrictWeightsMixin, ModelMixin, ConfigMixin):
 
         Args:
             path: the checkpoint file.
-            torch_dtype: dtype to cast the model to (default: float32, whatever the file stores).
+            dtype: dtype to cast the model to (default: float32, whatever the file stores); `torch_dtype`, its old
+                name, is taken too (with a FutureWarning), as diffusers does.
             decoder_time_upscale / decoder_space_upscale: override for a cheaper preview; a stage whose time
                 upscaling is turned off keeps its last frame's weights (upstream's `patch_tgrow_layers` rule).
                 Space upscaling leaves no trace in the weights and defaults to (True, True, True).
@@ -385,6 +388,7 @@ class TinyVideoAutoencoder(StrictWeightsMixin, ModelMixin, ConfigMixin):
             ValueError: the file is not a TAEHV state dict. `WeightsMismatchError` (a `ValueError`): its keys or
                 shapes do not fit (the missing, unexpected and mismatched keys are named).
         """
+        dtype = resolve_dtype(dtype, torch_dtype)
         state_dict = read_checkpoint(path)
         config = infer_tiny_autoencoder_config(state_dict)
         if decoder_time_upscale is not None:
@@ -395,7 +399,7 @@ class TinyVideoAutoencoder(StrictWeightsMixin, ModelMixin, ConfigMixin):
         state_dict = _drop_disabled_time_upscale(state_dict, model)
         check_state_dict_fits(model, state_dict, source=str(path))
         model.load_state_dict(state_dict, strict=True)
-        return model.to(torch_dtype) if torch_dtype is not None else model
+        return model.to(dtype) if dtype is not None else model
 
 
 # ----------------------------------------------------------------------------------------- input checks

@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import re
+import warnings
 import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -25,6 +26,7 @@ from safetensors import safe_open
 
 __all__ = [
     "StrictWeightsMixin",
+    "resolve_dtype",
     "WeightsMismatchError",
     "check_pipeline_weights",
     "check_weights_match_config",
@@ -291,3 +293,16 @@ def read_checkpoint_file(path: str | os.PathLike, torch_suffixes: tuple[str, ...
     if not isinstance(checkpoint, Mapping):
         raise ValueError(f"{str(path)!r} holds a {type(checkpoint).__name__}, not a state dict.")
     return checkpoint
+
+
+def resolve_dtype(dtype: torch.dtype | None, torch_dtype: torch.dtype | None) -> torch.dtype | None:
+    """`dtype`, or its older name `torch_dtype` with a FutureWarning: diffusers (0.42) and transformers take `dtype`
+    and remove `torch_dtype` in 1.0, so our loaders take both, as theirs do."""
+    if torch_dtype is None:
+        return dtype
+    if dtype is not None and dtype != torch_dtype:
+        raise ValueError(
+            f"Give `dtype` only (`torch_dtype` is its old name); got dtype={dtype}, torch_dtype={torch_dtype}."
+        )
+    warnings.warn("`torch_dtype` is deprecated: pass `dtype` (as diffusers and transformers do).", FutureWarning, 3)
+    return torch_dtype

@@ -28,7 +28,7 @@ from ...checks import check_flag
 from ...models.lora_conversion import load_longlive_lora
 from ...models.sana_conversion import convert_original_sana_video_state_dict
 from ...models.wan_conversion import convert_original_wan_state_dict
-from ...models.weights import preview_keys, read_checkpoint_file, weight_mismatches
+from ...models.weights import preview_keys, read_checkpoint_file, resolve_dtype, weight_mismatches
 from ...recipes import get_recipe
 from .base import BaseModel, resolve_base
 from .layouts import CHECKPOINT_LAYOUTS, FAMILY_NAMES, FAMILY_PIPELINES, SANA, WAN, checkpoint_family, detect_recipe
@@ -154,29 +154,29 @@ def plan_conversion(
     return ConversionPlan(path, family, recipe, decided, resolved, weights, lora_weights)
 
 
-def _component(base: BaseModel, name: str, torch_dtype: torch.dtype | None):
+def _component(base: BaseModel, name: str, dtype: torch.dtype | None):
     library, class_name = base.component(name)
     component_class = getattr(importlib.import_module(library), class_name)
-    kwargs = {"dtype": torch_dtype} if torch_dtype is not None and name == "text_encoder" else {}
+    kwargs = {"dtype": dtype} if dtype is not None and name == "text_encoder" else {}
     return component_class.from_pretrained(base.folder / name, **kwargs)
 
 
-def _cast(transformer, torch_dtype: torch.dtype) -> None:
-    """`transformer` in `torch_dtype` but for the modules diffusers keeps in float32 (`_keep_in_fp32_modules`:
+def _cast(transformer, dtype: torch.dtype) -> None:
+    """`transformer` in `dtype` but for the modules diffusers keeps in float32 (`_keep_in_fp32_modules`:
     RoPE, the time embedder, the modulation tables, the norms), as `from_pretrained(dtype=...)` does."""
-    transformer.to(torch_dtype)
+    transformer.to(dtype)
     kept = set(getattr(transformer, "_keep_in_fp32_modules", None) or [])
     for name, tensor in [*transformer.named_parameters(), *transformer.named_buffers()]:
         if kept.intersection(name.split(".")) and tensor.is_floating_point():
             tensor.data = tensor.data.float()
 
 
-def _transformer(plan: ConversionPlan, torch_dtype: torch.dtype | None, fuse_lora: bool):
+def _transformer(plan: ConversionPlan, dtype: torch.dtype | None, fuse_lora: bool):
     with init_empty_weights(include_buffers=False):  # parameters on meta; the checkpoint's tensors are assigned
         transformer = _transformer_class(plan.family).from_config(plan.base.transformer_config)
     transformer.load_state_dict(plan.weights, strict=True, assign=True)
-    if torch_dtype is not None:
-        _cast(transformer, torch_dtype)
+    if dtype is not None:
+        _cast(transformer, dtype)
     transformer.eval()
     if plan.lora is not None:
         transformer.load_lora_adapter(dict(plan.lora), prefix=None, adapter_name=LONGLIVE_ADAPTER)
@@ -195,13 +195,13 @@ def _registered_settings(pipeline_class: type, recipe: str) -> dict[str, Any]:
 def pipeline_from_original(
     pipeline_class: type,
     plan: ConversionPlan,
-    torch_dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None,
     fuse_lora: bool = True,
     height: int | None = None,
     width: int | None = None,
 ):
     """The pipeline of `plan`: its transformer, the base's tokenizer, text encoder and VAE, a flow-matching scheduler
-    at the recipe's shift, and the recipe (and its cache settings) in the config. `torch_dtype` casts the transformer
+    at the recipe's shift, and the recipe (and its cache settings) in the config. `dtype` casts the transformer
     and the text encoder (the VAE keeps the base's dtype, as diffusers' Wan examples run it in float32)."""
     if pipeline_class.__name__ != plan.pipeline_class_name:
         raise ValueError(
@@ -210,12 +210,12 @@ def pipeline_from_original(
         )
     check_flag("fuse_lora", fuse_lora)
     settings = get_recipe(plan.recipe).settings
-    components = {name: _component(plan.base, name, torch_dtype) for name in ("tokenizer", "text_encoder", "vae")}
+    components = {name: _component(plan.base, name, dtype) for name in ("tokenizer", "text_encoder", "vae")}
     config = _registered_settings(pipeline_class, plan.recipe)
     config.update({key: value for key, value in (("height", height), ("width", width)) if value is not None})
     kept = plan.lora is not None and not fuse_lora
     return pipeline_class(
-        transformer=_transformer(plan, torch_dtype, fuse_lora),
+        transformer=_transformer(plan, dtype, fuse_lora),
         scheduler=FlowMatchEulerDiscreteScheduler(shift=settings.get("timestep_shift", 5.0)),
         recipe=plan.recipe,
         lora_adapter=LONGLIVE_ADAPTER if kept else None,
@@ -233,7 +233,8 @@ def convert_checkpoint(
 ) -> ConversionPlan:
     """Write the pipeline folder of an original checkpoint (`rolldiff convert`); returns the plan it followed.
 
-    `options` are `from_original`'s (`recipe`, `lora`, `use_ema`, `fuse_lora`, `torch_dtype`, `height`, `width`).
+    `options` are `from_original`'s (`recipe`, `lora`, `use_ema`, `fuse_lora`, `dtype`, `height`, `width`; the old
+    name `torch_dtype` too).
     Everything is checked before anything is written; the folder appears whole or not at all. An existing
     non-empty `output` is refused unless `overwrite`, and then replaced only once the new folder is complete.
     """
@@ -243,6 +244,7 @@ def convert_checkpoint(
         raise ValueError(f"`output` {str(output)!r} exists; pass overwrite=True (--overwrite) to replace it.")
     if not output.parent.is_dir():
         raise ValueError(f"`output` {str(output)!r}: its folder {str(output.parent)!r} does not exist.")
+    options["dtype"] = resolve_dtype(options.pop("dtype", None), options.pop("torch_dtype", None))
     planned = {name: options.pop(name) for name in ("recipe", "lora", "use_ema") if name in options}
     plan = plan_conversion(checkpoint, base, **planned)
     pipeline_class = getattr(importlib.import_module("rolldiff"), plan.pipeline_class_name)

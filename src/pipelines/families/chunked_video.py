@@ -32,7 +32,7 @@ from diffusers.video_processor import VideoProcessor
 
 from ...caching.layout import ChunkLayout
 from ...models.tiny_autoencoder import TinyVideoAutoencoder
-from ...models.weights import check_pipeline_weights
+from ...models.weights import check_pipeline_weights, resolve_dtype
 from ..acceleration import capture_cuda_graphs, enable_fp8, fastest_attention_backend, set_attention_backend
 from ..codecs.streaming_decode import StreamingWanDecoder
 from ..codecs.streaming_encode import StreamingWanEncoder
@@ -124,9 +124,10 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         lora: str | os.PathLike | None = None,
         fuse_lora: bool = True,
         use_ema: bool | None = None,
-        torch_dtype: torch.dtype | None = None,
+        dtype: torch.dtype | None = None,
         height: int | None = None,
         width: int | None = None,
+        torch_dtype: torch.dtype | None = None,
     ):
         """A pipeline from an original checkpoint file (Self-Forcing, LongLive, Causal Forcing, Rolling Forcing,
         StreamDiffusionV2, Krea Realtime, LongSANA) and the diffusers base it was trained from, running its authors'
@@ -141,7 +142,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
             lora: LongLive's `lora.pt` (recipe "longlive" needs it).
             fuse_lora: fuse the adapter into the weights (fastest); False keeps it as the `"longlive"` adapter.
             use_ema: take `generator_ema` (True) or `generator` (False); default: what the authors' loader takes.
-            torch_dtype: cast the transformer and text encoder (e.g. `torch.bfloat16`); default: as stored.
+            dtype: cast the transformer and text encoder (e.g. `torch.bfloat16`); default: as stored. `torch_dtype`,
+                its old name, is taken too (with a FutureWarning), as diffusers does.
             height, width: the native frame size a call uses when it gives none (default 480 x 832).
 
         Raises:
@@ -150,8 +152,9 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         """
         from ..conversion import pipeline_from_original, plan_conversion
 
+        dtype = resolve_dtype(dtype, torch_dtype)
         plan = plan_conversion(checkpoint, base, recipe=recipe, lora=lora, use_ema=use_ema)
-        return pipeline_from_original(cls, plan, torch_dtype, fuse_lora, height, width)
+        return pipeline_from_original(cls, plan, dtype, fuse_lora, height, width)
 
     @property
     def interrupt(self) -> bool:
