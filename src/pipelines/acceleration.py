@@ -107,7 +107,7 @@ def fp8_refusal(device: torch.device, capability: tuple[int, int] | None, dtype:
     if dtype != torch.bfloat16:
         return (
             f"enable_fp8 (--fp8): the linear layers are {dtype}; float8 with per-row scales converts bfloat16 "
-            "weights. Load the pipeline with dtype='bfloat16' (torch_dtype=torch.bfloat16) first."
+            "weights. Load the pipeline with --dtype bfloat16 (from_pretrained(..., dtype=torch.bfloat16)) first."
         )
     return None
 
