@@ -7,11 +7,13 @@ import json
 import os
 import signal
 import time
+import urllib.request
 
 import numpy as np
 import PIL.Image
 import pytest
 from serve_helpers import (
+    ANNOUNCED,
     FRAMES,
     RED,
     Server,
@@ -77,6 +79,20 @@ def test_http_beside_the_socket(server):
     assert model["max_batch"] == 8  # the default: sessions that line up share one forward per step
     # on a CPU, groups of 4 or more made at once: the cores over torch's threads (one here: OMP_NUM_THREADS=1)
     assert model["parallel_groups"] == max(1, os.cpu_count() or 1)
+    announced = [line for line in server.log.read_text().splitlines() if line.startswith(ANNOUNCED)]
+    assert announced == [
+        f"rolldiff serve: {server.url}, the page http://127.0.0.1:{server.port}/ (KreaRealtimeVideoPipeline, cpu)"
+    ]
+    page = announced[0].split("the page ", 1)[1].split(" ", 1)[0]
+    with urllib.request.urlopen(page, timeout=5) as response:  # the address announced serves the page
+        assert response.headers.get_content_type() == "text/html"
+
+
+def test_an_ipv6_address_is_announced_in_brackets():
+    from rolldiff.cli.run_serve import _served_at
+
+    assert _served_at("::1", 8000) == "ws://[::1]:8000/v1/stream, the page http://[::1]:8000/"
+    assert _served_at("127.0.0.1", 8000) == "ws://127.0.0.1:8000/v1/stream, the page http://127.0.0.1:8000/"
 
 
 def test_a_seeded_raw_session_sends_exactly_the_librarys_frames(server, references):

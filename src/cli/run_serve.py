@@ -110,7 +110,7 @@ def run_serve(args: argparse.Namespace) -> int:
         state_every=args.state_every,
         fps=args.fps,
     )
-    address = f"ws://{args.host}:{args.port}/v1/stream"
+    address = _served_at(args.host, args.port)
     if args.ray:
         from functools import partial
 
@@ -125,6 +125,13 @@ def run_serve(args: argparse.Namespace) -> int:
     print(f"rolldiff serve: {address} ({type(pipe).__name__}, {device})", flush=True)
     serve(pipe, settings, args.host, args.port)
     return 0
+
+
+def _served_at(host: str, port: int) -> str:
+    """Where clients connect and where a person opens the page, as the command announces it (an IPv6 address in
+    brackets, as URLs write it)."""
+    netloc = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"ws://{netloc}/v1/stream, the page http://{netloc}/"
 
 
 def _serve_with_workers(args: argparse.Namespace, device: str, settings, threads: int, address: str) -> int:
