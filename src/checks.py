@@ -20,6 +20,12 @@ class ArgumentKindError(TypeError, ValueError):
     """An argument of the wrong kind (type), named in the message."""
 
 
+class ModelNotFoundError(ValueError):
+    """`--model` names neither a pipeline folder nor a loadable Hugging Face Hub repository (raised by
+    `rolldiff.defaults`; here, in a module that imports nothing heavy, so the command line catches it without
+    importing torch)."""
+
+
 def is_number(value: Any) -> bool:
     """A real number that is not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -17,6 +17,7 @@ from diffusers import DiffusionPipeline
 
 import rolldiff
 
+from .checks import ModelNotFoundError
 from .choices import DTYPE_NAMES
 from .pipelines import KreaRealtimeVideoPipeline
 
@@ -26,10 +27,6 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 # "name" or "org/name": what the Hugging Face Hub accepts as a repository id.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-class ModelNotFoundError(ValueError):
-    """`--model` names neither a pipeline folder nor a loadable Hugging Face Hub repository."""
 
 
 def default_model_path() -> Path:

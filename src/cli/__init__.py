@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from .. import __version__ as rolldiff_version
+from ..checks import ModelNotFoundError
 from .arguments import Parser
 from .convert import add_convert_command
 from .demo import add_demo_command
@@ -46,6 +47,6 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         with quiet_libraries():
             return args.run(args)
-    except UsageError as exc:
+    except (UsageError, ModelNotFoundError) as exc:  # a missing model's message names --model
         print(f"rolldiff: error: {' '.join(str(exc).split())}", file=sys.stderr)  # one line, whatever the message
         return EXIT_USAGE

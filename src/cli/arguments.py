@@ -195,6 +195,5 @@ def add_compile_and_decoder_arguments(parser) -> None:
 def add_recipe_argument(parser, help: str) -> None:
     """`--recipe NAME`, one of `rolldiff.recipes`, the names listed once in its help (as choices they would fill the
     usage line)."""
-    parser.add_argument(
-        "--recipe", choices=list_recipes(), metavar="NAME", help=f"{help}: {', '.join(list_recipes())}"
-    )
+    names = list_recipes()
+    parser.add_argument("--recipe", choices=names, metavar="NAME", help=f"{help}: {', '.join(names)}")

@@ -21,16 +21,13 @@ def add_demo_command(commands) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("gradio") is None:
         raise UsageError("the demo needs Gradio, which is not installed: pip install 'rolldiff[demo]'")
-    from ..defaults import ModelNotFoundError, default_device, default_dtype  # torch: only when the command runs
+    from ..defaults import default_device, default_dtype  # torch: only when the command runs
     from ..demo import build_demo  # imports gradio: only for this command
 
     check_address_flags(args)
     device = args.device or default_device()
-    try:
-        demo = build_demo(
-            args.model, max_concurrency=args.max_concurrency, device=device, dtype=args.dtype or default_dtype(device)
-        )
-    except ModelNotFoundError as exc:  # its message names --model
-        raise UsageError(str(exc)) from None
+    demo = build_demo(
+        args.model, max_concurrency=args.max_concurrency, device=device, dtype=args.dtype or default_dtype(device)
+    )
     demo.launch(server_name=args.host, server_port=args.port)
     return 0

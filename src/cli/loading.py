@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import argparse
 
-from ..defaults import ModelNotFoundError, default_dtype, load_pipeline
+from ..defaults import default_dtype, load_pipeline
 from ..pipelines.acceleration import compile_cached_step
 from .errors import UsageError
 
 
 def load_from_flags(args: argparse.Namespace, device: str):
     """The pipeline the flags describe, sped up as they ask, its own progress bar off (a command counts chunks)."""
-    try:
-        pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
-    except ModelNotFoundError as exc:  # its message names --model
-        raise UsageError(str(exc)) from None
+    pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
     pipe.set_progress_bar_config(disable=True)  # ours counts chunks of the whole video instead
     if args.tiny_vae is not None:
         try:

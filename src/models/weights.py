@@ -26,11 +26,11 @@ from safetensors import safe_open
 
 __all__ = [
     "StrictWeightsMixin",
-    "resolve_dtype",
     "WeightsMismatchError",
     "check_pipeline_weights",
     "check_weights_match_config",
     "preview_keys",
+    "resolve_dtype",
 ]
 
 logger = logging.getLogger(__name__)

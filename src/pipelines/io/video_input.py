@@ -155,7 +155,8 @@ def load_start_image(
         image: a PIL image; the path of a picture file (read now); an `(height, width, 3)` numpy array, uint8
             (0-255) or float (0-1); a `(3, height, width)` or `(1, 3, height, width)` tensor, uint8 or float in
             [0, 1] (diffusers' layout; also `(batch_size, 3, height, width)`, one per batch element); or a list of
-            `batch_size` of these, one per batch element. A single image (or a list of one) is used for every batch element.
+            `batch_size` of these, one per batch element. A single image (or a list of one) is used for every batch
+            element.
         batch_size: the generation's batch size.
         height, width: the output size in pixels; the image is resized to it (see the module docstring).
         resize_mode: "default" (stretch, diffusers' Wan image-to-video), "crop" or "fill".
