@@ -199,6 +199,15 @@ def test_image_to_video_session_is_the_librarys(server, references, tmp_path):
         assert len(chunks) == len(expected) and all((got == want).all() for got, want in zip(chunks, expected))
 
 
+def test_a_start_image_path_the_client_cannot_read_is_refused_before_connecting(tmp_path):
+    """As the library's `image=`: named, with the path, before any socket opens (port 9 has no server)."""
+    (tmp_path / "notes.png").write_text("not a picture")
+    with pytest.raises(ValueError, match=r"`image` '.*nope.png' is not a file"):
+        connect("ws://127.0.0.1:9/v1/stream", prompt=RED, image=tmp_path / "nope.png")
+    with pytest.raises(ValueError, match=r"`image` '.*notes.png' cannot be read as a picture"):
+        connect("ws://127.0.0.1:9/v1/stream", prompt=RED, image=str(tmp_path / "notes.png"))
+
+
 def test_video_input_follows_the_input_chunk_by_chunk(server, references):
     rng = np.random.default_rng(0)
     video = rng.integers(0, 255, size=(12, 32, 32, 3), dtype=np.uint8)

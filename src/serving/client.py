@@ -166,9 +166,14 @@ def connect(url: str, prompt: str, *, token: str | None = None, image=None, **st
 
 def _png(image: PIL.Image.Image | np.ndarray | str | os.PathLike) -> bytes:
     """The start image as PNG bytes (lossless), the file's picture for a path."""
-    if isinstance(image, (str, os.PathLike)):
-        with PIL.Image.open(image) as opened:
-            picture = opened.convert("RGB")
+    if isinstance(image, (str, os.PathLike)):  # refused here, as the library's `image=` refuses it
+        if not os.path.isfile(image):
+            raise ValueError(f"`image` {str(image)!r} is not a file.")
+        try:
+            with PIL.Image.open(image) as opened:
+                picture = opened.convert("RGB")
+        except OSError as exc:  # PIL's UnidentifiedImageError included
+            raise ValueError(f"`image` {str(image)!r} cannot be read as a picture: {exc}") from None
     else:
         picture = image if isinstance(image, PIL.Image.Image) else PIL.Image.fromarray(np.asarray(image))
     buffer = io.BytesIO()
