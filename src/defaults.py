@@ -14,6 +14,12 @@ from pathlib import Path
 
 import torch
 from diffusers import DiffusionPipeline
+from huggingface_hub.errors import (
+    LocalEntryNotFoundError,
+    OfflineModeIsEnabled,
+    RemoteEntryNotFoundError,
+    RepositoryNotFoundError,
+)
 
 import rolldiff
 
@@ -77,6 +83,49 @@ def resolve_model(model: str | Path | None) -> str | Path:
     return str(model)
 
 
+def _exception_chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and every exception it was raised from or while handling, outermost first."""
+    chain: list[BaseException] = []
+    while exc is not None and exc not in chain:
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return chain
+
+
+def _hub_failure(repo_id: str, exc: BaseException) -> str | None:
+    """Why the Hub could not give `repo_id`'s model_index.json, in the user's terms, or None if not a Hub failure.
+
+    diffusers reports every one of these as "does not appear to have a file named model_index.json", which
+    sends a user offline (or behind a proxy) looking for a file that is there; the real cause is further down
+    the exception chain.
+    """
+    chain = _exception_chain(exc)
+    if any(isinstance(e, OfflineModeIsEnabled) for e in chain):
+        return (
+            "HF_HUB_OFFLINE is set and this Hub repository is not in the local cache; unset HF_HUB_OFFLINE "
+            "to download it once, or pass a folder saved with save_pretrained."
+        )
+    if any(isinstance(e, LocalEntryNotFoundError) for e in chain):
+        cause = chain[-1]
+        return (
+            f"could not reach the Hugging Face Hub ({type(cause).__name__}: {cause}) and this repository is not "
+            "in the local cache; connect once to download it (later runs use the cache, or set HF_HUB_OFFLINE=1), "
+            "or pass a folder saved with save_pretrained."
+        )
+    if any(isinstance(e, RepositoryNotFoundError) for e in chain):
+        return (
+            "no such repository on the Hugging Face Hub, or it is private or gated: log in with `hf auth login` "
+            "(or set HF_TOKEN) and accept its terms on its page."
+        )
+    if any(isinstance(e, RemoteEntryNotFoundError) for e in chain):
+        return (
+            "the Hub repository has no model_index.json, so it is not a diffusers pipeline. If it holds an "
+            f"original checkpoint (e.g. self_forcing_dmd.pt), download it (`hf download {repo_id} FILE`) and make "
+            "a pipeline folder from it: `rolldiff convert FILE --base BASE --out FOLDER` (docs/real_checkpoints.md)."
+        )
+    return None
+
+
 def pipeline_class(source: str | Path) -> type[DiffusionPipeline]:
     """The rolldiff pipeline class named by `_class_name` in the `model_index.json` of `source` (folder or Hub id).
 
@@ -90,12 +139,11 @@ def pipeline_class(source: str | Path) -> type[DiffusionPipeline]:
             index = DiffusionPipeline.load_config(str(source))
         class_name = index["_class_name"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        hint = (
-            ""
-            if Path(source).is_dir()
-            else f" It is not a local folder or an embedded model ({', '.join(embedded_models())})."
-        )
-        raise ModelNotFoundError(f"--model {str(source)!r}: no readable model_index.json ({exc}).{hint}") from exc
+        if Path(source).is_dir():
+            raise ModelNotFoundError(f"--model {str(source)!r}: no readable model_index.json ({exc}).") from exc
+        reason = _hub_failure(str(source), exc) or f"no readable model_index.json ({exc})."
+        hint = f" It is not a local folder or an embedded model ({', '.join(embedded_models())})."
+        raise ModelNotFoundError(f"--model {str(source)!r}: {reason}{hint}") from exc
     known = {
         name: cls
         for name in rolldiff.__all__

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,7 +20,10 @@ def quiet_libraries() -> Iterator[None]:
         lib.set_verbosity_error()
         lib.disable_progress_bar()
     try:
-        yield
+        with warnings.catch_warnings():
+            # diffusers passes huggingface_hub an argument it deprecated; the user can do nothing about it.
+            warnings.filterwarnings("ignore", message=".*local_dir_use_symlinks.*", category=UserWarning)
+            yield
     finally:  # `main` may run inside a bigger program (or a test session): leave it as it was
         for lib, verbosity, bars in saved:
             lib.set_verbosity(verbosity)
