@@ -76,8 +76,29 @@ def test_every_recipe_setting_is_a_call_argument():
 def test_a_misspelt_argument_is_named_as_the_methods(pipe):
     with pytest.raises(TypeError, match=r"stream\(\) got an unexpected keyword argument 'promt'"):
         pipe.stream(promt=RED)
-    with pytest.raises(TypeError, match=r"__call__\(\) got an unexpected keyword argument 'num_frame'"):
+    with pytest.raises(
+        TypeError, match=r"__call__\(\) got an unexpected keyword argument 'num_frame'; did you mean 'num_frames'\?"
+    ):
         pipe(RED, num_frame=4)
+    with pytest.raises(TypeError, match=r"'xyz'$"):  # nothing near it: no guess
+        pipe(RED, xyz=4)
+
+
+@pytest.mark.parametrize(
+    ("argument", "hint"),
+    [
+        ("num_inference_steps", "`denoising_steps` takes the step values"),
+        ("timesteps", "`denoising_steps` takes the step values"),
+        ("num_videos_per_prompt", "prompt=[text] * n"),
+        ("seed", "generator=torch.Generator().manual_seed(seed)"),
+        ("fps", "export_to_video(frames, path, fps=...)"),
+    ],
+)
+def test_a_diffusers_argument_says_how_it_is_spelt_here_before_any_work(pipe, model_calls, argument, hint):
+    with pytest.raises(TypeError) as caught:
+        pipe(RED, num_frames=4, **{argument: 2})
+    assert f"unexpected keyword argument '{argument}'; " in str(caught.value) and hint in str(caught.value)
+    assert model_calls == []
 
 
 def test_positional_arguments_bind_as_in_diffusers(pipe):

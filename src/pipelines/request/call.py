@@ -14,6 +14,7 @@ A recipe (`rolldiff.recipes`) fills the fields a call leaves `None`; the session
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
@@ -90,10 +91,31 @@ class VideoCall:
         try:
             return cls(*args, **kwargs)
         except TypeError as error:
-            raise TypeError(str(error).replace(f"{cls.__name__}.__init__()", f"{method}()")) from None
+            message = str(error).replace(f"{cls.__name__}.__init__()", f"{method}()")
+            unknown = [name for name in kwargs if name not in cls.names()]  # Python's message names the first
+            raise TypeError(message + (_instead_of(unknown[0]) if unknown else "")) from None
 
     def replace(self, **changes: Any) -> VideoCall:
         return dataclasses.replace(self, **changes)
+
+
+# Arguments of diffusers' pipelines (and habits from them) that a call here spells another way.
+_DIFFUSERS_ARGUMENTS = {
+    "num_inference_steps": "`denoising_steps` takes the step values, e.g. [1000, 750, 500, 250] (their count is the "
+    "number of steps); the default is the recipe's, the steps its few-step checkpoint was distilled for",
+    "timesteps": "`denoising_steps` takes the step values, in [0, 1000], strictly decreasing",
+    "num_videos_per_prompt": "pass the prompt once per video, `prompt=[text] * n`: each batch element draws its own noise",
+    "seed": "pass `generator=torch.Generator().manual_seed(seed)`",
+    "fps": "frames carry no rate; give it to `export_to_video(frames, path, fps=...)` or `generate_to_file(path, fps=...)`",
+}
+
+
+def _instead_of(name: str) -> str:
+    """A hint for an argument a call does not take: its spelling here, or the nearest argument names."""
+    if name in _DIFFUSERS_ARGUMENTS:
+        return f"; {_DIFFUSERS_ARGUMENTS[name]}"
+    close = difflib.get_close_matches(name, VideoCall.names(), n=3, cutoff=0.75)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def call_signature(extra: Sequence[inspect.Parameter] = ()) -> inspect.Signature:
