@@ -272,6 +272,21 @@ def test_pipeline_loader_refuses_a_transformer_that_does_not_match_its_config(mo
         load_pipeline(folder, device="cpu", dtype="float32")
 
 
+@pytest.mark.parametrize("source", ["./no-such-pipeline", "models/wan/no-such-pipeline", "~/no-such-pipeline"])
+def test_from_pretrained_on_a_missing_folder_says_no_such_folder_not_a_repo_id_rule(source):
+    """diffusers takes any string that is not a folder for a Hub id ("Repo id must be in the form ...")."""
+    with pytest.raises(FileNotFoundError, match=rf"from_pretrained: no such folder '{re.escape(source)}'"):
+        KreaRealtimeVideoPipeline.from_pretrained(source)
+
+
+def test_from_pretrained_on_a_checkpoint_file_points_to_from_original(tmp_path):
+    checkpoint = tmp_path / "self_forcing_dmd.pt"
+    checkpoint.write_bytes(b"not read")
+    with pytest.raises(FileNotFoundError, match=r"is a file; it takes a pipeline folder .*\.from_original\(checkpoint"):
+        KreaRealtimeVideoPipeline.from_pretrained(checkpoint)
+    assert checkpoint.read_bytes() == b"not read"
+
+
 def test_strict_mixin_makes_the_model_loader_refuse_too(tmp_path):
     StrictTransformer = KreaRealtimeTransformer3DModel  # the mixin is among its bases
     assert issubclass(StrictTransformer, StrictWeightsMixin)

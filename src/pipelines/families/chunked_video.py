@@ -73,6 +73,20 @@ def concat_chunks(chunks: list[Any], output_type: str) -> Any:
     return np.concatenate(chunks, axis=1)
 
 
+def refuse_a_missing_folder(class_name: str, source: str) -> None:
+    """A path that is not a folder, said so: diffusers would take it for a Hub id and report "Repo id must be in the
+    form 'repo_name' or 'namespace/repo_name'", and a checkpoint file belongs to `from_original`."""
+    if Path(source).expanduser().is_file():
+        raise FileNotFoundError(
+            f"{class_name}.from_pretrained: {source!r} is a file; it takes a pipeline folder (save_pretrained, "
+            f"`rolldiff convert`) or a Hub id. An original checkpoint file: {class_name}.from_original(checkpoint, "
+            "base=...)."
+        )
+    looks_local = source.startswith((".", "/", "~")) or source.count("/") > 1 or "\\" in source
+    if looks_local:
+        raise FileNotFoundError(f"{class_name}.from_pretrained: no such folder {source!r}.")
+
+
 class ChunkedVideoPipeline(DiffusionPipeline):
     """Base of the autoregressive video pipelines: the call (`VideoCall`'s signature, resolved by `build_request`),
     streams, writing, and the frame arithmetic and codecs the stream and the builder read.
@@ -103,6 +117,8 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         folder = Path(str(pretrained_model_name_or_path)).expanduser()
         if folder.is_dir():
             check_pipeline_weights(folder)
+        else:
+            refuse_a_missing_folder(cls.__name__, str(pretrained_model_name_or_path))
         pipe = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         adapter = pipe.config.get("lora_adapter")
         if adapter is not None:  # a LoRA kept beside the transformer (`rolldiff convert --keep-lora-adapter`)
