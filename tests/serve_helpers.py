@@ -203,7 +203,7 @@ import numpy as np, torch
 from rolldiff.defaults import load_pipeline
 from rolldiff.pipelines.io.video_writer import frames_to_uint8
 spec = json.loads(sys.argv[1])
-pipe = load_pipeline(None, device="cpu", dtype="float32")
+pipe = load_pipeline(spec.get("model"), device="cpu", dtype="float32")
 pipe.set_progress_bar_config(disable=True)
 call = {k: np.load(spec[k]) for k in ("image", "video") if spec.get(k)}
 if spec.get("strength") is not None:

@@ -142,6 +142,31 @@ def test_kept_longlive_adapter_round_trips_and_equals_the_fused_weights(folders,
     assert "longlive" in kept.transformer.peft_config
 
 
+def test_a_style_lora_fused_onto_a_kept_adapter_keeps_the_adapter_in(folders, tmp_path):
+    """`--lora` on a LongLive folder that keeps its adapter: both are fused (LongLive's at its own scale), as on the
+    folder with LongLive fused at conversion."""
+    from safetensors.torch import save_file
+    from test_lora import random_lora
+
+    from rolldiff.pipelines.lora import fuse_loras, loaded_adapters
+
+    lora_path, _ = write_lora(tmp_path)
+    base = write_published(tmp_path, "longlive")
+    fused = KreaRealtimeVideoPipeline.from_original(base, folders["wan"], lora=lora_path, height=32, width=32)
+    out = tmp_path / "longlive-adapter"
+    convert_checkpoint(base, folders["wan"], out, lora=lora_path, fuse_lora=False, height=32, width=32)
+    kept = KreaRealtimeVideoPipeline.from_pretrained(out)
+    style = tmp_path / "style.safetensors"
+    save_file(random_lora(fused.transformer), str(style))
+    for pipe in (fused, kept):
+        fuse_loras(pipe, [str(style)], [0.5])
+    assert loaded_adapters(kept.transformer) == [] and kept.config.lora_adapter is None
+    run = dict(num_frames=6, max_sequence_length=8)
+    a = fused(PROMPT, generator=torch.Generator().manual_seed(1), **run).frames
+    b = kept(PROMPT, generator=torch.Generator().manual_seed(1), **run).frames
+    assert np.abs(a - b).max() < 1e-4
+
+
 def test_bfloat16_keeps_diffusers_float32_modules(folders, tmp_path):
     pipe = KreaRealtimeVideoPipeline.from_original(
         write_published(tmp_path, "self-forcing"), folders["wan"], dtype=torch.bfloat16

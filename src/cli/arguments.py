@@ -192,6 +192,52 @@ def add_compile_and_decoder_arguments(parser) -> None:
     )
 
 
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def add_lora_arguments(parser) -> None:
+    """`--lora` and `--lora-scale`, read by `loading.load_from_flags` (fused into the weights after loading)."""
+    parser.add_argument(
+        "--lora",
+        action="append",
+        metavar="PATH_OR_ID",
+        help="fuse a LoRA into the transformer: a .safetensors file, a folder holding one, or a Hub id; repeat for "
+        "several (diffusers' and the original Wan / kohya key names are read)",
+    )
+    parser.add_argument(
+        "--lora-scale",
+        action="append",
+        type=finite_float,
+        metavar="SCALE",
+        help="each --lora's weight, in order (default 1.0 each)",
+    )
+
+
+def check_lora_flags(args: argparse.Namespace) -> None:
+    """The LoRA flags' rules that need no model: a scale per LoRA, and a LoRA given as a path exists and is a
+    safetensors file or a folder (a pickle is never read). Raises `UsageError`."""
+    sources, scales = args.lora or [], args.lora_scale or []
+    if scales and len(scales) != len(sources):
+        raise UsageError(f"--lora-scale: {len(scales)} given for {len(sources)} --lora; give one per --lora, or none")
+    for source in sources:
+        path = Path(source).expanduser()
+        looks_local = path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1
+        if looks_local and not path.exists():
+            raise UsageError(f"--lora: no such file or folder {source!r}")
+        if path.is_file() and path.suffix != ".safetensors":
+            raise UsageError(
+                f"--lora {source!r}: only .safetensors files are read (a {path.suffix or 'suffix-less'} file may be "
+                "a pickle, which can run code); save the LoRA as safetensors"
+            )
+
+
 def add_recipe_argument(parser, help: str) -> None:
     """`--recipe NAME`, one of `rolldiff.recipes`, the names listed once in its help (as choices they would fill the
     usage line)."""

@@ -10,6 +10,7 @@ from .arguments import (
     MAX_FPS,
     MAX_SECONDS,
     add_compile_and_decoder_arguments,
+    add_lora_arguments,
     add_model_arguments,
     add_recipe_argument,
     non_negative_seconds,
@@ -25,6 +26,7 @@ EXAMPLES = """examples:
   rolldiff generate --prompt "a red circle moving left" --seconds 20 --out video.mp4
   rolldiff generate --prompt "a red circle moving left" --prompt-at "160:a blue square moving up" --seconds 30
   rolldiff generate --image start.png --prompt "a red circle moving left" --out i2v.mp4
+  rolldiff generate --model FOLDER --lora style.safetensors --lora-scale 0.8 --prompt "..." --out styled.mp4
   rolldiff generate --model FOLDER --prompt "..." --seconds 3600 --out hour.mp4 --resume   # again after Ctrl-C
 every flag: docs/cli.md
 """
@@ -55,6 +57,7 @@ def add_generate_command(commands) -> None:
     )
     generate.add_argument("--out", type=Path, default=Path("video.mp4"), help="the .mp4 to write (default video.mp4)")
     add_model_arguments(generate)
+    add_lora_arguments(generate)
     generate.add_argument("--seed", type=seed, default=0, help="random seed (default 0)")
     generate.add_argument(
         "--fps", type=positive(int, MAX_FPS), default=16, help="frames per second of the file (default 16)"

@@ -1,5 +1,5 @@
-"""The pipeline a command runs, loaded as the flags say: `--model`, `--device`, `--dtype`, `--tiny-vae`, then the
-speed switches (`--fp8`, `--attention-backend`, `--cuda-graphs`, `--compile`); `rolldiff generate` and `rolldiff
+"""The pipeline a command runs, loaded as the flags say: `--model`, `--device`, `--dtype`, `--lora`, `--tiny-vae`, then
+the speed switches (`--fp8`, `--attention-backend`, `--cuda-graphs`, `--compile`); `rolldiff generate` and `rolldiff
 serve` load the same way. Imported by the commands' runs only: it loads torch and the pipelines."""
 
 from __future__ import annotations
@@ -15,6 +15,13 @@ def load_from_flags(args: argparse.Namespace, device: str):
     """The pipeline the flags describe, sped up as they ask, its own progress bar off (a command counts chunks)."""
     pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
     pipe.set_progress_bar_config(disable=True)  # ours counts chunks of the whole video instead
+    if getattr(args, "lora", None):
+        from ..pipelines.lora import fuse_loras
+
+        try:
+            fuse_loras(pipe, args.lora, args.lora_scale or [1.0] * len(args.lora))
+        except (ValueError, AttributeError) as exc:
+            raise UsageError(f"--lora: {exc}") from None
     if args.tiny_vae is not None:
         try:
             pipe.load_tiny_autoencoder(args.tiny_vae)

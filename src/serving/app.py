@@ -123,6 +123,7 @@ class Hub:
             "model": self.settings.model,
             "pipeline": type(self.pipe).__name__,
             "recipe": self.settings.recipe or config.get("recipe"),
+            "loras": list(config.get("fused_loras") or []),  # `--lora`: each source and its scale
             "height": int(config.height),
             "width": int(config.width),
             "chunk_frames": self.chunk_pixel_frames(int(config.chunk_frames)),

@@ -39,6 +39,7 @@ from ..codecs.streaming_encode import StreamingWanEncoder
 from ..codecs.streaming_tiny_decode import StreamingTinyDecoder
 from ..conversion.adapter import load_kept_adapter, saved_without_adapter
 from ..io.resume import write_video
+from ..lora import loaded_adapters
 from ..request.builder import build_request, num_frames_for
 from ..request.call import VideoCall, takes_call_arguments
 from ..request.request import CacheOptions, VideoRequest, check_size
@@ -127,7 +128,16 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         return pipe
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
-        """diffusers' save, with a kept LoRA adapter written apart from the plain transformer weights."""
+        """diffusers' save, with a kept LoRA adapter written apart from the plain transformer weights. Adapters
+        loaded with `load_lora_weights` are refused, before anything is written: diffusers would write their
+        PEFT-wrapped weights (`base_layer.weight`), which no plain transformer loads."""
+        kept = self.config.get("lora_adapter")
+        loose = [name for name in loaded_adapters(self.transformer) if name != kept]
+        if loose:
+            raise ValueError(
+                f"save_pretrained: LoRA adapter(s) {loose} are loaded. Fuse them into the weights first "
+                "(`pipe.fuse_lora(); pipe.unload_lora_weights()`), or save them apart with `save_lora_weights`."
+            )
         with saved_without_adapter(self.transformer, self.config.get("lora_adapter"), save_directory):
             super().save_pretrained(save_directory, *args, **kwargs)
 

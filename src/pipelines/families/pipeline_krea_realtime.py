@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+from diffusers.loaders import WanLoraLoaderMixin
 
 from ...caching import AdaptiveSinkPolicy, RollingKVCache
 from ...caching.layout import ChunkLayout
@@ -105,14 +106,15 @@ class KreaRealtimeVideoPipelineOutput(ChunkedVideoPipelineOutput):
     torch, or latents `(batch, channels, latent_frames, h, w)` for `output_type="latent"`."""
 
 
-class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
+class KreaRealtimeVideoPipeline(ChunkedVideoPipeline, WanLoraLoaderMixin):
     """Text-to-video for causal Wan 2.1 checkpoints (Krea Realtime 14B, Self-Forcing / LongLive 1.3B).
 
     Components: `tokenizer` + `text_encoder` (UMT5), `transformer` (`KreaRealtimeTransformer3DModel`),
     `vae` (`AutoencoderKLWan`), `scheduler` (`FlowMatchEulerDiscreteScheduler`; its `shift` warps the
     denoising steps). Registered defaults (saved in `model_index.json`): the cache geometry in latent
     frames, the position mode, the denoising steps, the text length, Krea's KV-cache attention bias,
-    and the native frame size (`height`/`width`, used when a call gives none).
+    and the native frame size (`height`/`width`, used when a call gives none); `fused_loras` records the LoRAs
+    fused in (`rolldiff.pipelines.lora`: diffusers' `load_lora_weights` works here as on `WanPipeline`).
 
     Cache options (call arguments of `__call__` / `stream`, defaults from the config):
         chunk_frames: latent frames generated per chunk.
@@ -168,6 +170,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
         adaptive_sink: bool = False,
         adaptive_sink_threshold: float = 0.2,
         lora_adapter: str | None = None,
+        fused_loras: list[dict] | None = None,
     ) -> None:
         super().__init__()
         self.register_modules(
@@ -193,6 +196,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline):
             adaptive_sink=adaptive_sink,
             adaptive_sink_threshold=adaptive_sink_threshold,
             lora_adapter=lora_adapter,
+            fused_loras=list(fused_loras or []),
         )
         self.set_vae_factors(vae)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
+from diffusers.loaders import SanaLoraLoaderMixin
 
 from ...caching import RollingKVCache
 from ...caching.layout import ALL_FRAMES, POSITION_MODES, ChunkLayout
@@ -66,7 +67,7 @@ class LongSanaCacheOptions(CacheOptions):
         check_choice("position_mode", self.position_mode, POSITION_MODES)
 
 
-class LongSanaVideoPipeline(ChunkedVideoPipeline):
+class LongSanaVideoPipeline(ChunkedVideoPipeline, SanaLoraLoaderMixin):
     """Text-to-video for block-causal SANA-Video checkpoints (LongSANA).
 
     Prompts are encoded by the shared `encode_prompt`: Gemma embeddings zero past each prompt's end, and
@@ -76,6 +77,8 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
     Components: `tokenizer` + `text_encoder` (Gemma-2 style), `transformer` (`LongSanaTransformer3DModel`),
     `vae` (`AutoencoderKLWan`), `scheduler` (`FlowMatchEulerDiscreteScheduler`; its `shift` warps the
     denoising steps: LongSANA's [1000, 960, 889, 727] are [1000, 750, 500, 250] under shift 8).
+    LoRAs load with diffusers' `load_lora_weights` (`SanaLoraLoaderMixin`); `fused_loras` in the config records
+    those fused in (`rolldiff.pipelines.lora`).
 
     Cache options (call arguments of `__call__` / `stream`, defaults from the config; the names are the
     Krea-like pipeline's, so callers drive both families alike):
@@ -110,6 +113,7 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
         width: int = 832,
         recipe: str | None = None,
         lora_adapter: str | None = None,
+        fused_loras: list[dict] | None = None,
     ) -> None:
         super().__init__()
         self.register_modules(
@@ -126,6 +130,7 @@ class LongSanaVideoPipeline(ChunkedVideoPipeline):
             width=width,
             recipe=recipe,
             lora_adapter=lora_adapter,
+            fused_loras=list(fused_loras or []),
         )
         self.set_vae_factors(vae)
 

@@ -28,6 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import load, save, save_file
 
 from ...checks import check_number
+from ..lora import lora_fingerprint
 from ..request.fingerprint import request_fingerprint
 from ..stream import ChunkStream
 from .video_writer import StreamingVideoWriter, check_output_path, check_quality, count_frames, partial_path_for
@@ -147,6 +148,7 @@ def run_fingerprint(stream: ChunkStream, fps: float, quality: float = 5) -> dict
         "model": str(getattr(pipe, "name_or_path", "") or ""),
         "transformer": transformer,
         "dtype": str(pipe.transformer.dtype),
+        "lora": lora_fingerprint(pipe),
         "decoder": "tiny" if getattr(pipe, "tiny_autoencoder", None) is not None else "vae",
         "fps": float(fps),
         "quality": float(quality),
