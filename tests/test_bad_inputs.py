@@ -282,7 +282,9 @@ def test_from_pretrained_on_a_missing_folder_says_no_such_folder_not_a_repo_id_r
 def test_from_pretrained_on_a_checkpoint_file_points_to_from_original(tmp_path):
     checkpoint = tmp_path / "self_forcing_dmd.pt"
     checkpoint.write_bytes(b"not read")
-    with pytest.raises(FileNotFoundError, match=r"is a file; it takes a pipeline folder .*\.from_original\(checkpoint"):
+    with pytest.raises(
+        FileNotFoundError, match=r"is a file; it takes a pipeline folder .*\.from_original\(checkpoint"
+    ):
         KreaRealtimeVideoPipeline.from_pretrained(checkpoint)
     assert checkpoint.read_bytes() == b"not read"
 
