@@ -106,3 +106,9 @@ def check_choice(name: str, value: Any, allowed: Collection, hint: str = "") -> 
     if not known:
         raise ValueError(f"`{name}` must be one of {tuple(allowed)}{_hint(hint)}, got {value!r}.")
     return value
+
+
+def looks_like_a_path(text: str) -> bool:
+    """A string meant as a local path rather than a Hub id ("name" or "org/name"): it starts with ".", "/" or "~",
+    has more than one "/", or a backslash. A missing path of that form is "no such folder", not a bad repo id."""
+    return text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text

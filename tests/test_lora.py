@@ -197,6 +197,7 @@ def test_the_command_writes_a_video_with_a_lora(tmp_path, lora_file, capsys):
         (["--lora", "{lora}", "--lora-scale", "1", "--lora-scale", "2"], "--lora-scale: 2 given for 1 --lora"),
         (["--lora-scale", "0.5"], "--lora-scale: 1 given for 0 --lora"),
         (["--lora", "./no/such.safetensors"], "--lora: no such file or folder './no/such.safetensors'"),
+        (["--lora", "style.safetensors"], "--lora: no such file or folder 'style.safetensors'"),
         (["--lora", "{pickle}"], "only .safetensors files are read"),
         (
             ["--lora", "{lora}", "--pipeline-parallel", "2"],

@@ -9,6 +9,7 @@ import math
 import textwrap
 from pathlib import Path
 
+from ..checks import looks_like_a_path
 from ..choices import ALL_FRAMES, DTYPE_NAMES
 from ..recipes import list_recipes
 from .errors import UsageError
@@ -228,8 +229,8 @@ def check_lora_flags(args: argparse.Namespace) -> None:
         raise UsageError(f"--lora-scale: {len(scales)} given for {len(sources)} --lora; give one per --lora, or none")
     for source in sources:
         path = Path(source).expanduser()
-        looks_local = path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1
-        if looks_local and not path.exists():
+        is_file_name = path.suffix in (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+        if (looks_like_a_path(source) or is_file_name) and not path.exists():
             raise UsageError(f"--lora: no such file or folder {source!r}")
         if path.is_file() and path.suffix != ".safetensors":
             raise UsageError(

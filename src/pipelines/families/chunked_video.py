@@ -31,6 +31,7 @@ from diffusers.utils import BaseOutput
 from diffusers.video_processor import VideoProcessor
 
 from ...caching.layout import ChunkLayout
+from ...checks import looks_like_a_path
 from ...models.tiny_autoencoder import TinyVideoAutoencoder
 from ...models.weights import check_pipeline_weights, resolve_dtype
 from ..acceleration import capture_cuda_graphs, enable_fp8, fastest_attention_backend, set_attention_backend
@@ -83,8 +84,7 @@ def refuse_a_missing_folder(class_name: str, source: str) -> None:
             f"`rolldiff convert`) or a Hub id. An original checkpoint file: {class_name}.from_original(checkpoint, "
             "base=...)."
         )
-    looks_local = source.startswith((".", "/", "~")) or source.count("/") > 1 or "\\" in source
-    if looks_local:
+    if looks_like_a_path(source):
         raise FileNotFoundError(f"{class_name}.from_pretrained: no such folder {source!r}.")
 
 
