@@ -267,3 +267,31 @@ def test_a_server_with_a_lora_serves_the_fused_models_frames_and_names_it(tmp_pa
         tmp_path / "refs", model=str(tmp_path / "fused"), prompt=RED, seed=3, num_frames=FRAMES
     )
     assert len(chunks) == len(expected) and all((got == want).all() for got, want in zip(chunks, expected))
+
+
+def test_the_demo_serves_the_model_with_its_loras_fused(tmp_path, lora_file, monkeypatch):
+    import gradio as gr
+
+    import rolldiff.demo
+
+    folder = tmp_path / "pipeline"
+    tiny_pipeline().save_pretrained(folder)
+    built = {}
+
+    def build_demo(**kwargs):
+        built.update(kwargs)
+        return gr.Blocks()
+
+    monkeypatch.setattr(rolldiff.demo, "build_demo", build_demo)
+    monkeypatch.setattr(gr.Blocks, "launch", lambda self, **kwargs: None)
+    assert (
+        main(["demo", "--model", str(folder), "--lora", str(lora_file), "--lora-scale", "0.5", "--port", "7862"]) == 0
+    )
+    (label, load), *others = built["models"].items()
+    assert others == [] and label == f"{folder} + LoRA"
+    assert load().config.fused_loras == [{"source": str(lora_file), "scale": 0.5}]
+
+
+def test_the_demo_refuses_a_missing_lora_before_the_model_loads(capsys):
+    assert main(["demo", "--lora", "./no/such.safetensors", "--port", "7862"]) == 2
+    assert "--lora: no such file or folder" in capsys.readouterr().err

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from .arguments import add_address_arguments, add_model_arguments, check_address_flags, positive
+from .arguments import (
+    add_address_arguments,
+    add_lora_arguments,
+    add_model_arguments,
+    check_address_flags,
+    check_lora_flags,
+    positive,
+)
 from .errors import UsageError
 
 
@@ -13,6 +20,7 @@ def add_demo_command(commands) -> None:
     """The `demo` subcommand and its flags."""
     demo = commands.add_parser("demo", help="serve the Gradio demo", description="Serve the Gradio demo.")
     add_model_arguments(demo)
+    add_lora_arguments(demo)
     add_address_arguments(demo, port=7860)
     demo.add_argument("--max-concurrency", type=positive(int), default=2, help="generations at once (default 2)")
     demo.set_defaults(run=run_demo)
@@ -25,9 +33,25 @@ def run_demo(args: argparse.Namespace) -> int:
     from ..demo import build_demo  # imports gradio: only for this command
 
     check_address_flags(args)
+    check_lora_flags(args)
     device = args.device or default_device()
-    demo = build_demo(
-        args.model, max_concurrency=args.max_concurrency, device=device, dtype=args.dtype or default_dtype(device)
-    )
+    dtype = args.dtype or default_dtype(device)
+    if args.lora:  # one model, its LoRAs fused (loaded now: the page needs its first model)
+        label = f"{args.model or 'tiny-bouncing-shapes'} + LoRA"
+        demo = build_demo(
+            models={label: lambda: _with_loras(args, device, dtype)}, max_concurrency=args.max_concurrency
+        )
+    else:
+        demo = build_demo(args.model, max_concurrency=args.max_concurrency, device=device, dtype=dtype)
     demo.launch(server_name=args.host, server_port=args.port)
     return 0
+
+
+def _with_loras(args: argparse.Namespace, device: str, dtype: str):
+    """The `--model` pipeline with the `--lora` LoRAs fused in, as `rolldiff generate` loads it."""
+    from ..defaults import load_pipeline
+    from .loading import fuse_lora_flags
+
+    pipe = load_pipeline(args.model, device=device, dtype=dtype)
+    fuse_lora_flags(pipe, args)
+    return pipe

@@ -8,6 +8,7 @@ import argparse
 
 from ..defaults import default_dtype, load_pipeline
 from ..pipelines.acceleration import compile_cached_step
+from ..pipelines.lora import fuse_loras
 from .errors import UsageError
 
 
@@ -15,13 +16,7 @@ def load_from_flags(args: argparse.Namespace, device: str):
     """The pipeline the flags describe, sped up as they ask, its own progress bar off (a command counts chunks)."""
     pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
     pipe.set_progress_bar_config(disable=True)  # ours counts chunks of the whole video instead
-    if getattr(args, "lora", None):
-        from ..pipelines.lora import fuse_loras
-
-        try:
-            fuse_loras(pipe, args.lora, args.lora_scale or [1.0] * len(args.lora))
-        except (ValueError, AttributeError) as exc:
-            raise UsageError(f"--lora: {exc}") from None
+    fuse_lora_flags(pipe, args)
     if args.tiny_vae is not None:
         try:
             pipe.load_tiny_autoencoder(args.tiny_vae)
@@ -29,6 +24,17 @@ def load_from_flags(args: argparse.Namespace, device: str):
             raise UsageError(f"--tiny-vae: {exc}") from None
     _accelerate(pipe, args)
     return pipe
+
+
+def fuse_lora_flags(pipe, args: argparse.Namespace) -> None:
+    """`--lora` / `--lora-scale` (checked by `check_lora_flags`): fused into `pipe`; a LoRA that does not fit is a usage
+    error naming the file."""
+    if not args.lora:
+        return
+    try:
+        fuse_loras(pipe, args.lora, args.lora_scale or [1.0] * len(args.lora))
+    except ValueError as exc:
+        raise UsageError(f"--lora: {exc}") from None
 
 
 def _accelerate(pipe, args: argparse.Namespace) -> None:
