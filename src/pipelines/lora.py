@@ -20,6 +20,7 @@ between streams, not while one runs.
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
 from collections.abc import Sequence
@@ -69,8 +70,8 @@ def _split(source: str | os.PathLike) -> tuple[str, dict[str, str]]:
 
 def fuse_loras(pipe: Any, sources: Sequence[str | os.PathLike], scales: Sequence[float]) -> None:
     """Load every LoRA in `sources` (a `.safetensors` file, a folder with one, or a Hub id), weight each by its scale,
-    fuse them (with any adapter the folder keeps, at its own scale) into the transformer's weights and unload the
-    adapters, leaving plain weights. Records `fused_loras` in the config.
+    fuse them, with every adapter already loaded (a folder's kept LongLive adapter) at scale 1, into the transformer's
+    weights and unload the adapters, leaving plain weights. Records `fused_loras` in the config.
 
     Raises:
         ValueError: `scales` does not pair with `sources`, or a LoRA does not fit the transformer (no key of it
@@ -79,7 +80,8 @@ def fuse_loras(pipe: Any, sources: Sequence[str | os.PathLike], scales: Sequence
     if len(scales) != len(sources):
         raise ValueError(f"{len(scales)} scale(s) for {len(sources)} LoRA(s): give one scale per LoRA")
     kept = loaded_adapters(pipe.transformer)
-    names = [f"lora_{len(kept) + index}" for index in range(len(sources))]
+    free = (f"lora_{number}" for number in itertools.count() if f"lora_{number}" not in kept)
+    names = [next(free) for _ in sources]
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Already found a `peft_config`")  # PEFT, on a second adapter
