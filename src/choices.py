@@ -4,3 +4,5 @@ importing torch."""
 
 ALL_FRAMES = "all"  # `window_frames` of an unbounded window: every earlier frame stays visible
 DTYPE_NAMES = ("float32", "bfloat16", "float16")  # the dtypes a pipeline loads in (`rolldiff.defaults.DTYPES`)
+# Where a pipeline's weights wait between uses (`rolldiff.pipelines.memory.enable_offload`, `--offload`)
+OFFLOAD_MODES = ("text-encoder", "model", "blocks")

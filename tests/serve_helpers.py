@@ -205,6 +205,8 @@ from rolldiff.pipelines.io.video_writer import frames_to_uint8
 spec = json.loads(sys.argv[1])
 pipe = load_pipeline(spec.get("model"), device="cpu", dtype="float32")
 pipe.set_progress_bar_config(disable=True)
+if spec.get("fp8_storage"):
+    pipe.enable_fp8_storage()
 call = {k: np.load(spec[k]) for k in ("image", "video") if spec.get(k)}
 if spec.get("strength") is not None:
     call["strength"] = spec["strength"]

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 
 from ..checks import looks_like_a_path
-from ..choices import ALL_FRAMES, DTYPE_NAMES
+from ..choices import ALL_FRAMES, DTYPE_NAMES, OFFLOAD_MODES
 from ..recipes import list_recipes
 from .errors import UsageError
 
@@ -237,6 +237,49 @@ def check_lora_flags(args: argparse.Namespace) -> None:
                 f"--lora {source!r}: only .safetensors files are read (a {path.suffix or 'suffix-less'} file may be "
                 "a pickle, which can run code); save the LoRA as safetensors"
             )
+
+
+def add_memory_arguments(parser) -> None:
+    """`--offload` and `--fp8-storage`: how the weights fit a smaller GPU, read by `loading.load_weights`."""
+    parser.add_argument(
+        "--offload",
+        choices=OFFLOAD_MODES,
+        help="keep weights in CPU memory until used: text-encoder (it visits the GPU per prompt; chunks at full "
+        "speed), model (each component in turn; the transformer moves every chunk) or blocks (the transformer too, a "
+        "block at a time: the least GPU memory, the slowest)",
+    )
+    parser.add_argument(
+        "--fp8-storage",
+        action="store_true",
+        help="store the transformer's weights in float8, computed in --dtype (diffusers' layerwise casting): half "
+        "the memory of bfloat16 weights, any GPU, a slightly different video",
+    )
+
+
+def check_memory_flags(args: argparse.Namespace) -> None:
+    """The `--offload` / `--fp8-storage` combinations refused before loading: what cannot be compiled, captured or
+    stored twice (the library refuses them too, after the load). Raises `UsageError`."""
+    compiler = (
+        "--cuda-graphs"
+        if getattr(args, "cuda_graphs", False)
+        else "--compile"
+        if getattr(args, "compile", None)
+        else None
+    )
+    resident = "; --offload text-encoder keeps the transformer resident, and compiles"
+    if compiler and args.offload in ("model", "blocks"):
+        raise UsageError(
+            f"--offload {args.offload} and {compiler}: hooks move the weights at each call, which torch.compile cannot "
+            f"trace and a CUDA graph cannot replay; drop one{resident}"
+        )
+    if compiler and args.fp8_storage:
+        raise UsageError(
+            f"--fp8-storage and {compiler}: hooks cast the weights at each call, which torch.compile cannot trace; drop "
+            "one (--fp8 is float8 that compiles, on sm 8.9+)"
+        )
+    if args.fp8_storage and getattr(args, "fp8", False):
+        raise UsageError("--fp8-storage and --fp8: two ways to float8 weights (torchao's --fp8 quantizes the bfloat16 "
+                         "ones); drop one")  # fmt: skip
 
 
 def add_recipe_argument(parser, help: str) -> None:

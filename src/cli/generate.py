@@ -11,6 +11,7 @@ from .arguments import (
     MAX_SECONDS,
     add_compile_and_decoder_arguments,
     add_lora_arguments,
+    add_memory_arguments,
     add_model_arguments,
     add_recipe_argument,
     non_negative_seconds,
@@ -69,6 +70,7 @@ def add_generate_command(commands) -> None:
         generate.add_argument_group("denoising and context (default: the recipe's, else the model's)")
     )
     _add_input_arguments(generate.add_argument_group("start image and input video"))
+    _add_memory_arguments(generate.add_argument_group("GPU memory (docs/memory.md)"))
     _add_speed_arguments(generate.add_argument_group("speed"))
     _add_file_arguments(generate.add_argument_group("the file"))
     generate.set_defaults(run=_run)
@@ -112,6 +114,11 @@ def _add_denoising_arguments(group) -> None:
         type=int,
         help="latent frames the context pass attends to, counting its chunk (Rolling Forcing's clean pass: 21)",
     )
+
+
+def _add_memory_arguments(group) -> None:
+    """Where the weights and the K/V window live, and in what dtype."""
+    add_memory_arguments(group)
     group.add_argument(
         "--kv-quantization", choices=["int8", "fp8"], help="store the K/V window quantized (about half of bf16)"
     )

@@ -1,5 +1,5 @@
-"""The pipeline a command runs, loaded as the flags say: `--model`, `--device`, `--dtype`, `--lora`, `--tiny-vae`, then
-the speed switches (`--fp8`, `--attention-backend`, `--cuda-graphs`, `--compile`); `rolldiff generate` and `rolldiff
+"""The pipeline a command runs, loaded as the flags say: `--model`, `--device`, `--dtype`, `--lora`, `--fp8-storage`,
+`--offload`, `--tiny-vae`, then the speed switches (`--fp8`, `--attention-backend`, `--cuda-graphs`, `--compile`); `rolldiff generate` and `rolldiff
 serve` load the same way. Imported by the commands' runs only: it loads torch and the pipelines."""
 
 from __future__ import annotations
@@ -14,15 +14,31 @@ from .errors import UsageError
 
 def load_from_flags(args: argparse.Namespace, device: str):
     """The pipeline the flags describe, sped up as they ask, its own progress bar off (a command counts chunks)."""
-    pipe = load_pipeline(args.model, device=device, dtype=args.dtype or default_dtype(device))
+    pipe = load_weights(args, device)
     pipe.set_progress_bar_config(disable=True)  # ours counts chunks of the whole video instead
-    fuse_lora_flags(pipe, args)
     if args.tiny_vae is not None:
         try:
             pipe.load_tiny_autoencoder(args.tiny_vae)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--tiny-vae: {exc}") from None
     _accelerate(pipe, args)
+    return pipe
+
+
+def load_weights(args: argparse.Namespace, device: str):
+    """The `--model` pipeline with the `--lora` LoRAs fused, its transformer stored as `--fp8-storage` says and placed on
+    `device` as `--offload` says. Under either, the weights stay in CPU memory until then: a model that fits the GPU
+    only offloaded or in float8 never lands there whole."""
+    dtype = args.dtype or default_dtype(device)
+    fits_later = bool(args.offload or args.fp8_storage)
+    pipe = load_pipeline(args.model, device="cpu" if fits_later else device, dtype=dtype)
+    fuse_lora_flags(pipe, args)  # into the weights as loaded, before they are cast to float8
+    if args.fp8_storage:
+        pipe.enable_fp8_storage()
+    if args.offload:
+        pipe.enable_offload(args.offload, device)
+    elif fits_later:
+        pipe.to(device)
     return pipe
 
 

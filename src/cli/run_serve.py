@@ -11,7 +11,7 @@ import os
 import torch
 
 from ..defaults import default_device
-from .arguments import check_address_flags, check_lora_flags
+from .arguments import check_address_flags, check_lora_flags, check_memory_flags
 from .errors import UsageError
 from .loading import load_from_flags
 from .quiet import quiet_libraries
@@ -31,6 +31,7 @@ def _check_serve_arguments(args: argparse.Namespace) -> None:
             "(a compiled step is one session's graph)"
         )
     check_lora_flags(args)
+    check_memory_flags(args)
     if args.state_every < 0 or (args.state_every and args.state_dir is None):
         raise UsageError("--state-every: a number of chunks >= 0, with --state-dir to save into")
     if args.state_dir is not None:

@@ -10,6 +10,7 @@ from .arguments import (
     add_address_arguments,
     add_compile_and_decoder_arguments,
     add_lora_arguments,
+    add_memory_arguments,
     add_model_arguments,
     add_recipe_argument,
     positive,
@@ -33,6 +34,7 @@ def add_serve_command(commands) -> None:
     )
     add_model_arguments(serve)
     add_lora_arguments(serve)
+    add_memory_arguments(serve)
     add_recipe_argument(serve, "the recipe sessions use unless they name one")
     add_compile_and_decoder_arguments(serve)
     add_address_arguments(serve, port=8000)

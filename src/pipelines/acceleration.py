@@ -35,6 +35,8 @@ from torch import nn
 
 from ..models.attention_backends import MASK_FREE_BACKENDS as MASK_FREE_BACKENDS  # re-exported
 from ..models.attention_backends import attention_backend_for as attention_backend_for  # re-exported
+from ..models.placement import execution_device, is_offloaded
+from .memory import fp8_storage
 
 FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor cores: Ada (8.9), Hopper (9.0), Blackwell (10.x, 12.x)
 FP8_ALIGNMENT = 16  # torch._scaled_mm needs both sides of the weight to be multiples of 16
@@ -57,9 +59,10 @@ class AccelerationUnavailable(ValueError, RuntimeError):  # noqa: N818 (a refusa
 
 # ----------------------------------------------------------------------------------------- helpers
 def transformer_device(transformer: nn.Module) -> torch.device:
-    """The device of the transformer's first parameter (where its matmuls run)."""
+    """Where the transformer's matmuls run: its first parameter's device, or the GPU its offload hooks bring the
+    weights to (`placement.execution_device`)."""
     try:
-        return next(transformer.parameters()).device
+        return execution_device(transformer)
     except StopIteration:
         raise ValueError("The transformer has no parameters; load its weights first.") from None
 
@@ -126,6 +129,11 @@ def enable_fp8(transformer: nn.Module) -> bool:
         AccelerationUnavailable: on a CPU or a GPU without float8 tensor cores, for non-bfloat16 weights, or when
             torchao is not installed; before anything is changed.
     """
+    if fp8_storage(transformer):
+        raise AccelerationUnavailable(
+            "enable_fp8 (--fp8): the weights are stored in float8 already (enable_fp8_storage, --fp8-storage), cast up "
+            "at each call; torchao's float8 matmuls need the bfloat16 weights: use one or the other"
+        )
     names = fp8_linear_names(transformer)
     device = transformer_device(transformer)
     dtype = transformer.get_submodule(names[0]).weight.dtype if names else torch.bfloat16
@@ -186,7 +194,10 @@ def attention_head_dims(transformer: nn.Module) -> list[int]:
 
 
 def weights_dtype(transformer: nn.Module) -> torch.dtype:
-    """The dtype of the transformer's first floating-point parameter (what its attention runs in)."""
+    """The dtype the transformer computes (and its attention runs) in: a diffusers model's `dtype`, which is the
+    compute dtype under float8 storage (`enable_layerwise_casting`), else its first floating-point parameter's."""
+    if isinstance(getattr(transformer, "dtype", None), torch.dtype):
+        return transformer.dtype
     return next((p.dtype for p in transformer.parameters() if p.is_floating_point()), torch.float32)
 
 
@@ -327,6 +338,15 @@ def is_compiled(module: nn.Module) -> bool:
     return compiled_call or isinstance(module.forward, CompiledStep) or hasattr(module, "_orig_mod")
 
 
+def _untraceable_weights(transformer: nn.Module) -> str | None:
+    """Why dynamo cannot trace the step in one graph (hooks it must not inline run around each layer), or None."""
+    if is_offloaded(transformer):
+        return "hooks move the transformer's weights at each call (--offload model or blocks)"
+    if fp8_storage(transformer):
+        return "its weights are stored in float8 and cast up by hooks at each call (--fp8-storage)"
+    return None
+
+
 def compile_cached_step(
     transformer: nn.Module, *, backend: Any = "inductor", mode: str | None = None, fullgraph: bool = True
 ) -> CompiledStep:
@@ -339,6 +359,12 @@ def compile_cached_step(
     """
     if isinstance(transformer.forward, CompiledStep):
         raise RuntimeError("The transformer's forward is compiled already; load a fresh transformer to recompile.")
+    obstacle = _untraceable_weights(transformer)
+    if obstacle is not None:
+        raise AccelerationUnavailable(
+            f"compile_cached_step (--compile): torch.compile cannot trace the cached step whole: {obstacle}. Compile "
+            "a resident transformer in its compute dtype (--offload text-encoder keeps the transformer resident)."
+        )
     options = {"mode": mode} if mode not in (None, "default") else {}
     # A stream records a few graphs (the window's sizes, full or not); one process serving other layouts (a start
     # image, a context policy, another recipe) adds theirs, past torch's default of 8 (a hard failure under
@@ -371,9 +397,10 @@ def capture_cuda_graphs(transformer: nn.Module) -> CompiledStep:
             f"capture_cuda_graphs (--cuda-graphs): CUDA graphs need the transformer on a CUDA device; it is on "
             f"{device}. Use compile_cached_step(transformer) (--compile) instead."
         )
-    if getattr(transformer, "_hf_hook", None) is not None:
+    if is_offloaded(transformer):
         raise AccelerationUnavailable(
-            "capture_cuda_graphs (--cuda-graphs): the transformer has offload hooks (enable_model_cpu_offload or "
-            "a device_map); a CUDA graph replays fixed weight addresses. Load it without offloading."
+            "capture_cuda_graphs (--cuda-graphs): the transformer has offload hooks (--offload model or blocks: "
+            "enable_model_cpu_offload, group offloading, or a device_map); a CUDA graph replays fixed weight "
+            "addresses. Load it without offloading (--offload text-encoder keeps the transformer resident)."
         )
     return compile_cached_step(transformer, backend="inductor", mode="reduce-overhead", fullgraph=True)

@@ -24,6 +24,7 @@ from fastapi import FastAPI, WebSocket
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from ..pipelines.memory import fp8_storage, offload_mode
 from ..pipelines.request import VideoCall, build_request, longest_num_frames
 from ..pipelines.request.text_encoding import PromptWarning
 from ..pipelines.stream import ChunkStream
@@ -124,6 +125,8 @@ class Hub:
             "pipeline": type(self.pipe).__name__,
             "recipe": self.settings.recipe or config.get("recipe"),
             "loras": list(config.get("fused_loras") or []),  # `--lora`: each source and its scale
+            "offload": offload_mode(self.pipe),  # `--offload` (None: every weight resident)
+            "fp8_storage": fp8_storage(self.pipe.transformer),
             "height": int(config.height),
             "width": int(config.width),
             "chunk_frames": self.chunk_pixel_frames(int(config.chunk_frames)),

@@ -28,6 +28,7 @@ import PIL.Image
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
+from diffusers.utils.torch_utils import get_device
 from diffusers.video_processor import VideoProcessor
 
 from ...caching.layout import ChunkLayout
@@ -41,6 +42,7 @@ from ..codecs.streaming_tiny_decode import StreamingTinyDecoder
 from ..conversion.adapter import load_kept_adapter, saved_without_adapter
 from ..io.resume import write_video
 from ..lora import loaded_adapters
+from ..memory import enable_fp8_storage, enable_offload
 from ..request.builder import build_request, num_frames_for
 from ..request.call import VideoCall, takes_call_arguments
 from ..request.request import CacheOptions, VideoRequest, check_size
@@ -351,6 +353,20 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         2 graphs, the ring buffers' static addresses); one stream per transformer. Refused off CUDA or under
         offload hooks (`AccelerationUnavailable`)."""
         return capture_cuda_graphs(self.transformer)
+
+    # ---------------------------------------------------------------------------------------- memory
+    def enable_offload(self, mode: str = "text-encoder", device: str | torch.device | None = None) -> None:
+        """Place the components on `device` (default: the accelerator) so that less of them is there at once, in place
+        of `pipe.to(device)` (`rolldiff.pipelines.memory`): `"text-encoder"` (the text encoder visits the GPU for each
+        prompt; chunks run at full speed), `"model"` (diffusers' `enable_model_cpu_offload`: each component in turn)
+        or `"blocks"` (the transformer too, one block at a time). The video is the resident pipeline's."""
+        enable_offload(self, mode, device or get_device())
+
+    def enable_fp8_storage(self) -> None:
+        """Keep the transformer's weights in float8 (e4m3), cast to its dtype layer by layer at each call (diffusers'
+        layerwise casting): half the weight memory of bfloat16, any GPU; the video changes by that rounding. Call
+        after loading LoRAs (`fuse_loras`) and before `enable_offload` or `to(device)`."""
+        enable_fp8_storage(self.transformer)
 
     # ---------------------------------------------------------------------------------------- the loop's pieces
     def branch_embeds(self, request: VideoRequest, prompt_index: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from safetensors.torch import load, save, save_file
 
 from ...checks import check_number
 from ..lora import lora_fingerprint
+from ..memory import fp8_storage
 from ..request.fingerprint import request_fingerprint
 from ..stream import ChunkStream
 from .video_writer import StreamingVideoWriter, check_output_path, check_quality, count_frames, partial_path_for
@@ -149,6 +150,7 @@ def run_fingerprint(stream: ChunkStream, fps: float, quality: float = 5) -> dict
         "transformer": transformer,
         "dtype": str(pipe.transformer.dtype),
         "lora": lora_fingerprint(pipe),
+        "fp8_storage": True if fp8_storage(pipe.transformer) else None,  # None: absent from states saved before it
         "decoder": "tiny" if getattr(pipe, "tiny_autoencoder", None) is not None else "vae",
         "fps": float(fps),
         "quality": float(quality),
