@@ -1,5 +1,5 @@
 """Checks that only a GPU can make: the embedded pipelines on CUDA give the CPU's video, and the CUDA-only code
-paths (the K/V window offloaded to pinned CPU memory with side-stream prefetch, accelerate's model CPU offload)
+paths (the K/V window offloaded to pinned CPU memory with side-stream prefetch, the weights offloaded three ways)
 give the same video as without them.
 
 Each row generates the same video (fixed prompt, a CPU `torch.Generator`, so the noise is identical on every
@@ -10,10 +10,13 @@ fails or differs by more than its tolerance:
   cuda kv_offload vs cuda             the same arithmetic, copies only: atol 1e-5 (Krea-like only: SANA's state
                                       is small and has no offload)
   cuda model_cpu_offload vs cuda      the same arithmetic, hooks only: atol 1e-5
+  cuda offload text-encoder / blocks  `enable_offload`: the text encoder leaf by leaf, the transformer block by block
+    vs cuda                           (diffusers' group offloading, prefetched on a side stream): atol 1e-5
   cuda bfloat16 vs cuda float32       reported (bf16 rounding drifts over a long video), finite required
   cuda CUDA graphs vs cuda float32    `capture_cuda_graphs` (inductor + graph replay): atol 2e-3 (fused kernels)
   cuda fastest attention vs bfloat16  `fastest_attention_backend`'s kernel in bf16: reported, finite required
   cuda fp8 vs cuda bfloat16           `enable_fp8` (float8 linears): reported, finite required
+  cuda fp8 storage vs cuda bfloat16   `enable_fp8_storage` (float8 weights cast up per layer): reported, finite
   cuda overlapped decode vs serial    `OverlappedDecoder` on a side stream while the main stream is busy, random
                                       latents through the model's own decoder: exact (atol 0)
   cuda CUDA graphs vs cuda float32,   StreamDiffusionV2's adaptive sink, pipelined: the in-flight forwards replayed as
@@ -38,6 +41,7 @@ import numpy as np
 import torch
 from _common import markdown_table, require_cuda_unless_dry_run
 
+from rolldiff.choices import OFFLOAD_MODES
 from rolldiff.defaults import embedded_models, load_pipeline, pipeline_class
 from rolldiff.pipelines.acceleration import AccelerationUnavailable
 from rolldiff.pipelines.codecs.overlap import OverlappedDecoder, decode_ahead
@@ -67,11 +71,16 @@ class Check:
 def generate(
     model: str, device: str, dtype: str, seconds: float, offload: str | None = None, call: dict | None = None
 ) -> np.ndarray:
-    """The video of `PROMPT` as `(frames, H, W, 3)` float32 in [0, 1]; `offload` also names a speed switch
-    ("cuda-graphs", "attention", "fp8") applied to the transformer after loading; `call`: more call arguments."""
-    pipe = load_pipeline(model, device="cpu" if offload == "model" else device, dtype=dtype)
-    if offload == "model":
-        pipe.enable_model_cpu_offload(device=device)
+    """The video of `PROMPT` as `(frames, H, W, 3)` float32 in [0, 1]. `offload`: an `enable_offload` mode, "kv"
+    (the K/V window), "fp8-storage", or a speed switch ("cuda-graphs", "attention", "fp8") applied to the transformer
+    after loading; `call`: more call arguments."""
+    placed_later = offload in (*OFFLOAD_MODES, "fp8-storage")  # loaded on the CPU, then stored / placed
+    pipe = load_pipeline(model, device="cpu" if placed_later else device, dtype=dtype)
+    if offload == "fp8-storage":
+        pipe.enable_fp8_storage()
+        pipe.to(device)
+    elif offload in OFFLOAD_MODES:
+        pipe.enable_offload(offload, device)
     apply_speed_switch(pipe, offload)
     num_frames = pipe.num_frames_for(seconds, 16)
     generator = torch.Generator("cpu").manual_seed(SEED)
@@ -173,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         "cuda float32": (gpu, "float32", None),
         "cuda kv_offload": (gpu, "float32", "kv"),
         "cuda model_cpu_offload": (gpu, "float32", "model"),
+        "cuda offload text-encoder": (gpu, "float32", "text-encoder"),
+        "cuda offload blocks": (gpu, "float32", "blocks"),
+        "cuda fp8 storage": (gpu, "bfloat16", "fp8-storage"),
         "cuda bfloat16": (gpu, "bfloat16", None),
         "cuda CUDA graphs": (gpu, "float32", "cuda-graphs"),
         "cuda fastest attention": (gpu, "bfloat16", "attention"),
@@ -185,10 +197,13 @@ def main(argv: list[str] | None = None) -> int:
         ("cuda float32", "cpu float32", 2e-3),
         ("cuda kv_offload", "cuda float32", 1e-5),
         ("cuda model_cpu_offload", "cuda float32", 1e-5),
+        ("cuda offload text-encoder", "cuda float32", 1e-5),
+        ("cuda offload blocks", "cuda float32", 1e-5),
         ("cuda bfloat16", "cuda float32", None),
         ("cuda CUDA graphs", "cuda float32", 2e-3),
         ("cuda fastest attention", "cuda bfloat16", None),
         ("cuda fp8", "cuda bfloat16", None),
+        ("cuda fp8 storage", "cuda bfloat16", None),
         ("cuda overlapped decode", "cuda serial decode", 0.0),
         (f"cuda CUDA graphs, {STREAM_RECIPE} pipelined", f"cuda float32, {STREAM_RECIPE} pipelined", 2e-3),
     ]

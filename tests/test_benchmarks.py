@@ -168,7 +168,8 @@ def test_gpu_checks_dry_run_compares_every_row_of_both_embedded_models(capsys):
     krea, sana = "tiny-bouncing-shapes", "tiny-bouncing-shapes-sana"
     assert (krea, "cuda kv_offload") in names and (sana, "cuda kv_offload") not in names  # SANA has no K/V window
     assert {(sana, "cuda model_cpu_offload"), (krea, "cuda bfloat16")} <= set(names)
-    speed = {"cuda CUDA graphs", "cuda fastest attention", "cuda fp8", "cuda overlapped decode"}
+    speed = {"cuda CUDA graphs", "cuda fastest attention", "cuda fp8", "cuda overlapped decode", "cuda fp8 storage"}
+    speed |= {"cuda offload text-encoder", "cuda offload blocks"}  # the weights offloaded: equal on the CPU too
     assert {(model, row) for model in (krea, sana) for row in speed} <= set(names)
     results = {(model.lstrip("| "), row): result.strip(" |") for model, row, *_, result in rows}
     assert (krea, "cuda CUDA graphs, streamdiffusionv2 pipelined") in names  # a Krea-like recipe only
@@ -390,3 +391,20 @@ def test_device_run_refuses_an_unknown_step_before_any_work(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "unknown step 'serv': give fps, checks or serve" in done.stderr
     assert not out.exists() and done.stdout == ""
+
+
+# ----------------------------------------------------------------------------------------- weights_memory
+def test_weights_memory_counts_each_published_checkpoint_under_each_offload_mode(capsys):
+    import weights_memory
+
+    assert weights_memory.main() == 0
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()]
+    rows = [row for row in rows if len(row) == 8 and row[1].endswith(" B)")]
+    assert len(rows) == 2 * len(weights_memory.CHECKPOINTS)  # each in bfloat16, then with --fp8-storage
+    gb = lambda cell: float(cell.split(" GB")[0])  # noqa: E731
+    billions = [float(row[1].split("(")[1].split(" B")[0]) for row in rows[::2]]
+    assert 1.3 <= billions[0] <= 1.5 and 14.0 <= billions[1] <= 14.5 and 1.9 <= billions[2] <= 2.2  # 1.3B, 14B, 2B
+    for plain, stored in zip(rows[::2], rows[1::2], strict=True):
+        resident, text_encoder, model, blocks = (gb(cell) for cell in plain[4:])
+        assert resident > text_encoder > blocks and resident > model > blocks
+        assert gb(stored[1]) < 0.55 * gb(plain[1]) and gb(stored[5]) < text_encoder  # float8: about half
