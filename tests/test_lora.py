@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_long_sana_pipeline import tiny_sana_pipeline
-from tiny_components import tiny_pipeline
+from tiny_components import interrupted_run, tiny_pipeline
 
 from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.cli import main
@@ -141,15 +141,7 @@ def test_the_resume_fingerprint_tells_adapters_and_their_scales_apart(lora_file)
 
 def test_a_resume_under_another_lora_is_refused_naming_it(tmp_path, lora_file):
     pipe, path = tiny_pipeline(), tmp_path / "video.mp4"
-
-    def interrupt(pipe, step, timestep, tensors):
-        if step == 5:
-            raise KeyboardInterrupt
-        return tensors
-
-    run = dict(fps=8, num_frames=12, height=16, width=16, state_every_s=0, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(KeyboardInterrupt):
-        pipe.generate_to_file(str(path), PROMPT, callback_on_step_end=interrupt, **run)
+    run = interrupted_run(pipe, path, PROMPT)
     pipe.load_lora_weights(lora_file.parent, weight_name=lora_file.name, adapter_name="style")
     with pytest.raises(ResumeError, match="lora"):
         pipe.generate_to_file(str(path), PROMPT, resume=True, **run)

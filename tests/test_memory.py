@@ -15,7 +15,7 @@ import pytest
 import torch
 from diffusers.hooks import apply_group_offloading
 from test_long_sana_pipeline import tiny_sana_pipeline
-from tiny_components import tiny_pipeline, tiny_transformer
+from tiny_components import interrupted_run, tiny_pipeline, tiny_transformer
 
 from rolldiff.cli import build_parser, main
 from rolldiff.cli.loading import load_weights
@@ -159,22 +159,14 @@ def test_a_group_offloaded_module_reports_the_device_its_weights_visit_not_where
 
 def test_a_resume_with_other_weight_storage_is_refused_naming_it(tmp_path):
     pipe, path = tiny_pipeline(), tmp_path / "video.mp4"
-
-    def interrupt(pipe, step, timestep, tensors):
-        if step == 5:
-            raise KeyboardInterrupt
-        return tensors
-
-    run = dict(fps=8, num_frames=12, height=16, width=16, state_every_s=0, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(KeyboardInterrupt):
-        pipe.generate_to_file(str(path), PROMPT, callback_on_step_end=interrupt, **run)
+    run = interrupted_run(pipe, path, PROMPT)
     stored = tiny_pipeline()
     stored.enable_fp8_storage()
     with pytest.raises(ResumeError, match="fp8_storage"):
         stored.generate_to_file(str(path), PROMPT, resume=True, **run)
     offloaded = tiny_pipeline()
     offloaded.enable_offload("blocks", device="cpu")  # the same video: resumes
-    offloaded.generate_to_file(str(path), PROMPT, resume=True, **run)
+    assert offloaded.generate_to_file(str(path), PROMPT, resume=True, **run) == 12  # every frame written
 
 
 # ------------------------------------------------------------------------------------------- the commands

@@ -73,3 +73,19 @@ def tiny_pipeline(temporal_vae: bool = False, **config) -> KreaRealtimeVideoPipe
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
         **{**defaults, **config},
     )
+
+
+def interrupted_run(pipe, path, prompt: str) -> dict:
+    """Start `pipe.generate_to_file(path, prompt)` (3 chunks of 16x16, the state saved at every chunk) and stop it like
+    Ctrl-C at its 5th step. Returns the run's arguments, for a resume that should (or should not) continue it."""
+    import pytest
+
+    def interrupt(pipe, step, timestep, tensors):
+        if step == 5:
+            raise KeyboardInterrupt
+        return tensors
+
+    run = dict(fps=8, num_frames=12, height=16, width=16, state_every_s=0, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(KeyboardInterrupt):
+        pipe.generate_to_file(str(path), prompt, callback_on_step_end=interrupt, **run)
+    return run
