@@ -227,16 +227,40 @@ print(code, sorted({name.split(".")[0] for name in sys.modules} & {"torch", "dif
         (["generate", "--dtype", "float64"], 2),
         (["serve", "--workers", "0"], 2),
         (["genrate"], 2),
+        (["generate", "--offload", "blocks", "--cuda-graphs"], 2),
+        (["generate", "--lora", "style.safetensors"], 2),
+        (["generate", "--pipeline-parallel", "2", "--fp8-storage"], 2),
+        (["serve", "--fp8"], 2),  # not an abbreviation of --fp8-storage: a flag of generate's only
+        (["serve", "--host", "0.0.0.0"], 2),
+        (["serve", "--state-every", "2"], 2),
     ],
 )
 def test_help_version_and_a_mistyped_flag_answer_without_loading_torch(argv, code):
-    """The parser imports nothing heavy (torch, diffusers: 5 s on a laptop): a command's run imports them."""
+    """The parser imports nothing heavy (torch, diffusers: 5 s on a laptop): a command's run imports them, once the
+    flags alone (a combination, a missing LoRA file) allow a run."""
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-c", _IMPORTED_BY, *argv], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-1] == f"{code} []", (done.stdout, done.stderr[-500:])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "--sec", "3"], "unrecognized argument --sec: did you mean --seconds?"),  # not abbreviated
+        (["generate", "--kv-offlaod"], "unrecognized argument --kv-offlaod: did you mean --kv-offload?"),
+        (["generate", "--kv", "int8"], "did you mean --kv-offload or --kv-quantization?"),
+        (["serve", "--fp8"], "unrecognized argument --fp8: did you mean --fp8-storage?"),  # generate's only
+        (["generate", "--offlod=model"], "unrecognized argument --offlod: did you mean --offload?"),
+        (["generate", "--zzz"], "unrecognized arguments: --zzz"),
+    ],
+)
+def test_a_mistyped_or_shortened_flag_is_refused_naming_the_flag_meant(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rolldiff: error: ") and message in err and err.count("\n") == 1, err
 
 
 def test_import_rolldiff_loads_its_classes_when_first_used():

@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     try:
         args = parser.parse_args(argv)
+        args.check_flags(args)  # the rules the flags decide alone: answered before any library loads
         with quiet_libraries():
             return args.run(args)
     except (UsageError, ModelNotFoundError) as exc:  # a missing model's message names --model

@@ -5,6 +5,7 @@ flags every model-loading subcommand shares. Nothing heavy is imported here: the
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import textwrap
 from pathlib import Path
@@ -37,13 +38,27 @@ class HelpFormatter(argparse.HelpFormatter):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse whose errors are ours: one `rolldiff: error:` line and exit code 2 (`main`), not its usage block."""
+    """argparse whose errors are ours: one `rolldiff: error:` line and exit code 2 (`main`), not its usage block. Flags
+    are not abbreviated: `rolldiff serve --fp8` (a flag of `generate` only) would be taken for `--fp8-storage`."""
 
     def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **{"formatter_class": HelpFormatter, **kwargs})
+        super().__init__(*args, **{"formatter_class": HelpFormatter, "allow_abbrev": False, **kwargs})
 
     def error(self, message: str):  # argparse would print the usage block and exit itself
         raise UsageError(message)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, and a command's parser names the flag a mistyped one was meant to be (`--sec` -> `--seconds`)."""
+        namespace, extras = super().parse_known_args(args, namespace)
+        if self._subparsers is None:  # a command's own parser: it knows its flags
+            flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
+            for extra in (extra.partition("=")[0] for extra in extras if extra.startswith("--")):
+                close = [flag for flag in flags if flag.startswith(extra)] or difflib.get_close_matches(
+                    extra, flags, n=1
+                )
+                if close:
+                    raise UsageError(f"unrecognized argument {extra}: did you mean {' or '.join(sorted(close))}?")
+        return namespace, extras
 
 
 def prompt_at(text: str) -> tuple[int, str]:

@@ -70,7 +70,7 @@ def add_convert_command(commands) -> None:
     convert.add_argument("--height", type=positive(int), help="native frame height calls default to (480)")
     convert.add_argument("--width", type=positive(int), help="native frame width calls default to (832)")
     convert.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
-    convert.set_defaults(run=run_convert)
+    convert.set_defaults(run=run_convert, check_flags=lambda args: None)  # its checks need the checkpoint's keys
 
 
 def run_convert(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ def add_demo_command(commands) -> None:
     add_memory_arguments(demo)
     add_address_arguments(demo, port=7860)
     demo.add_argument("--max-concurrency", type=positive(int), default=2, help="generations at once (default 2)")
-    demo.set_defaults(run=run_demo)
+    demo.set_defaults(run=run_demo, check_flags=_check_flags_alone)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -37,8 +37,6 @@ def run_demo(args: argparse.Namespace) -> int:
     from .loading import load_weights
 
     check_address_flags(args)
-    check_lora_flags(args)
-    check_memory_flags(args)
     device = args.device or default_device()
     dtype = args.dtype or default_dtype(device)
     if args.lora or args.offload or args.fp8_storage:  # one model, loaded as the flags say (now: the page needs it)
@@ -48,3 +46,9 @@ def run_demo(args: argparse.Namespace) -> int:
         demo = build_demo(args.model, max_concurrency=args.max_concurrency, device=device, dtype=dtype)
     demo.launch(server_name=args.host, server_port=args.port)
     return 0
+
+
+def _check_flags_alone(args: argparse.Namespace) -> None:
+    """The rules the flags decide on their own (no library, no model, no file read). Raises `UsageError`."""
+    check_lora_flags(args)
+    check_memory_flags(args)

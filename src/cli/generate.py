@@ -14,6 +14,8 @@ from .arguments import (
     add_memory_arguments,
     add_model_arguments,
     add_recipe_argument,
+    check_lora_flags,
+    check_memory_flags,
     non_negative_seconds,
     positive,
     prompt_at,
@@ -22,6 +24,7 @@ from .arguments import (
     step_list,
     window_frames,
 )
+from .errors import UsageError
 
 EXAMPLES = """examples:
   rolldiff generate --prompt "a red circle moving left" --seconds 20 --out video.mp4
@@ -73,7 +76,7 @@ def add_generate_command(commands) -> None:
     _add_memory_arguments(generate.add_argument_group("GPU memory (docs/memory.md)"))
     _add_speed_arguments(generate.add_argument_group("speed"))
     _add_file_arguments(generate.add_argument_group("the file"))
-    generate.set_defaults(run=_run)
+    generate.set_defaults(run=_run, check_flags=_check_flags_alone)
 
 
 def _add_denoising_arguments(group) -> None:
@@ -207,3 +210,17 @@ def _run(args: argparse.Namespace) -> int:
     from .run_generate import run_generate  # torch and the pipelines load when the command runs, not for --help
 
     return run_generate(args)
+
+
+def _check_flags_alone(args: argparse.Namespace) -> None:
+    """The rules the flags decide on their own (no library, no model, no file read). Raises `UsageError`."""
+    check_lora_flags(args)
+    check_memory_flags(args)
+    if args.pipeline_parallel is not None:
+        # each stage loads the model again and runs it as loaded, and a split run cannot load a saved state
+        given = [flag for flag, on in (("--compile", args.compile), ("--cuda-graphs", args.cuda_graphs),
+                                       ("--fp8", args.fp8), ("--attention-backend", args.attention_backend),
+                                       ("--resume", args.resume), ("--lora", args.lora),
+                                       ("--offload", args.offload), ("--fp8-storage", args.fp8_storage)) if on]  # fmt: skip
+        if given:
+            raise UsageError(f"--pipeline-parallel runs the model as loaded, without {', '.join(given)}; drop them.")

@@ -23,7 +23,6 @@ from ..pipelines.io.video_writer import check_output_path, count_frames, partial
 from ..pipelines.request.builder import check_image_mode
 from ..pipelines.request.prompt_schedule import PromptSchedule
 from ..pipelines.request.text_encoding import PromptWarning
-from .arguments import check_lora_flags, check_memory_flags
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, relabel
 from .loading import load_from_flags
 
@@ -78,25 +77,16 @@ def _start_image(path: Path | None):
 
 # ---------------------------------------------------------------------------------------- the run
 def _check_before_loading(args: argparse.Namespace) -> None:
-    """The rules that need no model, run by the library's own checks before it loads (so a typo costs no load)."""
+    """The rules that need no model, run by the library's own checks before it loads (so a typo costs no load); those
+    the flags alone decide were answered before torch loaded (`generate._check_flags_alone`)."""
     try:
         check_output_path(args.out)
         PromptSchedule.build(args.prompt, sorted(args.prompt_at) or None, num_frames=math.inf)
         check_image_mode(args.image_mode, args.image)
     except ValueError as exc:
         raise relabel(exc, FLAGS) from None
-    check_lora_flags(args)
-    check_memory_flags(args)
     if args.video is not None and not args.video.is_file():
         raise UsageError(f"--video: no such file {str(args.video)!r}")
-    if args.pipeline_parallel is not None:
-        # each stage loads the model again and runs it as loaded, and a split run cannot load a saved state
-        given = [flag for flag, on in (("--compile", args.compile), ("--cuda-graphs", args.cuda_graphs),
-                                       ("--fp8", args.fp8), ("--attention-backend", args.attention_backend),
-                                       ("--resume", args.resume), ("--lora", args.lora),
-                                       ("--offload", args.offload), ("--fp8-storage", args.fp8_storage)) if on]  # fmt: skip
-        if given:
-            raise UsageError(f"--pipeline-parallel runs the model as loaded, without {', '.join(given)}; drop them.")
 
 
 def _call_arguments(args: argparse.Namespace, image) -> dict:

@@ -11,7 +11,7 @@ import os
 import torch
 
 from ..defaults import default_device
-from .arguments import check_address_flags, check_lora_flags, check_memory_flags
+from .arguments import check_address_flags
 from .errors import UsageError
 from .loading import load_from_flags
 from .quiet import quiet_libraries
@@ -19,21 +19,8 @@ from .serve_ray import check_ray_arguments, serve_with_ray
 
 
 def _check_serve_arguments(args: argparse.Namespace) -> None:
-    loopback = args.host in ("127.0.0.1", "localhost", "::1") or args.host.startswith("127.")
-    if not loopback and not args.token and not args.insecure_no_token:
-        raise UsageError(
-            f"--host {args.host} lets other machines in; give --token (or ROLLDIFF_TOKEN), or --insecure-no-token to "
-            "serve without one"
-        )
-    if (args.parallel_groups or 1) > 1 and (args.max_batch == 1 or args.compile):
-        raise UsageError(
-            "--parallel-groups makes batched groups side by side: it needs --max-batch above 1 and no --compile "
-            "(a compiled step is one session's graph)"
-        )
-    check_lora_flags(args)
-    check_memory_flags(args)
-    if args.state_every < 0 or (args.state_every and args.state_dir is None):
-        raise UsageError("--state-every: a number of chunks >= 0, with --state-dir to save into")
+    """The rules that read the state folder or bind the port (those the flags alone decide were answered before torch
+    loaded: `serve._check_flags_alone`)."""
     if args.state_dir is not None:
         from ..serving.store import open_state_folder
 

@@ -13,8 +13,11 @@ from .arguments import (
     add_memory_arguments,
     add_model_arguments,
     add_recipe_argument,
+    check_lora_flags,
+    check_memory_flags,
     positive,
 )
+from .errors import UsageError
 
 EXAMPLES = """examples:
   rolldiff serve                                    # then open http://127.0.0.1:8000/ (the page)
@@ -88,7 +91,9 @@ def add_serve_command(commands) -> None:
         "behind the one port (default 1)",
     )
     add_ray_arguments(serve)
-    serve.set_defaults(run=_run, fp8=False, attention_backend=None, cuda_graphs=False, kv_offload=None)
+    serve.set_defaults(
+        run=_run, check_flags=_check_flags_alone, fp8=False, attention_backend=None, cuda_graphs=False, kv_offload=None
+    )
 
 
 def add_ray_arguments(serve: argparse.ArgumentParser) -> None:
@@ -116,3 +121,22 @@ def _run(args: argparse.Namespace) -> int:
     from .run_serve import run_serve  # torch, the server and the pipelines load when the command runs
 
     return run_serve(args)
+
+
+def _check_flags_alone(args: argparse.Namespace) -> None:
+    """The rules the flags decide on their own (no library, no model, no file read). Raises `UsageError`."""
+    loopback = args.host in ("127.0.0.1", "localhost", "::1") or args.host.startswith("127.")
+    if not loopback and not args.token and not args.insecure_no_token:
+        raise UsageError(
+            f"--host {args.host} lets other machines in; give --token (or ROLLDIFF_TOKEN), or --insecure-no-token to "
+            "serve without one"
+        )
+    if (args.parallel_groups or 1) > 1 and (args.max_batch == 1 or args.compile):
+        raise UsageError(
+            "--parallel-groups makes batched groups side by side: it needs --max-batch above 1 and no --compile "
+            "(a compiled step is one session's graph)"
+        )
+    check_lora_flags(args)
+    check_memory_flags(args)
+    if args.state_every < 0 or (args.state_every and args.state_dir is None):
+        raise UsageError("--state-every: a number of chunks >= 0, with --state-dir to save into")
