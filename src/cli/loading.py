@@ -1,6 +1,7 @@
 """The pipeline a command runs, loaded as the flags say: `--model`, `--device`, `--dtype`, `--lora`, `--fp8-storage`,
-`--offload`, `--tiny-vae`, then the speed switches (`--fp8`, `--attention-backend`, `--cuda-graphs`, `--compile`); `rolldiff generate` and `rolldiff
-serve` load the same way. Imported by the commands' runs only: it loads torch and the pipelines."""
+`--offload`, `--tiny-vae`, then the speed switches (`--fp8`, `--attention-backend`, `--cuda-graphs`, `--compile`);
+`rolldiff generate` and `rolldiff serve` load the same way (`rolldiff demo` its weights). Imported by the commands'
+runs only: it loads torch and the pipelines."""
 
 from __future__ import annotations
 

@@ -10,7 +10,8 @@ them. Both are diffusers' own mechanisms, chosen for a chunk loop:
   fit alone.
 - `"blocks"`: the transformer's blocks wait in CPU memory too and visit the GPU one at a time (group offloading,
   block level, the next block prefetched on a CUDA stream), the text encoder leaf by leaf, the VAE resident: a
-  14 B transformer on a card that holds two of its blocks. Every chunk moves all the weights over PCIe.
+  14 B transformer in about 4 GB of GPU memory (`benchmarks/weights_memory.py`). Every step of every chunk moves
+  all the transformer's weights over PCIe.
 - `enable_fp8_storage(transformer)`: weights stored in float8 (e4m3) and cast to the compute dtype layer by layer
   at each call (diffusers' `enable_layerwise_casting`): half the weight memory of bfloat16 on any GPU (torchao's
   `--fp8` computes in float8 and needs sm 8.9+). The rounding of each weight to 3 mantissa bits changes the video
