@@ -9,7 +9,8 @@ switches re-cache the rolling window under the new prompt (LongLive), so the sce
         --prompt "the fox stops and looks up at falling snowflakes" --out fox.mp4
 
 `--model` is a diffusers-format folder of `KreaRealtimeVideoPipeline` (Self-Forcing / LongLive 1.3B or Krea
-Realtime 14B converted with `rolldiff.models.wan_conversion`). With no arguments this prints its help.
+Realtime 14B, made by `rolldiff convert`: docs/real_checkpoints.md). `--offload text-encoder` keeps the 11 GB text
+encoder in CPU memory (docs/memory.md). With no arguments this prints its help.
 """
 
 import argparse
@@ -19,6 +20,7 @@ import time
 import torch
 
 from rolldiff import KreaRealtimeVideoPipeline
+from rolldiff.choices import OFFLOAD_MODES
 
 
 def parse_args(argv):
@@ -32,6 +34,7 @@ def parse_args(argv):
     parser.add_argument("--width", type=int, default=832)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--offload", choices=OFFLOAD_MODES, help="weights kept in CPU memory until used")
     # Absolute RoPE positions run out after the model's table; relative ones never do.
     parser.add_argument("--position-mode", default="relative", choices=["absolute", "relative"])
     return parser.parse_args(argv)
@@ -43,7 +46,11 @@ def main(argv=None) -> int:
         parse_args(["--help"])  # prints the help and exits 0
     args = parse_args(argv)
 
-    pipe = KreaRealtimeVideoPipeline.from_pretrained(args.model, dtype=torch.bfloat16).to(args.device)
+    pipe = KreaRealtimeVideoPipeline.from_pretrained(args.model, dtype=torch.bfloat16)  # in CPU memory
+    if args.offload:
+        pipe.enable_offload(args.offload, device=args.device)
+    else:
+        pipe.to(args.device)
 
     # Round the length up to whole chunks, then give each prompt an equal share of the frames.
     num_frames = pipe.num_frames_for(args.minutes * 60, args.fps)
