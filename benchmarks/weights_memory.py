@@ -33,7 +33,7 @@ SANA_VIDEO_2B = dict(
 )
 UMT5_XXL = dict(
     vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, feed_forward_proj="gated-gelu"
-)  # fmt: skip  (google/umt5-xxl, the encoder Wan 2.1 ships)
+)  # google/umt5-xxl, the encoder Wan 2.1 ships
 GEMMA_2_2B = dict(
     vocab_size=256000,
     hidden_size=2304,
@@ -42,7 +42,7 @@ GEMMA_2_2B = dict(
     num_attention_heads=8,
     num_key_value_heads=4,
     head_dim=256,
-)  # fmt: skip  (SANA-Video's encoder)
+)  # Gemma-2-2B, SANA-Video's encoder
 CHECKPOINTS = {
     "Wan 2.1 1.3B (Self-Forcing, LongLive, Causal/Rolling Forcing, StreamDiffusionV2, Rolling Sink)": (
         lambda: WanTransformer3DModel(**WAN_1_3B),
