@@ -66,6 +66,36 @@ def test_an_offloaded_pipeline_makes_the_resident_ones_latents_bit_for_bit(famil
     assert torch.equal(latents(family, pipe), resident[family])
 
 
+def _layers_called_outside_the_forward(transformer: torch.nn.Module) -> list[str]:
+    """Watch `transformer`: the names of its layers that run while its own forward is not running. Offload hooks
+    bring the weights only inside that forward, so on a GPU such a layer would find its weights in CPU memory (on a
+    CPU the moves are no-ops, so the latents alone cannot show it)."""
+    depth, outside = [], []
+    transformer.register_forward_pre_hook(lambda module, args: depth.append(1))
+    transformer.register_forward_hook(lambda module, args, out: depth.pop() and None)  # None: the output stays
+    for name, module in transformer.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda module, args, name=name: None if depth else outside.append(name))
+    return outside
+
+
+@pytest.mark.parametrize("mode", ["model", "blocks"])
+@pytest.mark.parametrize(("family", "recache"), [("krea", "causal"), ("krea", "longlive"), ("sana", "causal")])
+def test_offloaded_no_layer_of_the_transformer_runs_outside_its_forward(family, recache, mode):
+    """The text K/V of a new prompt (and LongLive's re-cache) are filled from inside the first step, not ahead."""
+    pipe = FAMILIES[family][0]()
+    pipe.enable_offload(mode, device="cpu")
+    outside = _layers_called_outside_the_forward(pipe.transformer)
+    generator = torch.Generator().manual_seed(0)
+    call = dict(prompt_schedule=[(0, PROMPT), *SWITCH], generator=generator, output_type="latent", recache=recache)
+    pipe(**call, **FAMILIES[family][1])
+    assert outside == []
+    resident = FAMILIES[family][0]()
+    watched = _layers_called_outside_the_forward(resident.transformer)
+    resident(**{**call, "generator": torch.Generator().manual_seed(0)}, **FAMILIES[family][1])
+    assert any(".attn2." in name for name in watched)  # resident, the text K/V are filled ahead: the watch sees it
+
+
 def _cast_modules(transformer: torch.nn.Module) -> list[str]:
     """The modules whose own weights diffusers' layerwise casting stores in float8."""
     return [

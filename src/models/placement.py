@@ -29,6 +29,12 @@ def is_offloaded(module: nn.Module) -> bool:
     return hooked or _is_group_offload_enabled(module)
 
 
+def loads_weights_per_call(module: nn.Module) -> bool:
+    """True when hooks bring `module`'s weights to the GPU only inside its own forward (accelerate's model CPU offload,
+    diffusers' group offloading): a submodule called directly, outside that forward, finds its weights away."""
+    return getattr(module, "_hf_hook", None) is not None or _is_group_offload_enabled(module)
+
+
 def block_devices(blocks: Iterable[nn.Module]) -> list[torch.device]:
     """One device per block: a model loaded with a `device_map` may split its blocks across devices."""
     return [execution_device(block) for block in blocks]

@@ -33,6 +33,7 @@ from diffusers.video_processor import VideoProcessor
 
 from ...caching.layout import ChunkLayout
 from ...checks import looks_like_a_path
+from ...models.placement import loads_weights_per_call
 from ...models.tiny_autoencoder import TinyVideoAutoencoder
 from ...models.weights import check_pipeline_weights, resolve_dtype
 from ..acceleration import capture_cuda_graphs, enable_fp8, fastest_attention_backend, set_attention_backend
@@ -376,9 +377,10 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         return self.encode_prompt(request.schedule.prompts(prompt_index), request.max_sequence_length)
 
     def set_conditioning(self, cache, embeds: torch.Tensor) -> None:
-        """Tell the cache the prompt changed; fill the text K/V now unless offload hooks move the model per call."""
+        """Tell the cache the prompt changed; fill the text K/V now unless offload hooks bring the weights only inside
+        the transformer's forward (then the first step fills them, from within it)."""
         cache.reset_cross_attention()
-        if getattr(self.transformer, "_hf_hook", None) is None:  # offloaded: filled lazily by the first step
+        if not loads_weights_per_call(self.transformer):
             self.transformer.prepare_conditioning(cache, embeds)
 
     def context_pass(

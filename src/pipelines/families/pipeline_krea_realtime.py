@@ -296,7 +296,7 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline, WanLoraLoaderMixin):
             sink = [tuple(t[:, : layout.sink_tokens] for t in layer.get()) for layer in cache]
             _write_key_values(scratch, sink, layout.sink_tokens)
             scratch.advance((start - layout.sink_frames) * tokens)
-        self.transformer.prepare_conditioning(scratch, embeds)
+        self.set_conditioning(scratch, embeds)  # under offload hooks, filled inside the forward below
         timestep = torch.zeros(frames.shape[0], device=frames.device)
         self.transformer(frames, timestep, embeds, kv_cache=scratch, layout=scratch_layout)
         scratch.commit()
