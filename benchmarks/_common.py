@@ -33,6 +33,21 @@ WAN_1_3B = dict(
     qk_norm="rms_norm_across_heads",
     rope_max_seq_len=1024,
 )
+# SANA-Video 2B 480p (LongSANA), its blocks' count left to the caller (20 in the checkpoint)
+SANA_2B = dict(
+    in_channels=16,
+    out_channels=16,
+    num_attention_heads=20,
+    attention_head_dim=112,
+    num_cross_attention_heads=20,
+    cross_attention_head_dim=112,
+    cross_attention_dim=2240,
+    caption_channels=2304,
+    mlp_ratio=3.0,
+    patch_size=(1, 2, 2),
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=1024,
+)
 WAN_TEXT_TOKENS = 512  # UMT5-XXL, padded
 
 

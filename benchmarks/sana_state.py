@@ -27,24 +27,10 @@ import sys
 import time
 
 import torch
-from _common import markdown_table, window_medians
+from _common import SANA_2B, markdown_table, window_medians
 
 from rolldiff.models.long_sana import LongSanaTransformer3DModel, sana_layout
 
-SANA_2B = dict(
-    in_channels=16,
-    out_channels=16,
-    num_attention_heads=20,
-    attention_head_dim=112,
-    num_cross_attention_heads=20,
-    cross_attention_head_dim=112,
-    cross_attention_dim=2240,
-    caption_channels=2304,
-    mlp_ratio=3.0,
-    patch_size=(1, 2, 2),
-    qk_norm="rms_norm_across_heads",
-    rope_max_seq_len=1024,
-)
 STEPS, SHIFT, CHUNK_FRAMES, CONTEXT_CHUNKS = (1000, 750, 500, 250), 8.0, 10, 2
 LABELS = {
     "state-all": "state cache, every earlier chunk (ours, LongSANA's default)",

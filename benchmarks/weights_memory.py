@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from _common import WAN_1_3B, markdown_table
+from _common import SANA_2B, WAN_1_3B, markdown_table
 from diffusers import AutoencoderKLWan, SanaVideoTransformer3DModel, WanTransformer3DModel
 from diffusers.utils import logging as diffusers_logging
 from transformers import Gemma2Config, Gemma2Model, UMT5Config, UMT5EncoderModel
@@ -28,9 +28,6 @@ from transformers import Gemma2Config, Gemma2Model, UMT5Config, UMT5EncoderModel
 from rolldiff.choices import OFFLOAD_MODES
 
 WAN_14B = {**WAN_1_3B, "num_attention_heads": 40, "ffn_dim": 13824, "num_layers": 40}
-SANA_VIDEO_2B = dict(
-    num_layers=20, num_attention_heads=20, attention_head_dim=112, caption_channels=2304, mlp_ratio=3.0
-)
 UMT5_XXL = dict(
     vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, feed_forward_proj="gated-gelu"
 )  # google/umt5-xxl, the encoder Wan 2.1 ships
@@ -53,7 +50,7 @@ CHECKPOINTS = {
         lambda: UMT5EncoderModel(UMT5Config(**UMT5_XXL)),
     ),
     "SANA-Video 2B (LongSANA)": (
-        lambda: SanaVideoTransformer3DModel(**SANA_VIDEO_2B),
+        lambda: SanaVideoTransformer3DModel(**SANA_2B, num_layers=20),
         lambda: Gemma2Model(Gemma2Config(**GEMMA_2_2B)),
     ),
 }

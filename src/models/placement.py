@@ -23,10 +23,7 @@ def execution_device(module: nn.Module) -> torch.device:
 def is_offloaded(module: nn.Module) -> bool:
     """True when hooks move `module`'s weights at each call (accelerate's model or sequential CPU offload, a
     `device_map` with offloading, diffusers' group offloading): its weights have no fixed address."""
-    hooked = getattr(module, "_hf_hook", None) is not None or any(
-        getattr(child, "_hf_hook", None) is not None for child in module.modules()
-    )
-    return hooked or _is_group_offload_enabled(module)
+    return loads_weights_per_call(module) or any(getattr(m, "_hf_hook", None) is not None for m in module.modules())
 
 
 def loads_weights_per_call(module: nn.Module) -> bool:
