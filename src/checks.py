@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 
@@ -106,6 +108,21 @@ def check_choice(name: str, value: Any, allowed: Collection, hint: str = "") -> 
     if not known:
         raise ValueError(f"`{name}` must be one of {tuple(allowed)}{_hint(hint)}, got {value!r}.")
     return value
+
+
+def check_lora_source(source: str | os.PathLike) -> None:
+    """A LoRA given as a path exists and is a safetensors file or a folder (a pickle is never read); a Hub id passes.
+    Raises ValueError naming the source."""
+    text = str(source)
+    path = Path(text).expanduser()
+    is_file_name = path.suffix in (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
+    if (looks_like_a_path(text) or is_file_name) and not path.exists():
+        raise ValueError(f"no such file or folder {text!r}")
+    if path.is_file() and path.suffix != ".safetensors":
+        raise ValueError(
+            f"{text!r}: only .safetensors files are read (a {path.suffix or 'suffix-less'} file may be a pickle, "
+            "which can run code); save the LoRA as safetensors"
+        )
 
 
 def looks_like_a_path(text: str) -> bool:

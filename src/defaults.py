@@ -24,11 +24,9 @@ from huggingface_hub.errors import (
 import rolldiff
 
 from .checks import ModelNotFoundError
-from .choices import DTYPE_NAMES
+from .choices import DEFAULT_MODEL_NAME, DTYPE_NAMES, EMBEDDED_MODEL_NAMES
 from .pipelines import KreaRealtimeVideoPipeline
 
-DEFAULT_MODEL_NAME = "tiny-bouncing-shapes"
-EMBEDDED_MODEL_NAMES = (DEFAULT_MODEL_NAME, "tiny-bouncing-shapes-sana")  # the default first
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 # "name" or "org/name": what the Hugging Face Hub accepts as a repository id.

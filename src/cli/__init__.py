@@ -1,5 +1,6 @@
 """The `rolldiff` command: `rolldiff generate` writes a long video to an mp4, `rolldiff demo` serves the Gradio demo,
-`rolldiff serve` serves live sessions, `rolldiff convert` turns a published checkpoint into a pipeline folder.
+`rolldiff serve` serves live sessions, `rolldiff convert` turns a published checkpoint into a pipeline folder,
+`rolldiff install-comfyui` makes ComfyUI load rolldiff's nodes.
 
 One module per subcommand's flags; this one builds the parser and dispatches. A command's run lives in its own module
 (`run_generate.py`, `run_serve.py`), imported when it runs: the parser imports nothing heavy, so `--help`, `--version`
@@ -15,6 +16,7 @@ import sys
 from .. import __version__ as rolldiff_version
 from ..checks import ModelNotFoundError
 from .arguments import Parser
+from .comfyui import add_comfyui_command
 from .convert import add_convert_command
 from .demo import add_demo_command
 from .errors import EXIT_USAGE, UsageError
@@ -33,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_command(commands)
     add_serve_command(commands)
     add_convert_command(commands)
+    add_comfyui_command(commands)
     return parser
 
 

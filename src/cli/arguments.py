@@ -10,9 +10,10 @@ import math
 import textwrap
 from pathlib import Path
 
-from ..checks import looks_like_a_path
+from ..checks import check_lora_source
 from ..choices import ALL_FRAMES, DTYPE_NAMES, OFFLOAD_MODES
 from ..recipes import list_recipes
+from ..text_forms import parse_prompt_switch, parse_step_list
 from .errors import UsageError
 
 # One run is at most a day of video: a typo such as --seconds 1e9 is refused instead of running for decades.
@@ -62,19 +63,17 @@ class Parser(argparse.ArgumentParser):
 
 
 def prompt_at(text: str) -> tuple[int, str]:
-    frame, sep, prompt = text.partition(":")
-    if not sep or not frame.strip().isdigit() or not prompt.strip():
-        raise argparse.ArgumentTypeError(f"expected FRAME:TEXT with FRAME a frame number >= 0, got {text!r}")
-    return int(frame), prompt.strip()
+    try:
+        return parse_prompt_switch(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def step_list(text: str) -> list[int]:
     try:
-        return [int(step) for step in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers like 1000,750,500,250, got {text!r}"
-        ) from None
+        return parse_step_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive(kind, maximum: float = math.inf):
@@ -243,15 +242,10 @@ def check_lora_flags(args: argparse.Namespace) -> None:
     if scales and len(scales) != len(sources):
         raise UsageError(f"--lora-scale: {len(scales)} given for {len(sources)} --lora; give one per --lora, or none")
     for source in sources:
-        path = Path(source).expanduser()
-        is_file_name = path.suffix in (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
-        if (looks_like_a_path(source) or is_file_name) and not path.exists():
-            raise UsageError(f"--lora: no such file or folder {source!r}")
-        if path.is_file() and path.suffix != ".safetensors":
-            raise UsageError(
-                f"--lora {source!r}: only .safetensors files are read (a {path.suffix or 'suffix-less'} file may be "
-                "a pickle, which can run code); save the LoRA as safetensors"
-            )
+        try:
+            check_lora_source(source)
+        except ValueError as exc:
+            raise UsageError(f"--lora: {exc}") from None
 
 
 def add_memory_arguments(parser) -> None:

@@ -10,6 +10,7 @@ import argparse
 from ..defaults import default_dtype, load_pipeline
 from ..pipelines.acceleration import compile_cached_step
 from ..pipelines.lora import fuse_loras
+from ..pipelines.memory import loading_device, place_weights
 from .errors import UsageError
 
 
@@ -31,15 +32,10 @@ def load_weights(args: argparse.Namespace, device: str):
     `device` as `--offload` says. Under either, the weights stay in CPU memory until then: a model that fits the GPU
     only offloaded or in float8 never lands there whole."""
     dtype = args.dtype or default_dtype(device)
-    fits_later = bool(args.offload or args.fp8_storage)
-    pipe = load_pipeline(args.model, device="cpu" if fits_later else device, dtype=dtype)
+    placement = dict(fp8_storage=args.fp8_storage, offload=args.offload)
+    pipe = load_pipeline(args.model, device=loading_device(device, **placement), dtype=dtype)
     fuse_lora_flags(pipe, args)  # into the weights as loaded, before they are cast to float8
-    if args.fp8_storage:
-        pipe.enable_fp8_storage()
-    if args.offload:
-        pipe.enable_offload(args.offload, device)
-    elif fits_later:
-        pipe.to(device)
+    place_weights(pipe, device, **placement)
     return pipe
 
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from ..checks import check_lora_source
+
 __all__ = ["fuse_loras", "loaded_adapters", "lora_fingerprint"]
 
 
@@ -74,11 +76,14 @@ def fuse_loras(pipe: Any, sources: Sequence[str | os.PathLike], scales: Sequence
     weights and unload the adapters, leaving plain weights. Records `fused_loras` in the config.
 
     Raises:
-        ValueError: `scales` does not pair with `sources`, or a LoRA does not fit the transformer (no key of it
+        ValueError: `scales` does not pair with `sources`, a path names no file or a pickle (`check_lora_source`),
+            or a LoRA does not fit the transformer (no key of it
             names one of its layers, or its shapes are another model size's); nothing stays loaded then.
     """
     if len(scales) != len(sources):
         raise ValueError(f"{len(scales)} scale(s) for {len(sources)} LoRA(s): give one scale per LoRA")
+    for source in sources:
+        check_lora_source(source)
     kept = loaded_adapters(pipe.transformer)
     free = (f"lora_{number}" for number in itertools.count() if f"lora_{number}" not in kept)
     names = [next(free) for _ in sources]

@@ -88,3 +88,20 @@ def enable_fp8_storage(transformer: torch.nn.Module) -> None:
 def fp8_storage(transformer: torch.nn.Module) -> bool:
     """True when some of `transformer`'s weights are stored in float8 and cast up at each call."""
     return any(p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for p in transformer.parameters())
+
+
+def loading_device(device: str | torch.device, *, fp8_storage: bool = False, offload: str | None = None) -> str:
+    """Where a pipeline's weights load: the CPU when `place_weights` will store them in float8 or offload them (a
+    model that fits the GPU only so must never land there whole), else `device` itself."""
+    return "cpu" if fp8_storage or offload else str(device)
+
+
+def place_weights(pipe, device: str | torch.device, *, fp8_storage: bool = False, offload: str | None = None) -> None:
+    """Put a pipeline loaded on `loading_device` (its LoRAs already fused) where it runs: the transformer stored in
+    float8 if asked, then offloaded onto `device` in `offload` mode, or moved there whole."""
+    if fp8_storage:
+        pipe.enable_fp8_storage()
+    if offload:
+        pipe.enable_offload(offload, device)
+    elif fp8_storage:
+        pipe.to(device)

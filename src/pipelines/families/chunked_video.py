@@ -18,7 +18,7 @@ import inspect
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -315,6 +315,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         resume: bool = False,
         state_every_s: float = 60.0,
         quality: float = 5,
+        on_chunk: Callable[[int], None] | None = None,
         **kwargs: Any,
     ) -> int:
         """Stream a video straight into an mp4 at `path` in constant memory; returns the frames in the file.
@@ -324,12 +325,15 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         and never touches an existing file at `path`. Every `state_every_s` seconds (0: every chunk) the run's
         state is saved beside it (`video.resume.safetensors`); `resume=True` continues from there, and the
         resumed video equals an uninterrupted one. `quality` is the encoder's, 1 (smallest file) to 10 (lossless
-        with libx264). See `rolldiff.pipelines.io.resume.write_video`.
+        with libx264). `on_chunk(frames_written)` runs after each chunk is in the file; an exception raised there
+        stops the run as an interrupt does. See `rolldiff.pipelines.io.resume.write_video`.
         """
         if kwargs.get("output_type", "np") != "np":
             raise ValueError("`output_type`: `generate_to_file` writes frames itself; do not pass it.")
         stream = self.stream(prompt, **kwargs)  # checks every argument before any work
-        return write_video(stream, path, fps, resume=resume, state_every_s=state_every_s, quality=quality)
+        return write_video(
+            stream, path, fps, resume=resume, state_every_s=state_every_s, quality=quality, on_chunk=on_chunk
+        )
 
     # ---------------------------------------------------------------------------------------- speed
     def enable_fp8(self) -> bool:

@@ -18,6 +18,7 @@ import os
 import struct
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,9 +193,12 @@ def write_video(
     resume: bool = False,
     state_every_s: float = 60.0,
     quality: float = 5,
+    on_chunk: Callable[[int], None] | None = None,
 ) -> int:
     """`pipe.generate_to_file`: write `stream` into `path`, saving a resume state after the first chunk and then
-    at most every `state_every_s` seconds (at chunk boundaries; 0: after every chunk).
+    at most every `state_every_s` seconds (at chunk boundaries; 0: after every chunk). `on_chunk(frames_written)`
+    runs after each chunk is in the file (and its state saved, when due): a host's progress bar, or its stop button,
+    since an exception raised there ends the run as an interrupt does (the frames done kept, resumable).
 
     Every argument is checked first, and with `resume=True` the saved state too (same arguments, the partial
     file holds the frames it vouches for), before any model work. A failed or interrupted run leaves `path` as
@@ -206,12 +210,20 @@ def write_video(
     uninterrupted run's to the encoder's precision, and exactly at `quality=10` (lossless).
     """
     try:
-        return _write(stream, path, fps, resume, state_every_s, quality)
+        return _write(stream, path, fps, resume, state_every_s, quality, on_chunk)
     finally:
         stream.close()  # a refused argument or state, or a failed write, leaves no input reader or hook behind
 
 
-def _write(stream: ChunkStream, path, fps: float, resume: bool, state_every_s: float, quality: float) -> int:
+def _write(
+    stream: ChunkStream,
+    path,
+    fps: float,
+    resume: bool,
+    state_every_s: float,
+    quality: float,
+    on_chunk: Callable[[int], None] | None,
+) -> int:
     path = check_output_path(path)
     quality = check_quality(quality)
     state_every_s = check_number("state_every_s", state_every_s, 0, hint="seconds; 0: every chunk")
@@ -246,6 +258,8 @@ def _write(stream: ChunkStream, path, fps: float, resume: bool, state_every_s: f
             if more_to_come and time.monotonic() - last_save >= state_every_s:
                 save_state(state_path, RunState(fingerprint, writer.total_frames, stream.state_dict()))
                 last_save = time.monotonic()
+            if on_chunk is not None:
+                on_chunk(writer.total_frames)
     state_path.unlink(missing_ok=True)
     partial.unlink(missing_ok=True)  # joined into `path` when this run continued it
     return writer.total_frames

@@ -25,13 +25,12 @@ import torch
 from einops import repeat
 
 from ...checks import check_number
+from ...choices import DEFAULT_STRENGTH
 from ..codecs.streaming_encode import StreamingWanEncoder
 from ..io.video_input import VideoInput, load_start_image, num_frames_available
 
 if TYPE_CHECKING:
     from ..video_noise import VideoNoiseMix
-
-DEFAULT_STRENGTH = 0.8  # diffusers' WanVideoToVideoPipeline default
 
 
 def check_strength(strength: Any) -> float:
