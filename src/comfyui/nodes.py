@@ -260,16 +260,20 @@ class RolldiffVideo:
 
     def generate(self, pipeline, **inputs: Any) -> tuple[torch.Tensor, float]:
         stream = open_stream(pipeline, **inputs)
-        progress = host.Progress(stream.request.geometry.num_frames)
-        chunks: list[torch.Tensor] = []
+        total = stream.request.geometry.num_frames
+        progress = host.Progress(total)
+        video, made = None, 0  # the IMAGE batch, filled in place: no second copy of the video at the end
         try:
             for frames in stream:  # (1, chunk frames, height, width, 3) float32 in [0, 1]
-                chunks.append(torch.from_numpy(frames[0]))
-                progress.frames_done(sum(len(chunk) for chunk in chunks))
+                if video is None:
+                    video = torch.empty((total, *frames.shape[2:]), dtype=torch.float32)
+                video[made : made + frames.shape[1]] = torch.from_numpy(frames[0])
+                made += frames.shape[1]
+                progress.frames_done(made)
                 host.check_interrupted()
         finally:
             stream.close()
-        return torch.cat(chunks), float(inputs["fps"])
+        return video[:made], float(inputs["fps"])  # an input video may end before `seconds`
 
 
 class RolldiffVideoToFile:
