@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from ..choices import DEFAULT_MODEL_NAME
 from ..defaults import default_device
 from .arguments import check_address_flags
 from .errors import UsageError
@@ -87,7 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--workers {args.workers}: at most one per core, and this machine has {cores}")
     threads, default_groups = _serving_threads(device, replicas or args.workers)
     settings = ServeSettings(
-        model=str(args.model or "tiny-bouncing-shapes"),
+        model=str(args.model or DEFAULT_MODEL_NAME),
         recipe=args.recipe,
         max_sessions=args.max_sessions,
         max_batch=1 if args.compile else args.max_batch,  # a compiled step is one cache's graph

@@ -24,6 +24,7 @@ from fastapi import FastAPI, WebSocket
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from ..choices import DEFAULT_MODEL_NAME
 from ..pipelines.memory import fp8_storage, offload_mode
 from ..pipelines.request import VideoCall, build_request, longest_num_frames
 from ..pipelines.request.text_encoding import PromptWarning
@@ -52,7 +53,7 @@ from .store import SessionStore
 class ServeSettings:
     """What `rolldiff serve`'s flags set (docs/serving.md)."""
 
-    model: str = "tiny-bouncing-shapes"
+    model: str = DEFAULT_MODEL_NAME
     recipe: str | None = None
     max_sessions: int = 4
     max_batch: int = 8  # sessions denoised together in one forward per step; 1: they take turns
