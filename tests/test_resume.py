@@ -269,3 +269,25 @@ def test_every_request_field_is_fingerprinted_or_excluded_with_a_reason(pipe):
     options = {f.name for f in dataclasses.fields(stream.request.options)}
     assert set(fingerprint["options"]) == options
     assert {"steps", "timesteps", "sigmas"} <= set(fingerprint["step_plan"])
+
+
+def test_on_chunk_sees_every_chunk_in_the_file_and_an_exception_there_stops_the_run_resumably(
+    pipe, uninterrupted, tmp_path
+):
+    path, seen = tmp_path / "video.mp4", []
+
+    def stop_after_two_chunks(frames_written: int) -> None:  # a host's Cancel button, pressed during chunk 2
+        seen.append(frames_written)
+        if len(seen) == 2:
+            raise InterruptedError("cancelled")
+
+    with pytest.raises(InterruptedError):
+        _generate(pipe, path, state_every_s=0, on_chunk=stop_after_two_chunks)
+    assert seen == [2, 4] and not path.exists()
+    assert load_state(state_path_for(path)).frames_written == 4  # saved before on_chunk ran
+    assert len(_read(partial_path_for(path))) == 4
+
+    seen.clear()
+    assert _generate(pipe, path, state_every_s=0, resume=True, on_chunk=seen.append) == 10
+    assert seen == [6, 8, 10]  # the frames in the file, counting those kept from the first run
+    np.testing.assert_array_equal(_read(path), uninterrupted[1])
