@@ -16,14 +16,17 @@ import imageio.v3 as iio
 import numpy as np
 import pytest
 import torch
+from test_lora import random_lora
 from tiny_components import tiny_pipeline
 
+from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.cli import main
 from rolldiff.comfyui import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 from rolldiff.comfyui.install import NODES_FOLDER, install_nodes
 from rolldiff.comfyui.nodes import output_path
 from rolldiff.pipelines.io.resume import state_path_for
 from rolldiff.pipelines.io.video_writer import partial_path_for
+from rolldiff.pipelines.lora import fuse_loras
 
 PROMPT, OTHER = "a red circle moving left", "a blue square moving up"
 # 12 frames of 16x16: 3 chunks of the tiny Krea-like pipeline
@@ -78,6 +81,9 @@ class ComfyStandIns:
         comfy.model_management, comfy.utils = management, utils
         folder_paths = types.ModuleType("folder_paths")
         folder_paths.get_output_directory = lambda: str(output_folder)
+        loras = output_folder / "models" / "loras"  # ComfyUI's models/loras
+        folder_paths.get_full_path = lambda kind, name: str(loras / name) if (loras / name).is_file() else None
+        self.loras = loras
         for name, module in [("comfy", comfy), ("comfy.model_management", management), ("comfy.utils", utils),
                              ("folder_paths", folder_paths)]:  # fmt: skip
             monkeypatch.setitem(sys.modules, name, module)
@@ -223,6 +229,21 @@ def test_auto_loads_on_comfyuis_device_and_a_missing_lora_is_named(model_folder,
         NODE_CLASS_MAPPINGS["RolldiffLoadPipeline"]().load(
             str(model_folder), "cpu", "auto", "none", False, lora="./style.safetensors"
         )
+
+
+def test_a_lora_named_as_comfyui_lists_it_is_fused_as_the_library_fuses_it(model_folder, monkeypatch, tmp_path):
+    comfy = ComfyStandIns(monkeypatch, tmp_path)
+    lora = random_lora(tiny_pipeline().transformer)
+    KreaRealtimeVideoPipeline.save_lora_weights(
+        comfy.loras, transformer_lora_layers=lora, weight_name="style.safetensors"
+    )
+    load = NODE_CLASS_MAPPINGS["RolldiffLoadPipeline"]().load
+    (styled,) = load(str(model_folder), "cpu", "auto", "none", False, lora="style.safetensors", lora_scale=0.5)
+    expected = KreaRealtimeVideoPipeline.from_pretrained(model_folder)
+    fuse_loras(expected, [str(comfy.loras / "style.safetensors")], [0.5])
+    frames, _ = NODE_CLASS_MAPPINGS["RolldiffVideo"]().generate(styled, **INPUTS)
+    np.testing.assert_array_equal(frames.numpy(), library_frames(expected))
+    assert not np.array_equal(frames.numpy(), library_frames(load(str(model_folder), "cpu", "auto", "none", False)[0]))
 
 
 # ---------------------------------------------------------------------------------------- to a file

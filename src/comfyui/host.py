@@ -27,6 +27,18 @@ def output_folder() -> Path:
     return Path(folder_paths.get_output_directory())
 
 
+def lora_path(name: str) -> str:
+    """A LoRA named as ComfyUI lists it (a file in `models/loras`) as its full path; any other name (a path, a Hub
+    id) as given."""
+    try:
+        import folder_paths
+    except ImportError:
+        return name
+    if Path(name).expanduser().exists():
+        return name
+    return folder_paths.get_full_path("loras", name) or name
+
+
 def check_interrupted() -> None:
     """Raise ComfyUI's own interruption when its Cancel button was pressed; called between chunks."""
     try:

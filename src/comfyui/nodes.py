@@ -72,7 +72,13 @@ class RolldiffLoadPipeline:
                 "fp8_storage": ("BOOLEAN", {"default": False, "tooltip": "transformer weights stored in float8"}),
             },
             "optional": {
-                "lora": ("STRING", {"default": "", "tooltip": "a LoRA file fused into the weights (empty: none)"}),
+                "lora": (
+                    "STRING",
+                    {
+                        "default": "",
+                        "tooltip": "a LoRA fused into the weights: a file in models/loras, a path or a Hub id",
+                    },
+                ),
                 "lora_scale": ("FLOAT", {"default": 1.0, "min": -4.0, "max": 4.0, "step": 0.05}),
             },
         }
@@ -110,7 +116,7 @@ class RolldiffLoadPipeline:
             )
         if lora.strip():
             try:
-                fuse_loras(pipe, [lora.strip()], [lora_scale])
+                fuse_loras(pipe, [host.lora_path(lora.strip())], [lora_scale])
             except ValueError as exc:
                 raise ValueError(f"`lora`: {exc}") from exc
         place_weights(pipe, device, **placement)
