@@ -12,8 +12,12 @@ import torch  # noqa: E402
 # What the tests and the processes they start put in the temporary folder goes to a folder of this run, removed
 # when the run passes: gradio_client leaves an empty folder in /tmp for every file it downloads, each server test
 # leaves its log, each Ray cluster its session folder. Set before any test module imports gradio, which takes its
-# cache folder from it at import. (A short path: Ray's Unix sockets live under it.)
-RUN_TEMP = Path(tempfile.mkdtemp(prefix="rolldiff-tests-"))
+# cache folder from it at import. (A short path: Ray's Unix sockets live under it.) Under pytest-xdist the workers
+# inherit TMPDIR from the controller, whose folder it is: they share it, and the controller removes it.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    RUN_TEMP = Path(os.environ["TMPDIR"])
+else:
+    RUN_TEMP = Path(tempfile.mkdtemp(prefix="rolldiff-tests-"))
 tempfile.tempdir = os.environ["TMPDIR"] = str(RUN_TEMP)
 
 # Tiny tensors: one thread is faster than several and keeps the suite steady on a busy 2-core machine.
@@ -64,8 +68,25 @@ def model_calls(pipe) -> list:
     handle.remove()
 
 
+@pytest.fixture(scope="module")
+def one_ray_cluster_at_a_time():
+    """Held by a module of Ray tests while it runs: under pytest-xdist the other process's Ray modules wait, since two
+    Ray clusters on one machine find each other (`--ray-address auto` looks for any GCS process here)."""
+    import fcntl
+
+    with open(RUN_TEMP / "ray-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus: int) -> None:
-    """A failed or interrupted run keeps its temporary folder (the servers' logs) and says where; any other removes it."""
+    """A failed or interrupted run keeps its temporary folder (the servers' logs) and says where; any other removes it.
+    Under pytest-xdist only the controller does: a worker that finishes first would remove it under the other."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        return
     if exitstatus in (pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED):
         terminalreporter.write_line(f"temporary files of this run (the servers' logs): {RUN_TEMP}")
     else:

@@ -29,6 +29,7 @@ pytest.importorskip("ray.serve", reason='pip install "rolldiff[ray]" (the dev ex
 
 from rolldiff.serving import ray_board  # noqa: E402 (Ray is an extra)
 
+pytestmark = pytest.mark.usefixtures("one_ray_cluster_at_a_time")  # (conftest) under pytest-xdist too
 ROUTED_S = 1.5  # Serve's proxy counts a replica's open requests when they end, a moment after its session did
 
 

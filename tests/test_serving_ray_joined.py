@@ -32,6 +32,7 @@ from rolldiff.serving import connect
 
 pytest.importorskip("ray", reason="the [ray] extra is not installed")
 
+pytestmark = pytest.mark.usefixtures("one_ray_cluster_at_a_time")  # (conftest) under pytest-xdist too
 RAY = str(Path(sys.executable).parent / "ray")
 
 

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from serve_helpers import free_port, refused_joining
+from serve_helpers import free_port, refused_joining, until
 
 from rolldiff.cli import main
 
 pytest.importorskip("ray.serve", reason='pip install "rolldiff[ray]" (the dev extra) to run it')
+
+pytestmark = pytest.mark.usefixtures("one_ray_cluster_at_a_time")  # (conftest) under pytest-xdist too
 
 
 def test_ray_and_workers_together_are_refused_naming_both(capsys):
@@ -58,9 +61,22 @@ def test_an_address_where_nothing_answers_is_refused_in_seconds_before_anything_
     assert "--ray-address 'head-without-port': give the head's HOST:PORT" in capsys.readouterr().err
 
 
+def _gcs_servers() -> list[int]:
+    """Ray's GCS processes on this machine, which `--ray-address auto` also finds (by their command lines)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"gcs_server" in (entry / "cmdline").read_bytes().split(b"\0")[0]:
+                found.append(int(entry.name))
+        except OSError:  # gone since it was listed
+            continue
+    return found
+
+
 def test_auto_where_no_cluster_runs_says_so_in_our_flags_words(tmp_path):
     """`--ray-address auto` with no RAY_ADDRESS and no `ray start` cluster (Ray looks in RAY_TMPDIR, an empty
     folder here): one line that names our flag and what to do, not Ray's `--address`."""
+    assert until(lambda: not _gcs_servers(), 60), f"an earlier test's Ray cluster still runs: {_gcs_servers()}"
     refusal = refused_joining("auto", env={"RAY_TMPDIR": str(tmp_path)})  # (this process has no RAY_ADDRESS)
     assert "--ray-address auto: RAY_ADDRESS is not set and no `ray start` cluster runs on this machine" in refusal
     assert "--address" not in refusal.replace("--ray-address", "")
