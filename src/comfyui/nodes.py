@@ -223,9 +223,11 @@ def _call_arguments(
 
 
 def _prompt_schedule(text: str) -> list[tuple[int, str]] | None:
-    lines = [(number, line) for number, line in enumerate(text.splitlines(), 1) if line.strip()]
+    """`FRAME:TEXT` per line (blank lines skipped), sorted by frame; a bad line is named by its number."""
     switches = []
-    for number, line in lines:
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
         try:
             switches.append(parse_prompt_switch(line))
         except ValueError as exc:
