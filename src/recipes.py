@@ -67,6 +67,31 @@ RECIPES: dict[str, Recipe] = {
             "chunk of noise and repeats it for every chunk (inference.py:165-170); the stream draws each chunk's.",
         ),
         Recipe(
+            "infinity-rope",
+            "KreaRealtimeVideoPipeline",
+            "yesiltepe-hidir/infinity-rope@63d7b84 wan/modules/causal_model.py:27-80,225-300, "
+            "pipeline/causal_inference.py:97-236, configs/self_forcing_dmd.yaml",
+            dict(
+                chunk_frames=3,  # num_frame_per_block: 3
+                sink_frames=1,  # model_kwargs.sink_size: 1
+                window_frames=5,  # model_kwargs.local_attn_size: 6 frames with the sink
+                position_mode="relative",  # block_relativistic_rope: keys rotated at their place in the buffer
+                denoising_steps=(1000, 750, 500, 250),
+                sigma_mapping="shift",  # warp_denoising_step: true
+                timestep_shift=5.0,
+                context_noise=0.0,  # default_config.yaml
+                recache="flush",  # kv_flush at every scene boundary: the sink + the last 2 frames, nothing re-run
+                image_mode="frame",
+            ),
+            "Training-free on Self-Forcing-trained weights (its README: Infinite-Forcing's sink checkpoint, or Causal "
+            "Forcing chunk-wise) for videos of any length with prompt switches. scene_cuts=[frame, ...] (--cut-at on "
+            "the command line) makes a switch a hard cut: its first chunk at RoPE frame 45 (rope_cut). Upstream's "
+            "prompt syntax 'a[10s#] | b' marks the cut on the scene BEFORE it (causal_inference.py:101-108); ours names "
+            "the frame where the new scene starts. A switch before the window holds 2 frames after the sink keeps "
+            "what it has (upstream's flush then copies buffer slots no chunk has written yet). Its --i2v path asserts "
+            "on a 1-frame image with 3-frame chunks; image= commits the image's latent frame as self-forcing does.",
+        ),
+        Recipe(
             "streamdiffusionv2",
             "KreaRealtimeVideoPipeline",
             "chenfengxu714/StreamDiffusionV2@c5a0f20 streamv2v/inference_wo_batch.py:236-372, "

@@ -221,6 +221,15 @@ class RollingKVCache(nn.Module):
         for layer in layers:
             layer.advance(num_tokens)
 
+    def set_cut_position(self, position: int | None) -> None:
+        """`set_cut_position(position)` on every sliding self-attention layer: a scene cut places the pending chunk's
+        re-indexed positions from token `position` on (None: back to right after the window)."""
+        layers = [layer for layer in self.layers if hasattr(layer, "set_cut_position")]
+        if len(layers) != len(self.layers):
+            raise TypeError("Only caches of SlidingWindowLayer can place a scene cut.")
+        for layer in layers:
+            layer.set_cut_position(position)
+
     def crop(self, max_tokens: int) -> None:
         """`crop(max_tokens)` on every sliding self-attention layer (evict the oldest window tokens early).
 

@@ -24,6 +24,11 @@ from ..choices import ALL_FRAMES
 from .rolling_sink import SINK_MODES
 
 POSITION_MODES = ("absolute", "relative")
+# Infinity-RoPE's scene controls (yesiltepe-hidir/infinity-rope@63d7b84): a scene cut places its chunk at RoPE frame 45
+# (`wan/modules/causal_model.py:27` `rope_cut`'s `transition_from`); the KV flush at a prompt switch keeps the sink
+# and the last 2 committed frames (`pipeline/causal_inference.py:213-222` `kv_flush`: `[:, -3120:]`, 2 x 1560 tokens).
+SCENE_CUT_FRAME = 45
+FLUSH_KEPT_FRAMES = 2
 
 
 def window_start(committed, sink: int, window: int, chunk: int, out: torch.Tensor | None = None):

@@ -125,6 +125,7 @@ class SlidingWindowLayer(CacheLayer):
         self.ring_tokens = self._ring_tokens()
         self.capacity = self.sink_tokens + self.ring_tokens
         self._context_pass = False  # inside `RollingKVCache.context_pass()` (`set_context_pass`)
+        self.cut_position: int | None = None  # `set_cut_position`: where a scene cut places the pending tokens
         self.storage = make_storage(self.quantization, offload)
         self.rolling_sink = None if sink_mode == "fixed" else self._make_rolling_sink()
         for name in ("slot_positions", "committed_tokens"):
@@ -588,6 +589,7 @@ class SlidingWindowLayer(CacheLayer):
             self._mask.zero_()
         self.pending_tokens = 0
         self._stream_batch = None
+        self.cut_position = None
         self._set_counters(0, 0)
 
     @property
@@ -662,14 +664,28 @@ class SlidingWindowLayer(CacheLayer):
 
     def _reindex(self, positions: torch.Tensor, num_pending: int) -> torch.Tensor:
         """Positions inside the view of an update of `num_pending` tokens: the sink first, the window right after it
-        (a context pass with its own view: from its first token, the sink not privileged)."""
+        (a context pass with its own view: from its first token, the sink not privileged); the pending tokens from
+        `cut_position` on while a scene cut is set."""
         view_start = self._view_start(self.committed_tokens, num_pending)
         if self._context_view:  # slots outside the span are masked: clamped only to stay inside the RoPE table
             return (positions - view_start).clamp_(0, self.context_window_tokens - 1)
         reindexed = torch.where(positions < self.sink_tokens, positions, positions - view_start + self.sink_tokens)
         if self.has_views:  # a larger ring holds masked slots beyond the view: keep them inside the table too
             reindexed = reindexed.clamp_(0, self.sink_tokens + self.window_tokens - 1)
+        if self.cut_position is not None:
+            pending = positions >= self.committed_tokens  # empty slots carry -1: never pending
+            reindexed = torch.where(pending, positions - self.committed_tokens + self.cut_position, reindexed)
         return reindexed
+
+    def set_cut_position(self, position: int | None) -> None:
+        """A scene cut (Infinity-RoPE's RoPE cut, yesiltepe-hidir/infinity-rope `wan/modules/causal_model.py:27-44`):
+        until set back to `None`, the pending tokens' re-indexed positions start at token `position` instead of
+        right after the window, queries and keys alike, while the committed tokens keep theirs. The jump in time
+        reads as a cut; the keys are stored before RoPE, so later chunks see these tokens at their plain places.
+        Re-indexed positions only (the model's "relative" mode); set between chunks, cleared by `reset`."""
+        if position is not None:
+            check_positive("position", position, allow_zero=True)
+        self.cut_position = position
 
     # ----------------------------------------------------------------------------------------- re-cache, crop
     def check_rewind(self, num_tokens: int) -> None:

@@ -164,7 +164,8 @@ class CausalAttentionInputs:
     def query_rope(self, layer: SlidingWindowLayer, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of the chunk being written, shared by every block of the same geometry."""
         reindexed = self.layout.position_mode == "relative"
-        key = ("query", num_tokens, layer.sink_tokens, layer.window_tokens) if reindexed else ("query", num_tokens)
+        geometry = (layer.sink_tokens, layer.window_tokens, layer.cut_position)
+        key = ("query", num_tokens, *geometry) if reindexed else ("query", num_tokens)
         if key not in self.shared_rope:
             positions = layer.pending_positions(num_tokens, reindexed=reindexed)
             self.shared_rope[key] = self.rope.for_tokens(positions, self.layout.tokens_per_frame)
@@ -172,7 +173,7 @@ class CausalAttentionInputs:
 
     def key_rope(self, layer: SlidingWindowLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE of every slot re-indexed inside sink + window ("relative" mode), after the layer's update."""
-        key = ("keys", layer.sink_tokens, layer.window_tokens)
+        key = ("keys", layer.sink_tokens, layer.window_tokens, layer.cut_position)
         if key not in self.shared_rope:
             positions = layer.key_positions(reindexed=True)
             self.shared_rope[key] = self.rope.for_tokens(positions, self.layout.tokens_per_frame)

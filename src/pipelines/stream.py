@@ -24,6 +24,7 @@ extra state, decoder memory, latents, generators, position), which is all `rolld
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -32,12 +33,14 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
-from ..checks import check_int
+from ..caching.layout import SCENE_CUT_FRAME
+from ..checks import check_flag, check_int
 from .codecs.overlap import OverlappedDecoder, decode_ahead
 from .pipelined import PipelinedDenoising
 from .request.conditioning import ConditioningInput
 from .request.prompt_schedule import as_prompt_list
 from .request.request import VideoRequest, check_embeds
+from .request.scene_controls import check_cut_setup
 from .request.steps import StepPlan
 from .stream_batch import StreamBatchDenoising
 from .video_noise import VideoNoiseMix
@@ -136,6 +139,7 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         self._active_prompt = 0  # index into the prompt schedule
         self._pending: torch.Tensor | None = None  # embeddings of a `switch_prompt` not applied yet
         self._pending_blend: int | None = None  # that switch's own blend length (None: the request's)
+        self._pending_cut = False  # that switch is a scene cut
         self._blend: list[torch.Tensor] = []  # the coming chunks' embeddings of a prompt blend in progress
         self._first_pixels: torch.Tensor | None = None  # the pixel frames a re-encoded first frame comes from
         self._caches: list = []
@@ -239,6 +243,7 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         *,
         prompt_embeds: torch.Tensor | None = None,
         blend_chunks: int | None = None,
+        scene_cut: bool = False,
     ) -> int:
         """Switch to `prompt` (or precomputed `prompt_embeds`) at the next chunk boundary; returns the index of the
         first chunk made under it (`next_chunk`).
@@ -246,14 +251,17 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         The text is checked now (unknown words warned about, a prompt with no known word refused) and encoded
         now, so the loop never waits on it; the next chunk then re-caches the recent context under it (the
         family's re-cache). `blend_chunks` blends into it over that many chunks (default: the request's
-        `prompt_blend_chunks`). A later call before that boundary replaces an earlier one. Call it between
-        chunks (from the thread that iterates, or while no chunk is being made).
+        `prompt_blend_chunks`). `scene_cut=True` makes the switch a hard cut (the request's `scene_cuts`). A later call
+        before that boundary replaces an earlier one. Call it between chunks (from the thread that iterates, or while
+        no chunk is being made).
         """
         if (prompt is None) == (prompt_embeds is None):
             raise ValueError("`switch_prompt` takes either `prompt` or `prompt_embeds`.")
         self._refuse_switch_in_stream_batch()
         if blend_chunks is not None:
             blend_chunks = check_int("blend_chunks", blend_chunks, 1, hint="1: switch at once")
+        if check_flag("scene_cut", scene_cut):
+            self._check_cut_setup()
         if self._closed or self._next_chunk >= self.num_chunks:
             raise RuntimeError(
                 "`switch_prompt`: this stream has made its last chunk, so the switch would never apply."
@@ -273,8 +281,29 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
             embeds = self._pipe.encode_prompt(prompts, self._request.max_sequence_length)
         device, dtype = self._placement
         self._pending = embeds.to(device=device, dtype=dtype)
-        self._pending_blend = blend_chunks
+        self._pending_blend, self._pending_cut = blend_chunks, scene_cut
         return self._next_chunk
+
+    def _check_cut_setup(self) -> None:
+        request, pipe = self._request, self._pipe
+        rope_frames = getattr(pipe.transformer.config, "rope_max_seq_len", None)
+        offered = getattr(pipe, "offers_scene_cuts", False)
+        check_cut_setup("scene_cut", request.layout, request.denoising, request.context_policy, rope_frames, offered)
+
+    @contextlib.contextmanager
+    def _scene_cut(self, cut: bool) -> Iterator[None]:
+        """A scene cut's chunk: every branch's cache places it at RoPE frame `SCENE_CUT_FRAME` for all its passes
+        (denoising steps and context pass), then back to plain positions, whatever happens in between."""
+        if not cut:
+            yield
+            return
+        for cache in self._caches:
+            cache.set_cut_position(SCENE_CUT_FRAME * self._request.layout.tokens_per_frame)
+        try:
+            yield
+        finally:
+            for cache in self._caches:
+                cache.set_cut_position(None)
 
     def _switch_to(self, embeds: torch.Tensor) -> None:
         """New cross-attention K/V for the conditional branch, then the family's re-cache of recent context."""
@@ -286,27 +315,30 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         if self._recent is not None and self._recent.shape[2] > 0 and not recompute:
             self._pipe.recache(self._recent, embeds, self._caches[0], self._request)
 
-    def _apply_due_switches(self) -> None:
+    def _apply_due_switches(self) -> bool:
         """A switch due at this chunk boundary (the schedule's, then `switch_prompt`'s) starts a blend of
         `prompt_blend_chunks` steps (Krea's `interpolate_prompt_embeds`: `lerp(current, new, linspace(0, 1, N))`, one
-        step a chunk, from whatever embedding is current); each chunk of a blend is one switch."""
+        step a chunk, from whatever embedding is current); each chunk of a blend is one switch. Returns whether this
+        chunk starts a scene cut."""
         request = self._request
         start = request.geometry.chunk_start(self._next_chunk)
-        target = None
+        target, cut = None, False
         now_active = request.schedule.active_index(self._pipe.latent_to_pixel_start(start))
         if now_active != self._active_prompt:
             self._active_prompt = now_active
             target = self._pipe.branch_embeds(request, now_active)
+            cut = now_active in request.scene_cuts
         blend_chunks = request.prompt_blend_chunks
         if self._pending is not None:
-            target, self._pending = self._pending, None
-            blend_chunks, self._pending_blend = self._pending_blend or blend_chunks, None
+            target, self._pending, cut = self._pending, None, self._pending_cut
+            blend_chunks, self._pending_blend, self._pending_cut = self._pending_blend or blend_chunks, None, False
         if target is not None:
             weights = torch.linspace(0, 1, blend_chunks) if blend_chunks > 1 else [1.0]
             current = self._embeds[0]
             self._blend = [torch.lerp(current, target, float(w)) for w in weights]
         if self._blend:
             self._switch_to(self._blend.pop(0))
+        return cut
 
     # ---------------------------------------------------------------------------------------- start
     def _start(self) -> None:
@@ -396,13 +428,18 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
     def _generate_chunk(self) -> torch.Tensor | None:
         """Denoise, context-pass and commit the next chunk; its clean latents in the model's dtype (None: the
         input video ended, or the stream was interrupted)."""
-        pipe, request = self._pipe, self._request
+        request = self._request
         geometry, index = request.geometry, self._next_chunk
         start, chunk_frames = geometry.chunk_start(index), geometry.chunk_size(index)
         recompute = request.context_policy == "recompute"
         if recompute:  # under the embedding the previous chunk was made with, as Krea's server does
             self._rebuild_context()
-        self._apply_due_switches()
+        with self._scene_cut(self._apply_due_switches()):
+            return self._make_chunk(index, start, chunk_frames, recompute)
+
+    def _make_chunk(self, index: int, start: int, chunk_frames: int, recompute: bool) -> torch.Tensor | None:
+        """The body of `_generate_chunk`, once the chunk's prompt is in place."""
+        pipe, request = self._pipe, self._request
         pipelined, batched = request.denoising == "pipelined", self._stream_batched(index)
         # pipelined, stream batch: a video-to-video chunk's input is read when it enters, a few chunks ahead
         reads_input = self._inputs is not None and not ((pipelined or batched) and self._inputs.is_video)
@@ -617,6 +654,8 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
             state["pending_embeds"] = self._pending
             if self._pending_blend is not None:
                 state["pending_blend"] = torch.tensor(self._pending_blend, dtype=torch.int64)
+            if self._pending_cut:
+                state["pending_cut"] = torch.tensor(True)
         state["recent"] = self._recent
         if self._first_frame is not None:
             state["first_frame"] = self._first_frame
@@ -658,6 +697,7 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         self._pending = None if pending is None else pending.to(device=device, dtype=dtype)
         pending_blend = state.get("pending_blend")
         self._pending_blend = None if pending_blend is None else int(pending_blend)
+        self._pending_cut = bool(state.get("pending_cut", False))
         self._recent = state["recent"].to(device=device, dtype=dtype)
         first_frame = state.get("first_frame")
         self._first_frame = None if first_frame is None else first_frame.to(device=device, dtype=dtype)

@@ -28,7 +28,7 @@ from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler
 from diffusers.loaders import WanLoraLoaderMixin
 
 from ...caching import AdaptiveSinkPolicy, RollingKVCache
-from ...caching.layout import ChunkLayout
+from ...caching.layout import FLUSH_KEPT_FRAMES, ChunkLayout
 from ...checks import check_choice, check_flag, check_number
 from ...models.krea_realtime import ATTENTION_BIAS_MODES, KreaRealtimeTransformer3DModel
 from ..request.request import CacheOptions, VideoRequest
@@ -140,8 +140,9 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline, WanLoraLoaderMixin):
 
     model_cpu_offload_seq = "text_encoder->transformer->vae"
     options_class = KreaCacheOptions
-    recache_modes = ("causal", "longlive")
+    recache_modes = ("causal", "longlive", "flush")
     offers_pipelined_denoising = True  # `denoising="pipelined"` (rolldiff.pipelines.pipelined)
+    offers_scene_cuts = True  # `scene_cuts=` / `switch_prompt(scene_cut=True)` (Infinity-RoPE's RoPE cut)
     output_class = KreaRealtimeVideoPipelineOutput
 
     def __init__(  # noqa: PLR0913 (the config: components and their registered defaults)
@@ -262,10 +263,15 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline, WanLoraLoaderMixin):
         - `recache="longlive"` (LongLive's `interactive_causal_inference.py:54-90`): the last `min(sink + window,
           frame)` frames re-run in ONE pass with no mask between them, so each sees all the others; a switch inside
           the first `sink + window` frames re-runs from frame 0 and rewrites the sink too.
+        - `recache="flush"` (Infinity-RoPE's `kv_flush`, `pipeline/causal_inference.py:213-222`): nothing re-runs; the
+          window keeps only its last `FLUSH_KEPT_FRAMES` committed frames, moved up to right after the sink.
         """
         layout: ChunkLayout = request.layout
         if request.recache_mode == "longlive":
             self._longlive_recache(recent, embeds, cache, request)
+            return
+        if request.recache_mode == "flush":
+            _flush(cache, layout, self.transformer.committed_frames(cache, layout))
             return
         frames = min(recent.shape[2], layout.rewindable_frames(self.transformer.committed_frames(cache, layout)))
         if frames == 0:  # everything committed is sink: nothing to re-cache
@@ -308,6 +314,22 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline, WanLoraLoaderMixin):
         window = layout.rewindable_frames(frame) * tokens  # the frames the next chunk sees after the sink
         cache.rewind(window)
         _write_key_values(cache, [(k[:, -window:], v[:, -window:]) for k, v in recached], layout.chunk_tokens)
+
+
+def _flush(cache: RollingKVCache, layout: ChunkLayout, committed_frames: int) -> None:
+    """Infinity-RoPE's KV flush: the sink and the window's last `FLUSH_KEPT_FRAMES` frames kept, written again from
+    position 0 so the kept frames sit right after the sink and nothing older stays visible (the stream position moves
+    back; keys are stored before RoPE, so the next chunk sees them as upstream's buffer `[:, 1560:4680] = [:, -3120:]`
+    puts them)."""
+    held = layout.rewindable_frames(committed_frames)
+    if held <= FLUSH_KEPT_FRAMES:  # nothing older to drop (upstream would copy slots no chunk has written yet)
+        return
+    sink, kept = layout.sink_tokens, FLUSH_KEPT_FRAMES * layout.tokens_per_frame
+    pieces = [[(t[:, :sink], t[:, -kept:]) for t in layer.get()] for layer in cache]  # once per switch, not per step
+    cache.reset_context()  # the text K/V stay: the switch already set them
+    _write_key_values(
+        cache, [tuple(torch.cat(pair, dim=1) for pair in layer) for layer in pieces], layout.chunk_tokens
+    )
 
 
 def _write_key_values(cache: RollingKVCache, keys_values: list[tuple[torch.Tensor, torch.Tensor]], chunk: int) -> None:

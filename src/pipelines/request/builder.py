@@ -43,6 +43,7 @@ from .request import (
     check_recache,
     check_recompute_fits,
 )
+from .scene_controls import check_flush, scene_cut_entries
 from .steps import StepMapping, StepPlan, plan_steps
 from .text_encoding import check_max_sequence_length
 
@@ -252,6 +253,11 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
     if denoising == "pipelined":
         layout, checked["in_flight_frames"] = _pipelined_layout(pipe, call, options, geometry, layout, checked)
     check_recompute_fits(checked["context_policy"], layout, pipelined=denoising == "pipelined")
+    check_flush(checked["recache_mode"], layout, denoising, checked["context_policy"])
+    checked["scene_cuts"] = scene_cut_entries(
+        call.scene_cuts, schedule, layout, denoising, checked["context_policy"],
+        getattr(pipe.transformer.config, "rope_max_seq_len", None), getattr(pipe, "offers_scene_cuts", False),
+    )  # fmt: skip
     conditioning = build_conditioning(  # last: an input file's reader opens here, after every other check
         call.image,
         call.video,

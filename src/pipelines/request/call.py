@@ -34,6 +34,7 @@ class VideoCall:
     width: int | None = None
     _: KW_ONLY
     prompt_schedule: Sequence[tuple[int, str]] | dict[int, str] | None = None
+    scene_cuts: Sequence[int] | None = None
     negative_prompt: str | list[str] | None = None
     prompt_embeds: torch.Tensor | None = None
     negative_prompt_embeds: torch.Tensor | None = None
@@ -150,6 +151,11 @@ Args:
         Pixels, as `height`. Defaults to the config's `width`.
     prompt_schedule (`list[tuple[int, str]]` or `dict[int, str]`, *optional*):
         `[(frame, prompt), ...]` switches in pixel frames; each takes effect at the next chunk boundary.
+    scene_cuts (`list[int]`, *optional*):
+        Frames of `prompt_schedule` switches that are hard scene cuts (Infinity-RoPE's RoPE cut,
+        yesiltepe-hidir/infinity-rope `wan/modules/causal_model.py:27-44`): the first chunk of the new prompt sits at
+        RoPE frame 45 while the frames before it keep their places, a jump in time the model renders as a cut.
+        Needs `position_mode="relative"` (keys stored before RoPE), a fixed sink and `denoising="sequential"`.
     negative_prompt (`str` or `list[str]`, *optional*):
         The unconditional branch's text when `guidance_scale > 1`.
     prompt_embeds (`torch.Tensor`, *optional*):
@@ -269,7 +275,8 @@ Args:
         `num_frames` is then one latent frame and whole chunks; with `adaptive_sink` only).
     recache (`str`, *optional*):
         The re-cache after a prompt switch: `"causal"` (the default), `"longlive"` or `"longsana"`, as the family
-        offers.
+        offers, or `"flush"` (Infinity-RoPE's KV flush, `pipeline/causal_inference.py:213-222`: nothing re-run; the
+        window keeps its last 2 frames after the sink, the gap closed up; needs `position_mode="relative"`).
     recompute_first_frame (`str`, *optional*):
         Under `context_policy="recompute"`: `"keep"` (the first latent frame as made; the default) or `"reencode"`
         (Krea: re-encoded from the last chunk's decoded pixels; needs the VAE).
