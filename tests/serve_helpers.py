@@ -208,13 +208,14 @@ pipe.set_progress_bar_config(disable=True)
 if spec.get("fp8_storage"):
     pipe.enable_fp8_storage()
 call = {k: np.load(spec[k]) for k in ("image", "video") if spec.get(k)}
-if spec.get("strength") is not None:
-    call["strength"] = spec["strength"]
+for name in ("strength", "recipe"):
+    if spec.get(name) is not None:
+        call[name] = spec[name]
 stream = pipe.stream(spec["prompt"], spec["num_frames"], generator=torch.Generator().manual_seed(spec["seed"]), **call)
 chunks = []
 for index in range(stream.num_chunks):
     if spec.get("switch") and index == spec["switch"][0]:
-        stream.switch_prompt(spec["switch"][1])
+        stream.switch_prompt(spec["switch"][1], scene_cut=len(spec["switch"]) > 2 and spec["switch"][2])
     frames = next(stream, None)
     if frames is None:
         break
@@ -230,7 +231,7 @@ FRAMES = 24  # a session's length: 8 chunks of 3 on the embedded model
 
 def library_references(folder: Path):
     """`reference(prompt, seed, num_frames, switch, **inputs)`: what `pipe.stream` gives for a session's arguments
-    (a prompt switch at chunk `switch[0]`), as uint8 chunks, each made once (calls with inputs are made afresh)."""
+    (a prompt switch at chunk `switch[0]`, a scene cut if `switch[2]`), as uint8 chunks, each made once (calls with inputs are made afresh)."""
     made: dict = {}
 
     def reference(prompt=RED, seed=3, num_frames=FRAMES, switch=None, **inputs) -> list:

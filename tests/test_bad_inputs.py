@@ -225,6 +225,10 @@ CLI_AFTER_LOAD = {
         "--seconds (`num_frames`) is 320 latent frames, more than the RoPE table's 64 positions with --position-mode",
     ),
     "prompt-at-past-end": (["--prompt", RED, "--prompt-at", "100:a blue square moving up"], "prompt_schedule"),
+    "cut-at-absolute-positions": (  # the tiny model's positions are absolute: keys stored after RoPE cannot be cut
+        ["--prompt", RED, "--cut-at", "4:a blue square moving up", "--position-mode", "absolute"],
+        "--cut-at (`scene_cuts`) places a cut chunk",
+    ),
     "missing-model": (["--prompt", RED, "--model", "/no/such/pipeline"], "--model"),
     "prompt-no-known-word": (["--prompt", "un cercle rouge"], "prompt"),
     "state-every-negative": (["--prompt", RED, "--state-every", "-1"], "--state-every"),

@@ -67,6 +67,21 @@ def test_prompt_at_gives_the_pipelines_prompt_schedule(model_dir, tmp_path):
     np.testing.assert_array_equal(_read(out), _read(expected))
 
 
+def test_cut_at_gives_the_pipelines_scene_cuts(model_dir, tmp_path):
+    """`--cut-at FRAME:TEXT` is a `prompt_schedule` switch named in `scene_cuts`; the same switch by `--prompt-at`
+    makes another video."""
+    relative = ["--position-mode", "relative", "--seconds", "1", "--prompt", RED]
+    cut, switch = tmp_path / "cut.mp4", tmp_path / "switch.mp4"
+    assert _generate(model_dir, cut, *relative, "--cut-at", f"4:{BLUE}") == 0
+    assert _generate(model_dir, switch, *relative, "--prompt-at", f"4:{BLUE}") == 0
+    expected = tmp_path / "expected.mp4"
+    pipe = KreaRealtimeVideoPipeline.from_pretrained(model_dir)
+    pipe.generate_to_file(expected, RED, fps=8, num_frames=8, height=16, width=16, position_mode="relative",
+                          generator=torch.Generator().manual_seed(0), prompt_schedule=[(4, BLUE)], scene_cuts=[4])  # fmt: skip
+    np.testing.assert_array_equal(_read(cut), _read(expected))
+    assert np.array_equal(_read(cut)[:4], _read(switch)[:4]) and not np.array_equal(_read(cut), _read(switch))
+
+
 def test_default_model_is_used_without_model_argument(model_dir, tmp_path, monkeypatch, capsys):
     default = shutil.copytree(model_dir, tmp_path / "default")
     index = json.loads((default / "model_index.json").read_text())

@@ -164,6 +164,30 @@ def test_a_prompt_switch_lands_at_the_chunk_it_names(server, references):
     assert not all((got == want).all() for got, want in zip(chunks, references()))
 
 
+def test_a_scene_cut_lands_as_the_librarys_and_a_session_that_cannot_cut_is_told(server, references):
+    """`"scene_cut": true` under `"recipe": "infinity-rope"`: the library's cut at the chunk `prompt.accepted` names.
+    Under `self-forcing` (absolute positions) the same message is refused naming `scene_cut`, and the video goes on."""
+    with connect(server.url, prompt=RED, seed=3, num_frames=FRAMES, recipe="infinity-rope") as live:
+        chunks = [next(live), next(live)]
+        live.pause()
+        accepted = live.switch_prompt(BLUE, scene_cut=True)
+        live.resume()
+        chunks += list(live)
+    assert max_difference(chunks, references(switch=(accepted, BLUE, True), recipe="infinity-rope")) == 0
+    assert max_difference(chunks, references(switch=(accepted, BLUE), recipe="infinity-rope")) > 0
+    with _raw(server.url) as socket:
+        socket.send(json.dumps({"type": "start", "prompt": RED, "num_frames": 6, "recipe": "self-forcing"}))
+        assert json.loads(socket.recv(timeout=30))["type"] == "ready"
+        socket.send(json.dumps({"type": "prompt", "prompt": BLUE, "scene_cut": True}))
+        messages, code = _messages_until_close(socket)
+    errors = [m for m in messages if m["type"] == "error"]
+    assert [(e["code"], e["field"]) for e in errors] == [("bad_request", "prompt")]
+    assert (
+        "`scene_cut` places a cut chunk" in errors[0]["message"] and "position_mode='absolute'" in errors[0]["message"]
+    )
+    assert messages[-1] == {"type": "done", "frames": 6, "reason": "complete"} and code == 1000
+
+
 def test_jpeg_and_png_formats_send_decodable_frames(server, references):
     expected = references()
     for output, tolerance in (("png", 0), ("jpeg", 40)):

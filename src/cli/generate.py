@@ -54,6 +54,15 @@ def add_generate_command(commands) -> None:
         help="switch to TEXT at video frame FRAME (repeatable), e.g. --prompt-at '48:a blue square moving up'",
     )
     generate.add_argument(
+        "--cut-at",
+        action="append",
+        type=prompt_at,
+        default=[],
+        metavar="FRAME:TEXT",
+        help="switch to TEXT at video frame FRAME with a hard scene cut (repeatable; Infinity-RoPE's RoPE cut: needs "
+        "--position-mode relative, e.g. --recipe infinity-rope)",
+    )
+    generate.add_argument(
         "--seconds",
         type=positive(float, MAX_SECONDS),
         default=5.0,

@@ -31,6 +31,7 @@ from .loading import load_from_flags
 FLAGS = {
     "prompt": "--prompt",
     "prompt_schedule": "--prompt-at",
+    "scene_cuts": "--cut-at",
     "denoising_steps": "--steps",
     "first_chunk_steps": "--first-chunk-steps",
     "denoising": "--denoising",
@@ -81,7 +82,7 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     the flags alone decide were answered before torch loaded (`generate._check_flags_alone`)."""
     try:
         check_output_path(args.out)
-        PromptSchedule.build(args.prompt, sorted(args.prompt_at) or None, num_frames=math.inf)
+        PromptSchedule.build(args.prompt, _switches(args), num_frames=math.inf)
         check_image_mode(args.image_mode, args.image)
     except ValueError as exc:
         raise relabel(exc, FLAGS) from None
@@ -89,11 +90,17 @@ def _check_before_loading(args: argparse.Namespace) -> None:
         raise UsageError(f"--video: no such file {str(args.video)!r}")
 
 
+def _switches(args: argparse.Namespace) -> list[tuple[int, str]] | None:
+    """`--prompt-at` and `--cut-at` together, by frame: the prompt schedule (None: no switch)."""
+    return sorted(args.prompt_at + args.cut_at) or None
+
+
 def _call_arguments(args: argparse.Namespace, image) -> dict:
     """The `pipe.stream` arguments the flags set (None: the recipe's or the model's)."""
     return dict(
         prompt=args.prompt,
-        prompt_schedule=sorted(args.prompt_at) or None,
+        prompt_schedule=_switches(args),
+        scene_cuts=[frame for frame, _ in args.cut_at] or None,
         denoising_steps=args.steps,
         first_chunk_steps=args.first_chunk_steps,
         denoising=args.denoising,

@@ -102,9 +102,9 @@ class RemoteStream(Iterator[np.ndarray]):
         return self._chunks.popleft()
 
     # ------------------------------------------------------------------------------------ controls
-    def switch_prompt(self, prompt: str, blend_chunks: int | None = None) -> int:
-        """Switch at the next chunk boundary; returns the first chunk made under `prompt`."""
-        self._send({"type": "prompt", "prompt": prompt, "blend_chunks": blend_chunks})
+    def switch_prompt(self, prompt: str, blend_chunks: int | None = None, scene_cut: bool = False) -> int:
+        """Switch at the next chunk boundary (`scene_cut`: as a hard cut); returns the first chunk made under `prompt`."""
+        self._send({"type": "prompt", "prompt": prompt, "blend_chunks": blend_chunks, "scene_cut": scene_cut})
         return self._expect("prompt.accepted")["chunk"]
 
     def send_frames(self, frames: Iterable[np.ndarray], image_format: str = "PNG") -> None:

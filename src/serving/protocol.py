@@ -68,7 +68,7 @@ CLIENT_TYPES: dict[str, set[str]] = {
         "prompt", "seed", "num_frames", "height", "width", "format", "input", "image", "strength", "recipe",
         "guidance_scale",
     },
-    "prompt": {"prompt", "blend_chunks"},
+    "prompt": {"prompt", "blend_chunks", "scene_cut"},
     "input.end": set(),
     "pause": set(),
     "resume": set(),
@@ -124,14 +124,15 @@ def parse_start(message: dict) -> dict[str, Any]:
     return start
 
 
-def parse_prompt(message: dict) -> tuple[str, int | None]:
+def parse_prompt(message: dict) -> tuple[str, int | None, bool]:
     prompt = _typed(message, "prompt", (str,), "a non-empty string", required=True)
     if not prompt.strip():
         raise _bad("`prompt` must be a non-empty string", "prompt")
     blend = _typed(message, "blend_chunks", (int,), "an int >= 1 (1: switch at once)")
     if blend is not None and blend < 1:
         raise _bad(f"`blend_chunks` must be an int >= 1, got {blend!r}", "blend_chunks")
-    return prompt, blend
+    scene_cut = _typed(message, "scene_cut", (bool,), "true or false (a hard cut: the session's recipe must allow it)")
+    return prompt, blend, bool(scene_cut)
 
 
 def parse_token(message: dict) -> str:

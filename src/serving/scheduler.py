@@ -216,11 +216,11 @@ class Scheduler:
         elif control.kind == "suspend":
             self._suspend(session, control.payload)
         elif control.kind == "prompt":
-            prompt, blend = control.payload
+            prompt, blend, scene_cut = control.payload
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")  # unknown words: the video shows it; a prompt with none is refused
-                    chunk = session.stream.switch_prompt(prompt, blend_chunks=blend)
+                    chunk = session.stream.switch_prompt(prompt, blend_chunks=blend, scene_cut=scene_cut)
             except (ValueError, RuntimeError) as error:
                 session.post(ProtocolError("bad_request", str(error), "prompt").as_message())
                 return

@@ -51,6 +51,13 @@ CHECKPOINT_LAYOUTS: dict[str, CheckpointLayout] = {
             "--use_ema); the file is Self-Forcing's, so this recipe is always named",
         ),
         CheckpointLayout(
+            "infinity-rope", WAN, (), True, False,
+            "yesiltepe-hidir/infinity-rope@63d7b84 inference.py:168-181 with inference.sh's --use_ema on "
+            "SOTAMak1r/Infinite-Forcing's checkpoints/ema_model.pt (setup_env.sh; or Causal Forcing's chunk-wise "
+            "file, inference_causal_forcing.sh, without --use_ema); a Self-Forcing-layout file, so this recipe is "
+            "always named",
+        ),
+        CheckpointLayout(
             "causal-forcing", WAN, ("chunkwise/causal_forcing.pt",), False, False,
             "thu-ml/Causal-Forcing inference.py:70-71 (README: chunk-wise runs without --use_ema)",
         ),

@@ -144,7 +144,7 @@ class VideoRequest:
     context_policy: str = "rolling"  # "recompute": each chunk rebuilds its context in one t = 0 pass (Krea)
     overlap_decode: bool = False  # decode chunk k on a side stream while chunk k + 1 denoises (CUDA)
     recache_mode: str = "causal"  # after a prompt switch: "causal" (chunk by chunk), "longlive" (one pass), "flush"
-    scene_cuts: frozenset[int] = frozenset()  # prompt-schedule entries whose switch is a scene cut (Infinity-RoPE)
+    scene_cuts: tuple[int, ...] = ()  # prompt-schedule entries whose switch is a scene cut (Infinity-RoPE), sorted
     recompute_first_frame: str = "keep"  # "reencode": Krea's first context frame re-encoded from decoded pixels
     prompt_blend_chunks: int = 1  # a prompt switch blends the embeddings over this many chunks (Krea: 4)
     context_noise: float = 0.0  # the timestep of the context pass (Self-Forcing's `context_noise`; 0: clean)

@@ -68,12 +68,12 @@ def scene_cut_entries(
     context_policy: str,
     rope_frames: int | None,
     offered: bool,
-) -> frozenset[int]:
+) -> tuple[int, ...]:
     """The prompt-schedule entries whose switch is a scene cut: `scene_cuts` names their frames.
 
     `rope_frames`: the frames the model's RoPE table holds; `offered`: the pipeline places cuts at all."""
     if scene_cuts is None:
-        return frozenset()
+        return ()
     switches = [frame for frame, _ in schedule.entries[1:]]
     if not offered:
         raise ValueError(_NOT_OFFERED.format(name="scene_cuts"))
@@ -89,4 +89,5 @@ def scene_cut_entries(
             f"of `prompt_schedule` after the first prompt (the switches are at {switches or 'no frame'})."
         )
     check_cut_setup("scene_cuts", layout, denoising, context_policy, rope_frames)
-    return frozenset(i for i, (frame, _) in enumerate(schedule.entries) if i and frame in set(map(int, frames)))
+    cut_frames = {int(frame) for frame in frames}
+    return tuple(i for i, (frame, _) in enumerate(schedule.entries) if i and frame in cut_frames)
