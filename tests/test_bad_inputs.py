@@ -226,7 +226,7 @@ CLI_AFTER_LOAD = {
     ),
     "prompt-at-past-end": (["--prompt", RED, "--prompt-at", "100:a blue square moving up"], "prompt_schedule"),
     "cut-at-absolute-positions": (  # the tiny model's positions are absolute: keys stored after RoPE cannot be cut
-        ["--prompt", RED, "--cut-at", "4:a blue square moving up", "--position-mode", "absolute"],
+        ["--prompt", RED, "--cut-at", "2:a blue square moving up", "--position-mode", "absolute"],
         "--cut-at (`scene_cuts`) places a cut chunk",
     ),
     "missing-model": (["--prompt", RED, "--model", "/no/such/pipeline"], "--model"),
