@@ -184,6 +184,38 @@ def test_live_switch_equals_the_pipelines_prompt_schedule_at_the_recorded_frame(
     assert not np.array_equal(np.concatenate(chunks), _as_uint8(unswitched))  # the switch did something
 
 
+def test_a_live_cut_equals_the_pipelines_scene_cuts_at_the_recorded_frame(pipe):
+    """`LivePrompt.switch(..., scene_cut=True)` lands as a `prompt_schedule` switch named in `scene_cuts`, and
+    `cuts` records its frame; the same switch without the cut makes other frames."""
+    relative = ChunkSettings(position_mode="relative")
+
+    def run(scene_cut: bool) -> tuple[np.ndarray, LivePrompt]:
+        live, chunks = LivePrompt(RED), []
+        for chunk in generate_frames(pipe, live, 8, 16, 16, seed=0, settings=relative):
+            chunks.append(chunk.frames)
+            if len(chunks) == 1:
+                live.switch(BLUE, scene_cut=scene_cut)
+        return np.concatenate(chunks), live
+
+    cut, live = run(True)
+    assert live.applied == [(0, RED), (2, BLUE)] and live.cuts == [2]
+    expected = pipe.stream(None, 8, 16, 16, prompt_schedule=live.applied, scene_cuts=live.cuts,
+                           position_mode="relative", generator=torch.Generator().manual_seed(0))  # fmt: skip
+    np.testing.assert_array_equal(cut, _as_uint8(expected))
+    switched, plain_live = run(False)
+    assert plain_live.cuts == [] and not np.array_equal(cut, switched)
+
+
+def test_a_cut_the_videos_settings_cannot_make_is_refused_and_the_video_goes_on(server, slow_chunks):
+    client = _client(server)
+    job = client.submit(RED, 2, 0, api_name="/generate")  # the tiny model's absolute positions
+    _wait_for_first_chunk(job)
+    status = client.predict(BLUE, api_name="/cut_to_prompt")
+    assert status.startswith("Not cutting: `scene_cut` places a cut chunk") and "position_mode='absolute'" in status
+    details = job.result()[-1]
+    assert details["prompt_schedule"] == [[0, RED]] and details["scene_cuts"] == []
+
+
 def test_a_switch_once_the_last_chunk_has_started_is_refused(pipe):
     live = LivePrompt(RED)
     chunks = generate_frames(pipe, live, 8, 16, 16, seed=0)  # 4 chunks, the last one starts at frame 6
@@ -354,6 +386,7 @@ def test_the_generate_api_takes_the_forms_fields_by_name(server):
     api = _client(server).view_api(return_format="dict", print_info=False)["named_endpoints"]
     assert [p["parameter_name"] for p in api["/generate"]["parameters"]] == GenerateFields.names()
     assert [p["parameter_name"] for p in api["/switch_prompt"]["parameters"]] == ["prompt"]
+    assert [p["parameter_name"] for p in api["/cut_to_prompt"]["parameters"]] == ["prompt"]
 
 
 @pytest.mark.parametrize("port", [70000, 0, -1, "7860", True, 80.5])

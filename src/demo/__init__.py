@@ -42,6 +42,7 @@ from .session import (
     LiveStream,
     ModelShelf,
     VideoPlan,
+    cut_to_prompt,
     frame_size,
     generate_frames,
     push_webcam_frame,
@@ -107,4 +108,5 @@ __all__ = [
     "stop_webcam",
     "streaming_available",
     "switch_prompt",
+    "cut_to_prompt",
 ]

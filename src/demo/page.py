@@ -42,6 +42,7 @@ from .session import (
     DemoSession,
     Generation,
     ModelShelf,
+    cut_to_prompt,
     frame_size,
     push_webcam_frame,
     stop_generation,
@@ -111,7 +112,8 @@ def build_demo(
     with gr.Blocks(title="rolldiff") as demo:
         gr.Markdown(
             "# rolldiff\nLong videos chunk by chunk with a rolling KV cache. "
-            "Change the prompt while it runs: the switch lands at the next chunk.\n\n"
+            "Change the prompt while it runs: the switch lands at the next chunk (*Cut to it* makes it a hard scene "
+            "cut, with the relative position mode).\n\n"
             f"{WEAK_START_NOTE}",
             elem_id="intro",
         )
@@ -222,9 +224,12 @@ def _controls() -> dict[str, Any]:
         generate = gr.Button("Generate", variant="primary", elem_id="generate")
         stop = gr.Button("Stop", elem_id="stop")
     new_prompt = gr.Textbox(label="Switch prompt to", value=EXAMPLE_PROMPTS[1], elem_id="new-prompt")
-    switch = gr.Button("Switch prompt", elem_id="switch")
+    with gr.Row():
+        switch = gr.Button("Switch prompt", elem_id="switch")
+        cut = gr.Button("Cut to it", elem_id="cut")  # a hard scene cut (Infinity-RoPE's), relative positions only
     status = gr.Markdown(elem_id="status")
-    return {"generate": generate, "stop": stop, "new_prompt": new_prompt, "switch": switch, "status": status}
+    return {"generate": generate, "stop": stop, "new_prompt": new_prompt, "switch": switch, "cut": cut,
+            "status": status}  # fmt: skip
 
 
 def _outputs(settings: DemoSettings, status: gr.Markdown) -> list[Any]:
@@ -372,6 +377,8 @@ def _wire(form: dict, controls: dict, outputs: list, session: gr.State, handlers
     switch = dict(fn=switch_prompt, inputs=[controls["new_prompt"], session], outputs=controls["status"])
     controls["switch"].click(**switch, concurrency_limit=None, api_name="switch_prompt")
     controls["new_prompt"].submit(**switch, concurrency_limit=None, api_visibility="private")
+    cut = dict(fn=cut_to_prompt, inputs=[controls["new_prompt"], session], outputs=controls["status"])
+    controls["cut"].click(**cut, concurrency_limit=None, api_name="cut_to_prompt")
 
 
 def _wire_webcam(use_webcam: gr.Checkbox, webcam: gr.Image, session: gr.State, settings: DemoSettings) -> None:

@@ -54,30 +54,33 @@ class LivePrompt:
 
     `switch` may be called from any thread; the switch lands at the next chunk that starts (several switches
     before it: the latest wins). `applied` lists `(frame, prompt)` for every prompt the video actually used: the
-    `prompt_schedule` that reproduces it.
+    `prompt_schedule` that reproduces it, with `cuts` its `scene_cuts` (the frames of the switches that were cuts).
     """
 
     def __init__(self, prompt: str) -> None:
         self.prompt = prompt  # the first one
         self._lock = threading.Lock()
-        self._prompts = [prompt]  # every prompt asked for, in order; the latest is taken at the next chunk
+        self._prompts = [(prompt, False)]  # every (prompt, scene cut) asked for; the latest is taken at the next chunk
         self._active = 0
         self._asked_frame = -1  # the start frame of the latest chunk that took its prompt
         self.last_chunk_start: int | None = None  # pixel frame the video's last chunk starts at, once known
         self.applied: list[tuple[int, str]] = [(0, prompt)]
+        self.cuts: list[int] = []
         self.notes: list[str] = []  # what the tokenizer did not read in the prompts switched to
 
-    def switch(self, prompt: str, notes: list[str] = ()) -> bool:
-        """Take `prompt` at the next chunk; False (and nothing changes) if the last chunk has already started."""
+    def switch(self, prompt: str, notes: list[str] = (), scene_cut: bool = False) -> bool:
+        """Take `prompt` at the next chunk (as a hard cut with `scene_cut`); False (and nothing changes) if the last
+        chunk has already started."""
         with self._lock:
             if self.last_chunk_start is not None and self._asked_frame >= self.last_chunk_start:
                 return False
-            self._prompts.append(prompt)
+            self._prompts.append((prompt, scene_cut))
             self.notes.extend(notes)
             return True
 
-    def at_chunk(self, frame: int) -> tuple[int, str]:
-        """Called as each chunk starts, with its first pixel frame: `(switch number, prompt)` for that chunk.
+    def at_chunk(self, frame: int) -> tuple[int, str, bool]:
+        """Called as each chunk starts, with its first pixel frame: `(switch number, prompt, scene cut)` for that
+        chunk.
 
         The switch number grows by one per switch taken (0: the first prompt), so a switch to the same text is
         still a switch (re-encoded and re-cached, as in a `prompt_schedule`). A switch taken is added to `applied`.
@@ -85,10 +88,13 @@ class LivePrompt:
         with self._lock:
             self._asked_frame = frame
             latest = len(self._prompts) - 1
+            prompt, cut = self._prompts[latest]
             if latest != self._active:
                 self._active = latest
-                self.applied.append((frame, self._prompts[latest]))
-            return latest, self._prompts[latest]
+                self.applied.append((frame, prompt))
+                if cut:
+                    self.cuts.append(frame)
+            return latest, prompt, cut
 
 
 # ---------------------------------------------------------------------------------------- the webcam
@@ -195,11 +201,15 @@ class LiveStream:
         if stream.next_chunk >= stream.num_chunks:  # no chunk left for a switch to land on
             return next(stream)
         first_frame = self._pipe.latent_to_pixel_start(stream.request.geometry.chunk_start(stream.next_chunk))
-        number, prompt = self._live.at_chunk(first_frame)
+        number, prompt, cut = self._live.at_chunk(first_frame)
         if number != self._switch:
             self._switch = number
-            stream.switch_prompt(prompt)
+            stream.switch_prompt(prompt, scene_cut=cut)
         return next(stream)
+
+    def check_scene_cut(self) -> None:
+        """Raise ValueError naming what this video's settings lack for a scene cut (`ChunkStream.check_scene_cut`)."""
+        self._stream.check_scene_cut()
 
     def cache_bytes(self) -> int:
         """What the stream's KV caches (one per guidance branch) hold now, in bytes."""
@@ -375,6 +385,7 @@ class Generation:
             raise relabel(exc, config.inputs.labels) from exc
         self.seconds = config.seconds
         self.form_notes = list(config.notes)  # what the form changed (a length clamped to the longest)
+        self.stream = stream
         self.num_chunks = stream.num_chunks
         self.chunk_frames = stream.chunk_frames
         self._stopped = threading.Event()
@@ -437,6 +448,7 @@ class Generation:
             "frames_per_second": round(self.frames_per_second, 2),
             "cache_bytes": self.chunk_cache_bytes[-1],
             "prompt_schedule": [[frame, text] for frame, text in self.live.applied],
+            "scene_cuts": list(self.live.cuts),
             "prompt_notes": self.notes + self.live.notes,
             **self._input_details(),
         }
@@ -505,8 +517,9 @@ def stop_webcam(session: DemoSession) -> None:
         generation.close()
 
 
-def switch_prompt(prompt: Any, session: DemoSession) -> str:
-    """Switch the session's running video to `prompt` at its next chunk; returns what to tell the person."""
+def switch_prompt(prompt: Any, session: DemoSession, scene_cut: bool = False) -> str:
+    """Switch the session's running video to `prompt` at its next chunk (a hard cut with `scene_cut`); returns what
+    to tell the person."""
     prompt = prompt.strip() if isinstance(prompt, str) else ""
     if not prompt:
         return "Type the prompt to switch to."
@@ -515,8 +528,16 @@ def switch_prompt(prompt: Any, session: DemoSession) -> str:
         return "Nothing is generating: press Generate first."
     try:
         notes = prompt_notes(generation.pipe, prompt, "switch prompt")
-    except ValueError as exc:  # no word the model knows: keep the current prompt
-        return f"Not switching: {exc}"
-    if not generation.live.switch(prompt, notes):
+        if scene_cut:
+            generation.stream.check_scene_cut()
+    except ValueError as exc:  # no word the model knows, or settings a cut cannot run with: nothing changes
+        return f"Not {'cutting' if scene_cut else 'switching'}: {exc}"
+    if not generation.live.switch(prompt, notes, scene_cut):
         return "Too late to switch: the last chunk is being made. Press Generate to start with it."
-    return " ".join([f"Switching to “{prompt}” at the next chunk.", *notes])
+    action = "Cutting" if scene_cut else "Switching"
+    return " ".join([f"{action} to “{prompt}” at the next chunk.", *notes])
+
+
+def cut_to_prompt(prompt: Any, session: DemoSession) -> str:
+    """`switch_prompt` as a hard scene cut (Infinity-RoPE's: needs the relative position mode)."""
+    return switch_prompt(prompt, session, scene_cut=True)

@@ -261,7 +261,7 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         if blend_chunks is not None:
             blend_chunks = check_int("blend_chunks", blend_chunks, 1, hint="1: switch at once")
         if check_flag("scene_cut", scene_cut):
-            self._check_cut_setup()
+            self.check_scene_cut()
         if self._closed or self._next_chunk >= self.num_chunks:
             raise RuntimeError(
                 "`switch_prompt`: this stream has made its last chunk, so the switch would never apply."
@@ -284,7 +284,9 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
         self._pending_blend, self._pending_cut = blend_chunks, scene_cut
         return self._next_chunk
 
-    def _check_cut_setup(self) -> None:
+    def check_scene_cut(self) -> None:
+        """Raise ValueError naming what this stream's settings lack for `switch_prompt(..., scene_cut=True)` (a front
+        end asks before it queues a cut); returns if a cut can be placed."""
         request, pipe = self._request, self._pipe
         rope_frames = getattr(pipe.transformer.config, "rope_max_seq_len", None)
         offered = getattr(pipe, "offers_scene_cuts", False)
