@@ -1,5 +1,5 @@
 """The text forms of arguments that front ends take as typed text (a command-line flag, a ComfyUI text box): a
-prompt switch `FRAME:TEXT` and a step list `1000,750,500,250`. One parser each, raising ValueError that shows the
+prompt switch `FRAME:TEXT`, a step list `1000,750,500,250` and a frame list `48,96`. One parser each, raising ValueError that shows the
 form expected and the text received; this module imports nothing, so the command line parses flags without torch."""
 
 from __future__ import annotations
@@ -15,7 +15,16 @@ def parse_prompt_switch(text: str) -> tuple[int, str]:
 
 def parse_step_list(text: str) -> list[int]:
     """`"1000,750,500,250"` -> `[1000, 750, 500, 250]` (the library checks the values)."""
+    return _int_list(text, "1000,750,500,250")
+
+
+def parse_frame_list(text: str) -> list[int]:
+    """`"48, 96"` -> `[48, 96]`: video frames (the library checks them, e.g. `scene_cuts` against the switches)."""
+    return _int_list(text, "48,96")
+
+
+def _int_list(text: str, example: str) -> list[int]:
     try:
-        return [int(step) for step in text.split(",")]
+        return [int(item) for item in text.split(",")]
     except ValueError:
-        raise ValueError(f"expected comma-separated integers like 1000,750,500,250, got {text!r}") from None
+        raise ValueError(f"expected comma-separated integers like {example}, got {text!r}") from None

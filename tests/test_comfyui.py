@@ -187,6 +187,15 @@ def test_a_prompt_schedule_a_start_image_and_an_input_video_are_the_librarys(pip
     np.testing.assert_array_equal(frames.numpy(), library_frames(pipe, video=source.numpy(), strength=0.5))
 
 
+def test_scene_cuts_are_the_librarys(pipe):
+    """`scene_cuts` names schedule lines that are hard cuts (under a recipe with relative positions)."""
+    inputs = {**INPUTS, "recipe": "infinity-rope", "prompt_schedule": f"6: {OTHER}"}
+    frames, _ = NODE_CLASS_MAPPINGS["RolldiffVideo"]().generate(pipe, **inputs, scene_cuts=" 6 ")
+    call = dict(recipe="infinity-rope", prompt_schedule=[(6, OTHER)])
+    np.testing.assert_array_equal(frames.numpy(), library_frames(pipe, **call, scene_cuts=[6]))
+    assert not np.array_equal(frames.numpy(), library_frames(pipe, **call))
+
+
 def test_without_a_width_and_height_the_embedded_model_makes_its_own_size():
     (pipe,) = NODE_CLASS_MAPPINGS["RolldiffLoadPipeline"]().load("tiny-bouncing-shapes", "cpu", "auto", "none", False)
     inputs = {**INPUTS, "width": 0, "height": 0, "seconds": 0.5, "fps": 16}
@@ -199,6 +208,11 @@ def test_without_a_width_and_height_the_embedded_model_makes_its_own_size():
     [
         (dict(prompt_schedule="4: fine\nsoon: a blue square"), "`prompt_schedule` line 2: expected FRAME:TEXT"),
         (dict(denoising_steps="1000, half"), "`denoising_steps`: expected comma-separated integers"),
+        (dict(prompt_schedule="6: a blue square", scene_cuts="6, x"), "`scene_cuts`: expected comma-separated"),
+        (
+            dict(prompt_schedule="6: a blue square", scene_cuts="5", recipe="infinity-rope"),
+            "frames [5] are not prompt",
+        ),
         (dict(image=torch.rand(2, 16, 16, 3)), "`image`: connect one picture"),
         (dict(width=20), "`width`"),
         (dict(recipe="longsana"), "`recipe`"),  # the SANA-like pipe's recipe

@@ -23,7 +23,7 @@ import torch
 
 from ..choices import DEFAULT_MODEL_NAME, DEFAULT_STRENGTH, DTYPE_NAMES, EMBEDDED_MODEL_NAMES, OFFLOAD_MODES
 from ..recipes import list_recipes
-from ..text_forms import parse_prompt_switch, parse_step_list
+from ..text_forms import parse_frame_list, parse_prompt_switch, parse_step_list
 from . import host
 
 PIPELINE = "ROLLDIFF_PIPELINE"  # the link type from the loader to the video nodes
@@ -160,6 +160,14 @@ def video_inputs() -> dict:
                 "STRING",
                 {"multiline": True, "default": "", "tooltip": "prompt switches, one per line: FRAME:TEXT"},
             ),
+            "scene_cuts": (
+                "STRING",
+                {
+                    "default": "",
+                    "tooltip": "frames of prompt_schedule lines that are hard cuts, e.g. 48,96 (needs the "
+                    "relative position mode, e.g. recipe infinity-rope)",
+                },
+            ),  # fmt: skip
             "denoising_steps": ("STRING", {"default": "", "tooltip": "e.g. 1000,750,500,250; empty: the recipe's"}),
             "image": ("IMAGE", {"tooltip": "a start frame (image-to-video)"}),
             "video": ("IMAGE", {"tooltip": "an input video's frames (video-to-video)"}),
@@ -205,6 +213,7 @@ def _call_arguments(
     prompt: str,
     recipe: str,
     prompt_schedule: str = "",
+    scene_cuts: str = "",
     denoising_steps: str = "",
     image: torch.Tensor | None = None,
     video: torch.Tensor | None = None,
@@ -214,7 +223,8 @@ def _call_arguments(
     return dict(
         prompt=prompt if prompt.strip() else None,  # empty: the schedule's frame-0 line is the prompt
         prompt_schedule=_prompt_schedule(prompt_schedule),
-        denoising_steps=_steps(denoising_steps),
+        scene_cuts=_int_list("scene_cuts", scene_cuts, parse_frame_list),
+        denoising_steps=_int_list("denoising_steps", denoising_steps, parse_step_list),
         recipe=None if recipe == AUTO else recipe,
         image=_start_image(image),
         video=None if video is None else video.detach().cpu().float().numpy(),  # (frames, height, width, 3)
@@ -235,13 +245,14 @@ def _prompt_schedule(text: str) -> list[tuple[int, str]] | None:
     return sorted(switches) or None
 
 
-def _steps(text: str) -> list[int] | None:
+def _int_list(name: str, text: str, parse) -> list[int] | None:
+    """A comma-separated input (`parse`: its text form), None when empty; a bad one named by `name`."""
     if not text.strip():
         return None
     try:
-        return parse_step_list(text)
+        return parse(text)
     except ValueError as exc:
-        raise ValueError(f"`denoising_steps`: {exc}") from None
+        raise ValueError(f"`{name}`: {exc}") from None
 
 
 def _start_image(image: torch.Tensor | None):
