@@ -148,3 +148,49 @@ def assert_switch_seen(golden: Golden, plain: Golden, switch: int, tolerance: fl
     """The control of a switch golden: from the switch on, upstream's chunks are far from the unswitched run's."""
     after = zip(golden.clean[switch:], plain.clean[switch:], strict=True)
     assert min(float((a - b).abs().max()) for a, b in after) > 100 * tolerance
+
+
+class InjectedNoise:
+    """Stands in for `randn_tensor` in the stream and the scheduler: upstream's draws, in upstream's order.
+
+    Per chunk the pipeline draws the chunk's noise, then one re-noise per step; upstream draws no re-noise after
+    the last step (it would be multiplied by sigma 0), so that draw gets zeros.
+    """
+
+    def __init__(self, golden: Golden, steps: int, first_chunk_steps: int | None = None) -> None:
+        self.noise, self.steps, self.draws = golden.noise(), steps, 0
+        self.first = steps if first_chunk_steps is None else first_chunk_steps  # chunk 0's own step count
+
+    def _chunk_step(self) -> tuple[int, int, int]:
+        """(chunk, step, steps of that chunk) of the current draw: chunk 0 draws `first + 1`, the rest `steps + 1`."""
+        if self.draws <= self.first:
+            return 0, self.draws, self.first
+        chunk, step = divmod(self.draws - self.first - 1, self.steps + 1)
+        return chunk + 1, step, self.steps
+
+    def __call__(self, shape, generator=None, device=None, dtype=None, **kwargs) -> torch.Tensor:
+        chunk, step, steps = self._chunk_step()
+        self.draws += 1
+        if step == steps:
+            return torch.zeros(shape, device=device, dtype=dtype)
+        drawn = self.noise.draw(chunk, step)
+        assert tuple(drawn.shape) == tuple(shape), (chunk, step, drawn.shape, shape)
+        return drawn.to(device=device, dtype=dtype)
+
+
+def chunk_errors(golden: Golden, chunks: list[torch.Tensor]) -> list[float]:
+    """Each chunk's largest difference from upstream's clean latents (the chunks must pair up)."""
+    assert len(chunks) == len(golden.clean)
+    return [float((made.float() - expected).abs().max()) for made, expected in zip(chunks, golden.clean)]
+
+
+def inject_noise(golden: Golden, monkeypatch) -> InjectedNoise:
+    """Upstream's draws handed to the stream and the scheduler (`InjectedNoise`), for the golden's step count."""
+    from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
+
+    from rolldiff.pipelines import stream as stream_module
+
+    noise = InjectedNoise(golden, steps=len(golden.settings["timesteps"]))
+    monkeypatch.setattr(stream_module, "randn_tensor", noise)
+    monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
+    return noise

@@ -13,37 +13,23 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
-from recipe_goldens import Golden, load_golden
-from test_recipes_pipeline import InjectedNoise, krea_golden_pipeline
+from recipe_goldens import Golden, chunk_errors, inject_noise, load_golden
+from test_recipes_pipeline import krea_golden_pipeline
 
 from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.caching import RollingKVCache, SlidingWindowLayer
 from rolldiff.caching.layout import SCENE_CUT_FRAME
-from rolldiff.pipelines import stream as stream_module
 from rolldiff.recipes import describe_recipe, get_recipe
 
 TOLERANCE = 1e-4
 RECIPE = "infinity-rope"
 
 
-def _errors(golden: Golden, chunks: list[torch.Tensor]) -> list[float]:
-    assert len(chunks) == len(golden.clean)
-    return [float((made.float() - expected).abs().max()) for made, expected in zip(chunks, golden.clean)]
-
-
-def _inject(golden: Golden, monkeypatch) -> InjectedNoise:
-    noise = InjectedNoise(golden, steps=len(golden.settings["timesteps"]))
-    monkeypatch.setattr(stream_module, "randn_tensor", noise)
-    monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
-    return noise
-
-
 def _replayed(golden: Golden, monkeypatch, **extra) -> list[torch.Tensor]:
     """The golden's run through the stream under the recipe: prompt a, `switch_prompt` to b (a cut when the
     scenario has one) before its chunk; every chunk's latents, with upstream's noise."""
     pipe = krea_golden_pipeline(golden)
-    noise = _inject(golden, monkeypatch)
+    noise = inject_noise(golden, monkeypatch)
     stream = pipe.stream(
         num_frames=pipe.latent_to_frames(3 * golden.settings["num_chunks"]), prompt_embeds=golden.text["a"],
         output_type="latent", recipe=RECIPE, window_frames=golden.settings["window_frames"], **extra,
@@ -65,12 +51,12 @@ def test_the_recipe_through_the_call_matches_upstream(monkeypatch):
     """`pipe(...)` with the recipe: a one-frame sink, a window of 5 re-indexed from the sink on, rolling from chunk 2."""
     golden = load_golden(RECIPE, "plain")
     pipe = krea_golden_pipeline(golden)
-    noise = _inject(golden, monkeypatch)
+    noise = inject_noise(golden, monkeypatch)
     latents = pipe(
         num_frames=pipe.latent_to_frames(3 * len(golden.clean)), prompt_embeds=golden.text["a"], output_type="latent",
         recipe=RECIPE,
     ).frames  # fmt: skip
-    errors = _errors(golden, list(latents.split(3, dim=2)))
+    errors = chunk_errors(golden, list(latents.split(3, dim=2)))
     print(f"\ninfinity-rope/plain through pipe(...): max {max(errors):.1e}, floor {golden.floor:.1e}")
     assert noise.noise.exhausted
     assert max(errors) <= TOLERANCE, errors
@@ -80,7 +66,7 @@ def test_the_recipe_through_the_call_matches_upstream(monkeypatch):
 @torch.no_grad()
 def test_switches_flushes_and_cuts_match_upstream(scenario, monkeypatch):
     golden = load_golden(RECIPE, scenario)
-    errors = _errors(golden, _replayed(golden, monkeypatch))
+    errors = chunk_errors(golden, _replayed(golden, monkeypatch))
     print(f"\ninfinity-rope/{scenario} through the stream: max {max(errors):.1e}, floor {golden.floor:.1e}")
     assert max(errors) <= TOLERANCE, errors
 
@@ -100,7 +86,7 @@ def test_each_control_is_seen_by_its_golden(scenario, control, extra, monkeypatc
     golden, switch = load_golden(RECIPE, scenario), load_golden(RECIPE, scenario).settings["switch_before_block"]
     other = load_golden(RECIPE, control)
     made = _replayed(other, monkeypatch, **extra)
-    errors = _errors(golden, made)
+    errors = chunk_errors(golden, made)
     assert max(errors[:switch]) <= TOLERANCE, errors
     assert errors[switch] > 100 * TOLERANCE, errors
 

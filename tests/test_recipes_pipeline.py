@@ -11,7 +11,16 @@ import pytest
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
-from recipe_goldens import Golden, assert_switch_seen, load_golden, load_transformer, load_vae, switched_stream
+from recipe_goldens import (
+    Golden,
+    InjectedNoise,
+    assert_switch_seen,
+    chunk_errors,
+    load_golden,
+    load_transformer,
+    load_vae,
+    switched_stream,
+)
 from tiny_components import tiny_text_encoder, tiny_vae, word_tokenizer
 
 from rolldiff import KreaRealtimeVideoPipeline, LongSanaVideoPipeline
@@ -20,39 +29,6 @@ from rolldiff.recipes import describe_recipe, get_recipe, list_recipes
 from rolldiff.training.sana_components import SanaTinyConfig, build_gemma_text_encoder, build_gemma_tokenizer
 
 TOLERANCE = 1e-4
-
-
-class InjectedNoise:
-    """Stands in for `randn_tensor` in the stream and the scheduler: upstream's draws, in upstream's order.
-
-    Per chunk the pipeline draws the chunk's noise, then one re-noise per step; upstream draws no re-noise after
-    the last step (it would be multiplied by sigma 0), so that draw gets zeros.
-    """
-
-    def __init__(self, golden: Golden, steps: int, first_chunk_steps: int | None = None) -> None:
-        self.noise, self.steps, self.draws = golden.noise(), steps, 0
-        self.first = steps if first_chunk_steps is None else first_chunk_steps  # chunk 0's own step count
-
-    def _chunk_step(self) -> tuple[int, int, int]:
-        """(chunk, step, steps of that chunk) of the current draw: chunk 0 draws `first + 1`, the rest `steps + 1`."""
-        if self.draws <= self.first:
-            return 0, self.draws, self.first
-        chunk, step = divmod(self.draws - self.first - 1, self.steps + 1)
-        return chunk + 1, step, self.steps
-
-    def __call__(self, shape, generator=None, device=None, dtype=None, **kwargs) -> torch.Tensor:
-        chunk, step, steps = self._chunk_step()
-        self.draws += 1
-        if step == steps:
-            return torch.zeros(shape, device=device, dtype=dtype)
-        drawn = self.noise.draw(chunk, step)
-        assert tuple(drawn.shape) == tuple(shape), (chunk, step, drawn.shape, shape)
-        return drawn.to(device=device, dtype=dtype)
-
-
-def _errors(golden: Golden, chunks: list[torch.Tensor]) -> list[float]:
-    assert len(chunks) == len(golden.clean)
-    return [float((made.float() - expected).abs().max()) for made, expected in zip(chunks, golden.clean)]
 
 
 # ----------------------------------------------------------------------------------------- LongSANA
@@ -95,7 +71,7 @@ def test_longsana_recipe_matches_upstream(scenario, monkeypatch):
         if index and prompts[index] != prompts[index - 1]:
             stream.switch_prompt(prompt_embeds=golden.text[prompts[index]])
         chunks.append(next(stream))
-    errors = _errors(golden, chunks)
+    errors = chunk_errors(golden, chunks)
     print(f"\nlongsana/{scenario} through the pipeline: {[f'{e:.1e}' for e in errors]}, floor {golden.floor:.1e}")
     assert noise.noise.exhausted
     assert max(errors) <= TOLERANCE, errors
@@ -195,7 +171,7 @@ def test_krea_like_recipes_match_upstream(case, monkeypatch):
         if 3 * index in switch_frames:  # LongLive's switch frames are latent frames at chunk starts
             stream.switch_prompt(prompt_embeds=golden.text[switch_frames[3 * index]])
         made.append(next(stream))
-    errors = _errors(golden, made)
+    errors = chunk_errors(golden, made)
     print(f"\n{case} through the pipeline: {[f'{e:.1e}' for e in errors]}, floor {golden.floor:.1e}")
     assert noise.noise.exhausted
     assert max(errors) <= TOLERANCE, errors
@@ -242,7 +218,7 @@ def test_causal_forcing_recipes_match_upstream(scenario, monkeypatch):
         if switch is not None and index == switch["before_block"]:
             assert stream.switch_prompt(prompt_embeds=golden.text[switch["to"]]) == index
         made.append(next(stream))
-    errors = _errors(golden, made)
+    errors = chunk_errors(golden, made)
     print(f"\ncausal-forcing/{scenario} through the pipeline: max {max(errors):.1e}, floor {golden.floor:.1e}")
     assert noise.noise.exhausted
     assert max(errors) <= TOLERANCE, errors
@@ -258,5 +234,5 @@ def test_causal_forcing_switch_golden_sees_the_switch_and_the_recache(monkeypatc
     pipe = krea_golden_pipeline(golden)
     inject_upstream_noise(golden, monkeypatch)
     monkeypatch.setattr(pipe, "recache", lambda *args, **kwargs: None)
-    errors = _errors(golden, switched_stream(pipe, golden, "causal-forcing", 21, switch))
+    errors = chunk_errors(golden, switched_stream(pipe, golden, "causal-forcing", 21, switch))
     assert max(errors[:switch]) <= TOLERANCE and min(errors[switch:]) > 10 * TOLERANCE, errors

@@ -14,16 +14,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
-from recipe_goldens import Golden, assert_switch_seen, load_golden, load_upstream_weights, switched_stream
-from test_recipes_pipeline import InjectedNoise, krea_golden_pipeline
+from recipe_goldens import (
+    Golden,
+    assert_switch_seen,
+    chunk_errors,
+    inject_noise,
+    load_golden,
+    load_upstream_weights,
+    switched_stream,
+)
+from test_recipes_pipeline import krea_golden_pipeline
 
 from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.caching import SlidingWindowLayer
 from rolldiff.caching.layout import ChunkLayout
 from rolldiff.caching.rolling_sink import source_frame
 from rolldiff.models import KreaRealtimeTransformer3DModel, convert_original_wan_state_dict
-from rolldiff.pipelines import stream as stream_module
 from rolldiff.pipelines.request.fingerprint import request_fingerprint
 from rolldiff.recipes import describe_recipe, get_recipe
 
@@ -41,30 +47,18 @@ def _pipeline(golden: Golden, rope_max_seq_len: int | None = None) -> KreaRealti
     return krea_golden_pipeline(golden, transformer.eval().requires_grad_(False))
 
 
-def _errors(golden: Golden, chunks: list[torch.Tensor]) -> list[float]:
-    assert len(chunks) == len(golden.clean)
-    return [float((made.float() - expected).abs().max()) for made, expected in zip(chunks, golden.clean)]
-
-
-def _inject(golden: Golden, monkeypatch) -> InjectedNoise:
-    noise = InjectedNoise(golden, steps=len(golden.settings["timesteps"]))
-    monkeypatch.setattr(stream_module, "randn_tensor", noise)
-    monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
-    return noise
-
-
 @torch.no_grad()
 def test_rolling_sink_recipe_through_the_call_matches_upstream(monkeypatch):
     """`pipe(...)` with the recipe: every chunk of the 14-chunk run (7 rolls: 6 backward, 1 forward) as upstream's."""
     golden = load_golden(RECIPE, "plain")
     pipe = _pipeline(golden)
-    noise = _inject(golden, monkeypatch)
+    noise = inject_noise(golden, monkeypatch)
     chunks = len(golden.clean)
     latents = pipe(
         num_frames=pipe.latent_to_frames(3 * chunks), prompt_embeds=golden.text["a"], output_type="latent",
         recipe=RECIPE,
     ).frames  # fmt: skip
-    errors = _errors(golden, list(latents.split(3, dim=2)))
+    errors = chunk_errors(golden, list(latents.split(3, dim=2)))
     print(f"\nrolling-sink/plain through pipe(...): max {max(errors):.1e}, floor {golden.floor:.1e}")
     assert noise.noise.exhausted
     assert max(errors) <= TOLERANCE, errors
@@ -82,7 +76,7 @@ def test_rolling_sink_recipe_past_the_rope_table_matches_upstream(monkeypatch):
     assert 3 * chunks > table
     with pytest.raises(ValueError, match="more than the RoPE table"):
         pipe.stream(num_frames=num_frames, prompt_embeds=golden.text["a"], output_type="latent", recipe="self-forcing")
-    noise = _inject(golden, monkeypatch)
+    noise = inject_noise(golden, monkeypatch)
     stream = pipe.stream(num_frames=num_frames, prompt_embeds=golden.text["a"], output_type="latent", recipe=RECIPE)
     layout = stream.request.layout
     assert (layout.sink_frames, layout.window_frames, layout.position_mode, layout.sink_mode) == (
@@ -90,7 +84,7 @@ def test_rolling_sink_recipe_past_the_rope_table_matches_upstream(monkeypatch):
     )  # fmt: skip
     assert list(stream.request.step_plan.timesteps) == pytest.approx(golden.settings["timesteps"], abs=1e-3)
     made = list(stream)
-    errors = _errors(golden, made)
+    errors = chunk_errors(golden, made)
     print(f"\nrolling-sink/past_rope_table through the stream: max {max(errors):.1e}, floor {golden.floor:.1e}")
     assert noise.noise.exhausted
     assert max(errors) <= TOLERANCE, errors
@@ -105,9 +99,9 @@ def test_a_prompt_switch_before_the_roll_matches_upstream_switched_alike(monkeyp
     golden = load_golden(RECIPE, "prompt_switch")
     switch = golden.settings["switch_before_block"]
     pipe = _pipeline(golden)
-    noise = _inject(golden, monkeypatch)
+    noise = inject_noise(golden, monkeypatch)
     made = switched_stream(pipe, golden, RECIPE, 3 * len(golden.clean), switch)
-    errors = _errors(golden, made)
+    errors = chunk_errors(golden, made)
     print(f"\nrolling-sink/prompt_switch through the stream: max {max(errors):.1e}, floor {golden.floor:.1e}")
     assert noise.noise.exhausted
     assert max(errors) <= TOLERANCE, errors
@@ -120,13 +114,13 @@ def test_the_plain_self_forcing_window_differs_from_upstream_once_it_rolls(monke
     first roll and misses every chunk after it."""
     golden = load_golden(RECIPE, "plain")
     pipe = _pipeline(golden)
-    _inject(golden, monkeypatch)
+    inject_noise(golden, monkeypatch)
     stream = pipe.stream(
         num_frames=pipe.latent_to_frames(3 * len(golden.clean)), prompt_embeds=golden.text["a"],
         output_type="latent", recipe=RECIPE, sink_mode="fixed",
     )  # fmt: skip
     assert stream.request.options.sink_mode == "fixed"  # the explicit argument wins over the recipe
-    errors = _errors(golden, list(stream))
+    errors = chunk_errors(golden, list(stream))
     assert max(errors[:8]) <= TOLERANCE, errors  # chunk 7's context pass still sees real frames
     assert min(errors[8:]) > 100 * TOLERANCE, errors
 
