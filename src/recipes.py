@@ -92,6 +92,28 @@ RECIPES: dict[str, Recipe] = {
             "on a 1-frame image with 3-frame chunks; image= commits the image's latent frame as self-forcing does.",
         ),
         Recipe(
+            "reward-forcing",
+            "KreaRealtimeVideoPipeline",
+            "JaydenLyh/Reward-Forcing@4317f5a wan/modules/causal_model.py:29-236, pipeline/causal_inference.py, "
+            "configs/reward_forcing.yaml",
+            dict(
+                chunk_frames=3,  # num_frame_per_block: 3
+                sink_frames=3,  # model_kwargs.sink_size: 3
+                window_frames=6,  # model_kwargs.local_attn_size: 9 frames with the sink
+                position_mode="relative",  # causal_rope_apply over [sink, window] from 0: keys rotated where they sit
+                sink_mode="ema",  # incremental_update: each evicted chunk blended into the sink, alpha 0.999
+                denoising_steps=(1000, 750, 500, 250),
+                sigma_mapping="shift",  # warp_denoising_step: true
+                timestep_shift=5.0,
+                context_noise=0.0,  # default_config.yaml
+            ),
+            "Reward Forcing's own weights (JaydenLu666/Reward-Forcing-T2V-1.3B rewardforcing.pt): the 3-frame sink is "
+            "an exponential average of every chunk that left the 6-frame window (sink = 0.999 sink + 0.001 chunk, "
+            "keys before RoPE and values), so it carries the whole video slowly. Its authors switch no prompt (a "
+            "prompt_schedule runs our recache='causal', proven on their loop switched alike) and run text-to-video "
+            "only (image= commits the picture's chunk as the Krea-like default does).",
+        ),
+        Recipe(
             "streamdiffusionv2",
             "KreaRealtimeVideoPipeline",
             "chenfengxu714/StreamDiffusionV2@c5a0f20 streamv2v/inference_wo_batch.py:236-372, "

@@ -179,6 +179,8 @@ def write_published(folder: Path, recipe: str) -> Path:
             lambda: {"generator": wan_to_original(embedded_transformer_weights(WAN_MODEL))},
         ),
         "longlive": ("models/longlive_base.pt", lambda: training_checkpoint(wan, "generator")),
+        # Reward Forcing's rewardforcing.pt: the generator's own state dict, `model.` keys (inference.py:70-73)
+        "reward-forcing": ("Reward-Forcing-T2V-1.3B/rewardforcing.pt", lambda: dict(wan)),
         "longsana": (
             "checkpoints/LongSANA_2B_480p_self_forcing.pt",
             lambda: {"generator": sana_to_original(embedded_transformer_weights(SANA_MODEL), prefix="model.")},

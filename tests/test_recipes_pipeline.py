@@ -82,7 +82,7 @@ def test_every_recipe_names_its_pipeline_upstream_and_settings():
     assert set(list_recipes()) == {
         "self-forcing", "longlive", "krea-realtime", "longsana", "causal-forcing", "causal-forcing-framewise",
         "causal-forcing-2step", "causal-forcing-1step", "rolling-sink", "streamdiffusionv2", "rolling-forcing",
-        "infinity-rope",
+        "infinity-rope", "reward-forcing",
     }  # fmt: skip
     assert list_recipes("LongSanaVideoPipeline") == ["longsana"]
     for name in list_recipes():

@@ -171,7 +171,7 @@ def test_the_fingerprint_tells_a_rolling_sink_from_a_fixed_one():
 @pytest.mark.parametrize(
     ("extra", "match"),
     [
-        ({"sink_mode": "sliding"}, r"`sink_mode` must be one of \('fixed', 'rolling'\)"),
+        ({"sink_mode": "sliding"}, r"`sink_mode` must be one of \('fixed', 'rolling', 'ema'\)"),
         ({"sink_mode": "rolling", "position_mode": "absolute"}, "needs position_mode='relative'"),
         ({"sink_mode": "rolling", "window_frames": "all"}, "an integer `window_frames`"),
         ({"sink_mode": "rolling", "position_mode": "relative", "kv_quantization": "int8"}, "kv_quantization=None"),

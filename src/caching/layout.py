@@ -105,12 +105,26 @@ class ChunkLayout:
                     "context."
                 )
         check_choice("position_mode", self.position_mode, POSITION_MODES)
-        check_choice("sink_mode", self.sink_mode, SINK_MODES, hint="'rolling': Rolling Sink's sliding sink")
-        if self.sink_mode == "rolling" and (self.position_mode != "relative" or self.unbounded):
+        check_choice(
+            "sink_mode",
+            self.sink_mode,
+            SINK_MODES,
+            hint="'rolling': Rolling Sink's sliding sink; 'ema': Reward Forcing's",
+        )
+        if self.sink_mode != "fixed" and (self.position_mode != "relative" or self.unbounded):
             raise ValueError(
-                f"`sink_mode='rolling'` re-rotates copied keys at their slots' positions and rolls a bounded window: "
-                f"it needs position_mode='relative' and an integer `window_frames` (got "
+                f"`sink_mode={self.sink_mode!r}` writes keys into other slots, rotated at those slots' positions, and "
+                f"needs a window that evicts: it needs position_mode='relative' and an integer `window_frames` (got "
                 f"position_mode={self.position_mode!r}, window_frames={self.window_frames!r})."
+            )
+        if self.sink_mode == "ema" and (
+            self.sink_frames != self.chunk_frames or self.window_frames % self.chunk_frames
+        ):
+            raise ValueError(
+                f"`sink_mode='ema'` blends each chunk that leaves the window into the sink, frame by frame: it needs "
+                f"sink_frames equal to chunk_frames and window_frames a multiple of it (got sink_frames="
+                f"{self.sink_frames}, chunk_frames={self.chunk_frames}, window_frames={self.window_frames}; Reward "
+                "Forcing: 3, 3 and 6)."
             )
         self._check_views()
 

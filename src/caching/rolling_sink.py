@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-SINK_MODES = ("fixed", "rolling")
+SINK_MODES = ("fixed", "rolling", "ema")  # "ema": Reward Forcing's sink, `ema_sink.py`
 
 
 def source_frame(frame: int, source_frames: int) -> int:

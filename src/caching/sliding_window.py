@@ -49,6 +49,7 @@ from .base import (
     check_matches_buffer,
     check_positive,
 )
+from .ema_sink import EmaSink
 from .layout import context_start, ring_length, window_start
 from .quantization import check_quantization
 from .rolling_sink import SINK_MODES, RollingSink
@@ -74,11 +75,13 @@ class SlidingWindowLayer(CacheLayer):
         quantization: `None` (K/V in the compute dtype), `"int8"` or `"fp8"` (per token-and-head scales).
         offload: keep the committed K/V in CPU memory (pinned with CUDA); they visit the compute device
             when the block runs. Eager only (`is_compileable` is False).
-        sink_mode: `"fixed"` (the sink holds the first tokens; the window the most recent) or `"rolling"`
+        sink_mode: `"fixed"` (the sink holds the first tokens; the window the most recent), `"rolling"`
             (Rolling Sink, `rolling_sink.py`: at each commit the chunk before the new one, once past the first
             `window_tokens - chunk_tokens` tokens, is overwritten by a ping-pong walk over a saved copy of them,
-            at its own positions). Rolling needs keys stored before RoPE (the model's `"relative"` positions),
-            `frame_tokens`, `chunk_tokens` and dense storage.
+            at its own positions) or `"ema"` (Reward Forcing, `ema_sink.py`: at each commit the chunk leaving the
+            window is blended into the sink, `sink = 0.999 sink + 0.001 chunk`; the chunk must equal the sink).
+            Both need keys stored before RoPE (the model's `"relative"` positions), `chunk_tokens` and dense storage;
+            rolling also `frame_tokens`.
         frame_tokens: tokens per latent frame (the rolling sink's unit; with the options below, the smallest update).
         elastic_window: the window counts the tokens actually pending, not `chunk_tokens`: an update of `n` tokens
             sees the `window_tokens - n` most recent committed ones (Rolling Forcing's window forward, thu-ml/
@@ -127,7 +130,8 @@ class SlidingWindowLayer(CacheLayer):
         self._context_pass = False  # inside `RollingKVCache.context_pass()` (`set_context_pass`)
         self.cut_position: int | None = None  # `set_cut_position`: where a scene cut places the pending tokens
         self.storage = make_storage(self.quantization, offload)
-        self.rolling_sink = None if sink_mode == "fixed" else self._make_rolling_sink()
+        self.rolling_sink = self._make_rolling_sink() if sink_mode == "rolling" else None
+        self.ema_sink = self._make_ema_sink() if sink_mode == "ema" else None
         for name in ("slot_positions", "committed_tokens"):
             self.register_buffer(name, None)
         # committed_tokens: 0-dim long on the compute device; slot_positions: (capacity,) token index per slot, -1 empty
@@ -186,6 +190,15 @@ class SlidingWindowLayer(CacheLayer):
             )
         frame_tokens = check_positive("frame_tokens", self.frame_tokens)
         return RollingSink(self.sink_tokens, self.window_tokens, self.chunk_tokens, frame_tokens, self._slot_of)
+
+    def _make_ema_sink(self) -> EmaSink:
+        if self.quantization is not None or self.offload or self.chunk_tokens is None:
+            raise ValueError(
+                "`sink_mode='ema'` blends dense K/V into the sink at each commit: it needs `chunk_tokens` and no "
+                f"`quantization`/`offload` (got chunk_tokens={self.chunk_tokens}, quantization={self.quantization!r}, "
+                f"offload={self.offload})."
+            )
+        return EmaSink(self.sink_tokens, self.window_tokens, self.chunk_tokens, self._slot_of)
 
     def _set_chunk_tokens(self, chunk_tokens: int) -> None:
         check_positive("chunk_tokens", chunk_tokens)
@@ -497,6 +510,7 @@ class SlidingWindowLayer(CacheLayer):
             "pending_tokens": self.pending_tokens,
             "stream_batch": self._stream_batch,
             "compute_dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+            **({} if self.ema_sink is None else {"ema_blended_until": self.ema_sink.blended_until}),
         }
 
     def load_host_state(self, state) -> None:
@@ -505,6 +519,8 @@ class SlidingWindowLayer(CacheLayer):
         if hasattr(self.storage, "set_compute_dtype"):  # quantized: what the codes dequantize to
             self.storage.set_compute_dtype(None if dtype is None else getattr(torch, dtype))
         self._set_counters(state["committed_tokens"], state["frontier"], move_device=False)
+        if self.ema_sink is not None:
+            self.ema_sink.blended_until = state.get("ema_blended_until", self._window_start(self._committed_count))
         if self.slot_positions is not None:
             self._refresh_mask(self.pending_tokens)  # the mask is scratch: what the last `update` computed
 
@@ -517,6 +533,8 @@ class SlidingWindowLayer(CacheLayer):
         if self.committed_tokens is not None:  # host state unknown: no committed token counts as held intact
             committed = int(self.committed_tokens.item())
             self._set_counters(committed, committed + self.ring_tokens, move_device=False)
+            if self.ema_sink is not None:  # what left the window before the state was saved was blended then
+                self.ema_sink.blended_until = max(self.sink_tokens, self._window_start(committed))
 
     def _check_chunk(self, num_pending: int) -> None:
         if num_pending > self.chunk_tokens:
@@ -579,11 +597,15 @@ class SlidingWindowLayer(CacheLayer):
         self._set_counters(start + pending, frontier)
         if self.rolling_sink is not None:
             self.rolling_sink.after_commit(self.keys, self.values, start, pending)
+        if self.ema_sink is not None:
+            self.ema_sink.after_commit(self.keys, self.values, start + pending)
 
     def reset(self) -> None:
         self.storage.reset()
         if self.rolling_sink is not None:
             self.rolling_sink.reset()
+        if self.ema_sink is not None:
+            self.ema_sink.reset()
         if self.slot_positions is not None:
             self.slot_positions.fill_(-1)
             self._mask.zero_()

@@ -109,7 +109,10 @@ def _add_denoising_arguments(group) -> None:
         help="latent frames of the rolling window, or 'all' (every earlier frame stays visible)",
     )
     group.add_argument("--position-mode", help="RoPE positions: absolute or relative (default: the model's)")
-    group.add_argument("--sink-mode", help="fixed, or rolling (Rolling Sink's sliding sink; needs relative positions)")
+    group.add_argument(
+        "--sink-mode",
+        help="fixed, rolling (Rolling Sink's sliding sink) or ema (Reward Forcing's averaged sink); both need relative positions",
+    )
     group.add_argument(
         "--context-policy",
         help="how a chunk becomes context: rolling (a clean pass, the default), recompute (Krea: rebuilt each chunk) "

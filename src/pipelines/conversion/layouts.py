@@ -58,6 +58,11 @@ CHECKPOINT_LAYOUTS: dict[str, CheckpointLayout] = {
             "always named",
         ),
         CheckpointLayout(
+            "reward-forcing", WAN, ("rewardforcing.pt",), False, False,
+            "JaydenLyh/Reward-Forcing@4317f5a inference.py:70-73 (the file is the generator's state dict, loaded "
+            "whole; README: checkpoints/Reward-Forcing-T2V-1.3B/rewardforcing.pt)",
+        ),
+        CheckpointLayout(
             "causal-forcing", WAN, ("chunkwise/causal_forcing.pt",), False, False,
             "thu-ml/Causal-Forcing inference.py:70-71 (README: chunk-wise runs without --use_ema)",
         ),

@@ -68,10 +68,11 @@ class KreaCacheOptions(CacheOptions):
         )
         check_choice("kv_quantization", self.kv_quantization, KV_QUANTIZATIONS)
         check_flag("kv_offload", self.kv_offload)
-        if self.sink_mode == "rolling" and (self.kv_quantization is not None or self.kv_offload):
+        if self.sink_mode != "fixed" and (self.kv_quantization is not None or self.kv_offload):
             raise ValueError(
-                "`sink_mode='rolling'` copies dense K/V between cache slots at each commit: pass kv_quantization=None "
-                f"and kv_offload=False (got kv_quantization={self.kv_quantization!r}, kv_offload={self.kv_offload})."
+                f"`sink_mode={self.sink_mode!r}` writes dense K/V between cache slots at each commit: pass "
+                f"kv_quantization=None and kv_offload=False (got kv_quantization={self.kv_quantization!r}, "
+                f"kv_offload={self.kv_offload})."
             )
         self._check_adaptive_sink()
 
@@ -127,8 +128,10 @@ class KreaRealtimeVideoPipeline(ChunkedVideoPipeline, WanLoraLoaderMixin):
             port: the first frame and the current chunk unbiased).
         kv_quantization: None, "int8" or "fp8": store the K/V window quantized (about 0.52x of bf16).
         kv_offload: keep the committed K/V window in CPU memory; each block's is brought in when it runs.
-        sink_mode: "fixed" or "rolling" (Rolling Sink: past the first window, each older chunk is replaced by the
-            first `window - chunk` frames walked forward and back, at its own positions; needs "relative").
+        sink_mode: "fixed", "rolling" (Rolling Sink: past the first window, each older chunk is replaced by the
+            first `window - chunk` frames walked forward and back, at its own positions; needs "relative") or "ema"
+            (Reward Forcing: each chunk leaving the window is blended into the sink, 0.999 / 0.001; needs "relative"
+            and a sink of one chunk).
         elastic_window: the window counts the frames actually being denoised, so fewer in flight see more committed
             frames (Rolling Forcing's emptying windows).
         context_window_frames: the latent frames a context pass attends to, counting its chunk: the last ones of the
