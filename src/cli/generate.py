@@ -29,6 +29,7 @@ from .errors import UsageError
 EXAMPLES = """examples:
   rolldiff generate --prompt "a red circle moving left" --seconds 20 --out video.mp4
   rolldiff generate --prompt "a red circle moving left" --prompt-at "160:a blue square moving up" --seconds 30
+  rolldiff generate --recipe infinity-rope --prompt "a red circle moving left" --cut-at "160:a blue square" --seconds 30
   rolldiff generate --image start.png --prompt "a red circle moving left" --out i2v.mp4
   rolldiff generate --model FOLDER --lora style.safetensors --lora-scale 0.8 --prompt "..." --out styled.mp4
   rolldiff generate --model FOLDER --prompt "..." --seconds 3600 --out hour.mp4 --resume   # again after Ctrl-C
