@@ -190,7 +190,7 @@ def test_every_example_in_the_help_is_a_command_line_the_parser_takes(capsys):
             main([command, "--help"])
         help_text = capsys.readouterr().out
         examples += [line.partition("#")[0] for line in help_text.splitlines() if line.startswith("  rolldiff ")]
-    assert len(examples) == 11, examples
+    assert len(examples) == 12, examples
     for line in examples:
         args = parser.parse_args(shlex.split(line)[1:])
         assert callable(args.run), line
