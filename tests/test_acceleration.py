@@ -219,6 +219,40 @@ def test_the_compiled_cached_step_builds_two_graphs_and_gives_the_eager_output()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def cut_velocities(model, cut_chunk: int | None, chunks: int = 5) -> list[torch.Tensor]:
+    """Velocities of `chunks` cached chunks at relative positions, chunk `cut_chunk` (if any) a scene cut: its step
+    and context pass placed at RoPE frame 45 (`RollingKVCache.set_cut_position`), as the stream places it."""
+    layout = ChunkLayout(tokens_per_frame=4, chunk_frames=1, sink_frames=1, window_frames=2, position_mode="relative")
+    generator = torch.Generator().manual_seed(0)
+    text = torch.randn(1, 6, model.config.text_dim, generator=generator)
+    cache = model.make_cache(layout, 1, torch.float32, "cpu")
+    model.prepare_conditioning(cache, text)
+    velocities = []
+    with torch.no_grad():
+        for index in range(chunks):
+            cache.set_cut_position(45 * layout.tokens_per_frame if index == cut_chunk else None)
+            latents = torch.randn(1, 4, 1, *LATENT_HW, generator=generator)
+            velocities.append(model(latents, torch.tensor([500.0]), text, kv_cache=cache, layout=layout).sample)
+            model(latents, torch.tensor([0.0]), text, kv_cache=cache, layout=layout)
+            cache.commit()
+    return velocities
+
+
+def test_a_compiled_step_places_a_scene_cut_as_the_eager_one_does():
+    """The cut's position is guarded by the compiled step (a graph of its own), never replayed from a plain one."""
+    eager_cut, eager_plain = cut_velocities(tiny_transformer(), 3), cut_velocities(tiny_transformer(), None)
+    assert not torch.allclose(eager_cut[3], eager_plain[3])  # the cut moves the chunk
+    model = tiny_transformer()
+    torch.compiler.reset()
+    try:
+        compile_cached_step(model, backend="eager")
+        compiled = cut_velocities(model, 3)
+    finally:
+        torch.compiler.reset()
+    for a, b in zip(eager_cut, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_reduce_overhead_clones_outputs_and_a_second_compile_is_refused():
     # Imported first: the inductor backend's `reset()` imports it lazily, and its import registers another backend,
     # which would break the `torch.compiler.reset()` iterating them (torch 2.13: "dictionary changed size").
