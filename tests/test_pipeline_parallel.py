@@ -77,6 +77,24 @@ def test_a_split_stream_makes_the_one_process_latents_with_switch_prompt(random_
     no_children_left()
 
 
+def test_a_scene_cut_by_switch_prompt_reaches_every_stage(random_pipe):
+    """`switch_prompt(..., scene_cut=True)`: every stage places the cut chunk, as one process does (and the cut
+    changes the video)."""
+    call = dict(prompt="a red circle moving left", num_frames=7, output_type="latent", position_mode="relative", **SIZE)
+
+    def run(scene_cut: bool = True, **extra):
+        stream = random_pipe.stream(generator=seeded(), **call, **extra)
+        chunks = [next(stream), next(stream)]
+        stream.switch_prompt("a blue square moving up", scene_cut=scene_cut)
+        chunks += list(stream)
+        return torch.cat(chunks, dim=2)
+
+    alone = run()
+    assert not torch.allclose(alone, run(scene_cut=False))
+    torch.testing.assert_close(run(devices=["cpu", "cpu"]), alone, atol=ATOL, rtol=0)
+    no_children_left()
+
+
 def test_each_stage_holds_its_blocks_weights_and_cache_layers_and_the_gathered_state_is_one_processs(random_pipe):
     call = VideoCall(
         prompt="a red circle", num_frames=6, output_type="latent", generator=seeded(), devices=["cpu", "cpu"], **SIZE

@@ -133,7 +133,7 @@ class ParallelChunkStream(InFlightStreamBatch, ChunkStream):
     def _broadcast_control(self, command: int) -> None:
         switch = self._pending is not None and command == GO_ON
         control = self._placed_tensor(
-            torch.tensor([command, int(switch), self._pending_blend or 0], dtype=torch.int64)
+            torch.tensor([command, int(switch), self._pending_blend or 0, int(self._pending_cut)], dtype=torch.int64)
         )
         # asynchronous: with rows in flight the other ranks reach this message a forward later, and the leader goes on
         self._link.keep(dist.broadcast(control, src=0, async_op=True), control)
@@ -147,9 +147,9 @@ class ParallelChunkStream(InFlightStreamBatch, ChunkStream):
 
     def _receive_control(self) -> int:
         while True:
-            control = self._placed_tensor(torch.zeros(3, dtype=torch.int64))
+            control = self._placed_tensor(torch.zeros(4, dtype=torch.int64))
             dist.broadcast(control, src=0)
-            command, switch, blend = control.tolist()
+            command, switch, blend, cut = control.tolist()
             if command == SEND_STATE:
                 dist.gather_object(self._cache_states(), None, dst=0)
                 continue
@@ -159,7 +159,7 @@ class ParallelChunkStream(InFlightStreamBatch, ChunkStream):
             if switch:
                 embeds = torch.empty_like(self._embeds[0])
                 dist.broadcast(embeds, src=0)
-                self._pending, self._pending_blend = embeds, blend or None
+                self._pending, self._pending_blend, self._pending_cut = embeds, blend or None, bool(cut)
             return command
 
     def _generate_chunk(self) -> torch.Tensor | None:
