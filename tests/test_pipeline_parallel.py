@@ -80,7 +80,9 @@ def test_a_split_stream_makes_the_one_process_latents_with_switch_prompt(random_
 def test_a_scene_cut_by_switch_prompt_reaches_every_stage(random_pipe):
     """`switch_prompt(..., scene_cut=True)`: every stage places the cut chunk, as one process does (and the cut
     changes the video)."""
-    call = dict(prompt="a red circle moving left", num_frames=7, output_type="latent", position_mode="relative", **SIZE)
+    call = dict(
+        prompt="a red circle moving left", num_frames=7, output_type="latent", position_mode="relative", **SIZE
+    )
 
     def run(scene_cut: bool = True, **extra):
         stream = random_pipe.stream(generator=seeded(), **call, **extra)
