@@ -194,3 +194,18 @@ def inject_noise(golden: Golden, monkeypatch) -> InjectedNoise:
     monkeypatch.setattr(stream_module, "randn_tensor", noise)
     monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
     return noise
+
+
+def call_errors(pipe, golden: Golden, recipe: str, monkeypatch) -> list[float]:
+    """`pipe(...)` under `recipe` on the golden's prompt "a" with upstream's noise (every draw used): each chunk's
+    error against upstream's clean latents, printed with the floor."""
+    noise = inject_noise(golden, monkeypatch)
+    chunk_frames = golden.meta["settings"]["chunk_frames"]
+    latents = pipe(
+        num_frames=pipe.latent_to_frames(chunk_frames * len(golden.clean)), prompt_embeds=golden.text["a"],
+        output_type="latent", recipe=recipe,
+    ).frames  # fmt: skip
+    errors = chunk_errors(golden, list(latents.split(chunk_frames, dim=2)))
+    print(f"\n{recipe}/{golden.scenario} through pipe(...): max {max(errors):.1e}, floor {golden.floor:.1e}")
+    assert noise.noise.exhausted
+    return errors

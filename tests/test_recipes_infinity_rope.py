@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from recipe_goldens import Golden, chunk_errors, inject_noise, load_golden
+from recipe_goldens import Golden, call_errors, chunk_errors, inject_noise, load_golden
 from test_recipes_pipeline import krea_golden_pipeline
 
 from rolldiff import KreaRealtimeVideoPipeline
@@ -50,15 +50,7 @@ def _replayed(golden: Golden, monkeypatch, **extra) -> list[torch.Tensor]:
 def test_the_recipe_through_the_call_matches_upstream(monkeypatch):
     """`pipe(...)` with the recipe: a one-frame sink, a window of 5 re-indexed from the sink on, rolling from chunk 2."""
     golden = load_golden(RECIPE, "plain")
-    pipe = krea_golden_pipeline(golden)
-    noise = inject_noise(golden, monkeypatch)
-    latents = pipe(
-        num_frames=pipe.latent_to_frames(3 * len(golden.clean)), prompt_embeds=golden.text["a"], output_type="latent",
-        recipe=RECIPE,
-    ).frames  # fmt: skip
-    errors = chunk_errors(golden, list(latents.split(3, dim=2)))
-    print(f"\ninfinity-rope/plain through pipe(...): max {max(errors):.1e}, floor {golden.floor:.1e}")
-    assert noise.noise.exhausted
+    errors = call_errors(krea_golden_pipeline(golden), golden, RECIPE, monkeypatch)
     assert max(errors) <= TOLERANCE, errors
 
 

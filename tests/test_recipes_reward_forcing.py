@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from recipe_goldens import assert_switch_seen, chunk_errors, inject_noise, load_golden, switched_stream
+from recipe_goldens import assert_switch_seen, call_errors, chunk_errors, inject_noise, load_golden, switched_stream
 from test_recipes_pipeline import krea_golden_pipeline
 
 from rolldiff.caching import SlidingWindowLayer, ema_sink
@@ -35,15 +35,7 @@ def _use_alpha(golden, monkeypatch) -> None:
 def test_the_recipe_through_the_call_matches_upstream(scenario, monkeypatch):
     golden = load_golden(RECIPE, scenario)
     _use_alpha(golden, monkeypatch)
-    pipe = krea_golden_pipeline(golden)
-    noise = inject_noise(golden, monkeypatch)
-    latents = pipe(
-        num_frames=pipe.latent_to_frames(3 * len(golden.clean)), prompt_embeds=golden.text["a"], output_type="latent",
-        recipe=RECIPE,
-    ).frames  # fmt: skip
-    errors = chunk_errors(golden, list(latents.split(3, dim=2)))
-    print(f"\nreward-forcing/{scenario} through pipe(...): max {max(errors):.1e}, floor {golden.floor:.1e}")
-    assert noise.noise.exhausted
+    errors = call_errors(krea_golden_pipeline(golden), golden, RECIPE, monkeypatch)
     assert max(errors) <= TOLERANCE, errors
 
 

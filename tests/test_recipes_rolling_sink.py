@@ -17,6 +17,7 @@ import torch
 from recipe_goldens import (
     Golden,
     assert_switch_seen,
+    call_errors,
     chunk_errors,
     inject_noise,
     load_golden,
@@ -51,16 +52,7 @@ def _pipeline(golden: Golden, rope_max_seq_len: int | None = None) -> KreaRealti
 def test_rolling_sink_recipe_through_the_call_matches_upstream(monkeypatch):
     """`pipe(...)` with the recipe: every chunk of the 14-chunk run (7 rolls: 6 backward, 1 forward) as upstream's."""
     golden = load_golden(RECIPE, "plain")
-    pipe = _pipeline(golden)
-    noise = inject_noise(golden, monkeypatch)
-    chunks = len(golden.clean)
-    latents = pipe(
-        num_frames=pipe.latent_to_frames(3 * chunks), prompt_embeds=golden.text["a"], output_type="latent",
-        recipe=RECIPE,
-    ).frames  # fmt: skip
-    errors = chunk_errors(golden, list(latents.split(3, dim=2)))
-    print(f"\nrolling-sink/plain through pipe(...): max {max(errors):.1e}, floor {golden.floor:.1e}")
-    assert noise.noise.exhausted
+    errors = call_errors(_pipeline(golden), golden, RECIPE, monkeypatch)
     assert max(errors) <= TOLERANCE, errors
 
 

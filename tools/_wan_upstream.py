@@ -354,6 +354,23 @@ def record_scenario(
     return {"timesteps": fp32["timesteps"], "sigmas": fp32["sigmas"], "noise_order": order, "floor": floor}
 
 
+def record_scenarios(out: Path, scenarios: Mapping[str, dict], run_scenario, embeds: Mapping, num_chunks: int,
+                     chunk_frames: int) -> dict:  # fmt: skip
+    """`record_scenario` for each of `scenarios` (`run_scenario(scenario, tape, dtype)`), prompt "a" and, for a
+    scenario with a `switch_before_block`, "b" too; returns each scenario's meta entry (its settings and what
+    `record_scenario` recorded)."""
+    recorded = {}
+    for name, scenario in scenarios.items():
+
+        def run(tape, dtype, scenario=scenario):
+            return run_scenario(scenario, tape, dtype)
+
+        texts = {key: embeds[key] for key in ("a", "b") if key == "a" or "switch_before_block" in scenario}
+        entry = record_scenario(run, out, name, num_chunks, chunk_frames, texts)
+        recorded[name] = {"num_chunks": num_chunks, "prompt": "a", **scenario, **entry}
+    return recorded
+
+
 def recorder_main(doc: str, record, tree: str, golden_folder: str) -> None:
     """The recording scripts' command line: `--upstream` (the extracted `tree`) and `--out` (the golden folder)."""
     import argparse

@@ -59,7 +59,7 @@ from _wan_upstream import (
     kv_buffer_patches,
     load_causal_tree,
     proxied_torch,
-    record_scenario,
+    record_scenarios,
     recorder_main,
     table_sigmas,
     text_embeddings,
@@ -134,16 +134,14 @@ def record(upstream: Path, out: Path) -> None:
     embeds = text_embeddings(PROMPTS)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, out / "transformer.safetensors")
-    scenarios = {}
-    for name, scenario in SCENARIOS.items():
-
-        def run(tape, dtype, scenario=scenario):
-            return run_scenario(up, weights, embeds, scenario, tape, dtype)
-
-        texts = {key: embeds[key] for key in ("a", "b") if key == "a" or "switch_before_block" in scenario}
-        recorded = record_scenario(run, out, name, NUM_CHUNKS, CHUNK_FRAMES, texts)
-        window = scenario.get("local_attn_size", MODEL_KWARGS["local_attn_size"]) - MODEL_KWARGS["sink_size"]
-        scenarios[name] = {"num_chunks": NUM_CHUNKS, "window_frames": window, **scenario, **recorded}
+    scenarios = record_scenarios(
+        out, SCENARIOS, lambda scenario, tape, dtype: run_scenario(up, weights, embeds, scenario, tape, dtype),
+        embeds, NUM_CHUNKS, CHUNK_FRAMES,
+    )  # fmt: skip
+    for entry in scenarios.values():  # the window after the one-frame sink, as our `window_frames`
+        entry["window_frames"] = (
+            entry.get("local_attn_size", MODEL_KWARGS["local_attn_size"]) - MODEL_KWARGS["sink_size"]
+        )
     meta = {
         "upstream": UPSTREAM,
         "recipe": "infinity-rope",

@@ -47,7 +47,7 @@ from _wan_upstream import (
     kv_buffer_patches,
     load_causal_tree,
     proxied_torch,
-    record_scenario,
+    record_scenarios,
     recorder_main,
     switch_before,
     table_sigmas,
@@ -117,15 +117,10 @@ def record(upstream: Path, out: Path) -> None:
     embeds = text_embeddings(PROMPTS)
     out.mkdir(parents=True, exist_ok=True)
     save_file(weights, out / "transformer.safetensors")
-    scenarios = {}
-    for name, scenario in SCENARIOS.items():
-
-        def run(tape, dtype, scenario=scenario):
-            return run_scenario(up, weights, embeds, scenario, tape, dtype)
-
-        texts = {key: embeds[key] for key in ("a", "b") if key == "a" or "switch_before_block" in scenario}
-        recorded = record_scenario(run, out, name, NUM_CHUNKS, CHUNK_FRAMES, texts)
-        scenarios[name] = {"num_chunks": NUM_CHUNKS, "prompt": "a", **scenario, **recorded}
+    scenarios = record_scenarios(
+        out, SCENARIOS, lambda scenario, tape, dtype: run_scenario(up, weights, embeds, scenario, tape, dtype),
+        embeds, NUM_CHUNKS, CHUNK_FRAMES,
+    )  # fmt: skip
     meta = {
         "upstream": UPSTREAM,
         "recipe": "reward-forcing",
