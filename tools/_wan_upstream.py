@@ -354,6 +354,33 @@ def record_scenario(
     return {"timesteps": fp32["timesteps"], "sigmas": fp32["sigmas"], "noise_order": order, "floor": floor}
 
 
+def start_recording(upstream: Path, patches: dict, model_kwargs: Mapping, prompts: Mapping[str, int], out: Path):
+    """A Self-Forcing-family tree loaded (its memory helper `demo_utils.memory`), the tiny weights (saved to
+    `out/transformer.safetensors`) and the prompts' embeddings: `(tree, weights, embeds)`."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    up = load_causal_tree(upstream, patches, "demo_utils.memory")
+    weights = tiny_weights(up.causal_model, **model_kwargs)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, out / "transformer.safetensors")
+    return up, weights, text_embeddings(prompts)
+
+
+def run_inference(up, pipeline, tape: NoiseTape, dtype: torch.dtype, num_chunks: int, chunk_frames: int,
+                  prompt: str = "a") -> dict:  # fmt: skip
+    """The tree's `pipeline.inference` on the tape's first draw (the video's noise), its prints silenced: each chunk's
+    clean latents (diffusers' layout), the timesteps fed and their sigmas, as `record_scenario` takes them."""
+    import io
+
+    noise = tape.randn(1, num_chunks * chunk_frames, TINY_MODEL["in_dim"], *LATENT_SIZE).to(dtype)
+    with proxied_torch([up.causal_inference], tape, dtype), contextlib.redirect_stdout(io.StringIO()):
+        _, latents = pipeline.inference(noise, text_prompts=[prompt], return_latents=True)
+    clean = [to_diffusers_layout(chunk) for chunk in latents.split(chunk_frames, dim=1)]
+    timesteps = [float(t) for t in pipeline.denoising_step_list]
+    return {"clean": clean, "timesteps": timesteps, "sigmas": table_sigmas(pipeline.scheduler, timesteps)}
+
+
 def record_scenarios(out: Path, scenarios: Mapping[str, dict], run_scenario, embeds: Mapping, num_chunks: int,
                      chunk_frames: int) -> dict:  # fmt: skip
     """`record_scenario` for each of `scenarios` (`run_scenario(scenario, tape, dtype)`), prompt "a" and, for a

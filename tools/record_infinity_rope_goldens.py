@@ -42,8 +42,6 @@ tokens per frame. Its per-step `print`s are silenced.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import types
 from pathlib import Path
@@ -57,17 +55,12 @@ from _wan_upstream import (
     NoiseTape,
     causal_pipeline,
     kv_buffer_patches,
-    load_causal_tree,
-    proxied_torch,
     record_scenarios,
     recorder_main,
-    table_sigmas,
-    text_embeddings,
-    tiny_weights,
+    run_inference,
+    start_recording,
     tiny_wrapper,
-    to_diffusers_layout,
 )
-from safetensors.torch import save_file
 
 UPSTREAM = {"repo": "yesiltepe-hidir/infinity-rope", "commit": "63d7b84f043a2536ccb62d5171ed54dfadc0a721"}
 MODEL_KWARGS = {"local_attn_size": 6, "sink_size": 1}  # configs/self_forcing_dmd.yaml model_kwargs
@@ -119,21 +112,11 @@ def make_pipeline(up, weights, embeds, model_kwargs: dict, dtype: torch.dtype):
 def run_scenario(up, weights, embeds, scenario: dict, tape: NoiseTape, dtype: torch.dtype) -> dict:
     model_kwargs = MODEL_KWARGS | {k: scenario[k] for k in ("local_attn_size",) if k in scenario}
     pipeline = make_pipeline(up, weights, embeds, model_kwargs, dtype)
-    noise = tape.randn(1, NUM_CHUNKS * CHUNK_FRAMES, TINY_MODEL["in_dim"], *LATENT_SIZE).to(dtype)
-    with proxied_torch([up.causal_inference], tape, dtype), contextlib.redirect_stdout(io.StringIO()):
-        _, latents = pipeline.inference(noise, text_prompts=[scenario["prompt"]], return_latents=True)
-    clean = [to_diffusers_layout(chunk) for chunk in latents.split(CHUNK_FRAMES, dim=1)]
-    timesteps = [float(t) for t in pipeline.denoising_step_list]
-    return {"clean": clean, "timesteps": timesteps, "sigmas": table_sigmas(pipeline.scheduler, timesteps)}
+    return run_inference(up, pipeline, tape, dtype, NUM_CHUNKS, CHUNK_FRAMES, prompt=scenario["prompt"])
 
 
 def record(upstream: Path, out: Path) -> None:
-    torch.manual_seed(0)
-    up = load_causal_tree(upstream, size_patches(), "demo_utils.memory")
-    weights = tiny_weights(up.causal_model, **MODEL_KWARGS)
-    embeds = text_embeddings(PROMPTS)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, out / "transformer.safetensors")
+    up, weights, embeds = start_recording(upstream, size_patches(), MODEL_KWARGS, PROMPTS, out)
     scenarios = record_scenarios(
         out, SCENARIOS, lambda scenario, tape, dtype: run_scenario(up, weights, embeds, scenario, tape, dtype),
         embeds, NUM_CHUNKS, CHUNK_FRAMES,

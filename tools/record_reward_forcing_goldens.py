@@ -45,18 +45,13 @@ from _wan_upstream import (
     NoiseTape,
     causal_pipeline,
     kv_buffer_patches,
-    load_causal_tree,
-    proxied_torch,
     record_scenarios,
     recorder_main,
+    run_inference,
+    start_recording,
     switch_before,
-    table_sigmas,
-    text_embeddings,
-    tiny_weights,
     tiny_wrapper,
-    to_diffusers_layout,
 )
-from safetensors.torch import save_file
 
 UPSTREAM = {"repo": "JaydenLyh/Reward-Forcing", "commit": "4317f5a0d29d1cee6a0f2e80ed5f5724bee97c66"}
 MODEL_KWARGS = {"local_attn_size": 9, "sink_size": 3}  # configs/reward_forcing.yaml model_kwargs
@@ -102,21 +97,11 @@ def run_scenario(up, weights, embeds, scenario: dict, tape: NoiseTape, dtype: to
     switch_block = scenario.get("switch_before_block")
     if switch_block is not None:  # as rolldiff's `switch_prompt` (the tree has no switch); chunk 0 is the sink
         switch_before(pipeline, embeds, dtype, switch_block, CHUNK_FRAMES, sink_blocks=1)
-    noise = tape.randn(1, NUM_CHUNKS * CHUNK_FRAMES, TINY_MODEL["in_dim"], *LATENT_SIZE).to(dtype)
-    with proxied_torch([up.causal_inference], tape, dtype):
-        _, latents = pipeline.inference(noise, text_prompts=["a"], return_latents=True)
-    clean = [to_diffusers_layout(chunk) for chunk in latents.split(CHUNK_FRAMES, dim=1)]
-    timesteps = [float(t) for t in pipeline.denoising_step_list]
-    return {"clean": clean, "timesteps": timesteps, "sigmas": table_sigmas(pipeline.scheduler, timesteps)}
+    return run_inference(up, pipeline, tape, dtype, NUM_CHUNKS, CHUNK_FRAMES)
 
 
 def record(upstream: Path, out: Path) -> None:
-    torch.manual_seed(0)
-    up = load_causal_tree(upstream, size_patches(), "demo_utils.memory")
-    weights = tiny_weights(up.causal_model, **MODEL_KWARGS)
-    embeds = text_embeddings(PROMPTS)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, out / "transformer.safetensors")
+    up, weights, embeds = start_recording(upstream, size_patches(), MODEL_KWARGS, PROMPTS, out)
     scenarios = record_scenarios(
         out, SCENARIOS, lambda scenario, tape, dtype: run_scenario(up, weights, embeds, scenario, tape, dtype),
         embeds, NUM_CHUNKS, CHUNK_FRAMES,
