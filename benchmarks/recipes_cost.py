@@ -40,6 +40,8 @@ ROWS = (
     ("causal-forcing-2step", "causal-forcing-2step", {}),
     ("causal-forcing-1step", "causal-forcing-1step", {}),
     ("rolling-sink", "rolling-sink", {}),
+    ("infinity-rope (sink 1 + window 5)", "infinity-rope", {}),
+    ("reward-forcing (EMA sink 3 + window 6)", "reward-forcing", {}),
     ("streamdiffusionv2 (from noise)", "streamdiffusionv2", {}),
     ("streamdiffusionv2, stream batch", "streamdiffusionv2", {"denoising": "stream_batch"}),
     ("streamdiffusionv2, pipelined (in-flight region)", "streamdiffusionv2", {"denoising": "pipelined"}),
