@@ -185,12 +185,14 @@ def chunk_errors(golden: Golden, chunks: list[torch.Tensor]) -> list[float]:
 
 
 def inject_noise(golden: Golden, monkeypatch) -> InjectedNoise:
-    """Upstream's draws handed to the stream and the scheduler (`InjectedNoise`), for the golden's step count."""
+    """Upstream's draws handed to the stream and the scheduler (`InjectedNoise`), in upstream's order, for the
+    golden's step counts (a first chunk's own step list included)."""
     from diffusers.schedulers import scheduling_flow_match_euler_discrete as scheduler_module
 
     from rolldiff.pipelines import stream as stream_module
 
-    noise = InjectedNoise(golden, steps=len(golden.settings["timesteps"]))
+    first = golden.settings.get("first_timesteps")
+    noise = InjectedNoise(golden, len(golden.settings["timesteps"]), None if first is None else len(first))
     monkeypatch.setattr(stream_module, "randn_tensor", noise)
     monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
     return noise

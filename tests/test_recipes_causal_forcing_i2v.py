@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from recipe_goldens import Golden, load_golden, load_transformer
-from test_recipes_pipeline import TOLERANCE, _errors, inject_upstream_noise, krea_golden_pipeline
+from recipe_goldens import Golden, chunk_errors, inject_noise, load_golden, load_transformer
+from test_recipes_pipeline import TOLERANCE, krea_golden_pipeline
 
 from rolldiff import KreaRealtimeVideoPipeline
 
@@ -39,7 +39,7 @@ def test_causal_forcing_image_to_video_matches_upstream(scenario, monkeypatch):
     assert golden.settings["image"]
     pipe = _pipeline(golden)
     first = golden.settings.get("first_timesteps")
-    noise = inject_upstream_noise(golden, monkeypatch)
+    noise = inject_noise(golden, monkeypatch)
     stream = pipe.stream(
         num_frames=pipe.latent_to_frames(golden.settings["latent_frames"]), prompt_embeds=golden.text["a"],
         image=golden.tensor("image").numpy(), output_type="latent", recipe=golden.settings["recipe"],
@@ -52,7 +52,7 @@ def test_causal_forcing_image_to_video_matches_upstream(scenario, monkeypatch):
         assert request.step_plan_for(1) is request.first_step_plan
         assert list(request.first_step_plan.timesteps) == pytest.approx(first, abs=1e-3)
     made = list(stream)
-    errors = _errors(golden, made)
+    errors = chunk_errors(golden, made)
     print(
         f"\ncausal-forcing/{scenario} through the pipeline: image latent {errors[0]:.1e}, max {max(errors):.2e}, "
         f"floor {golden.floor:.1e}"

@@ -16,6 +16,7 @@ from recipe_goldens import (
     InjectedNoise,
     assert_switch_seen,
     chunk_errors,
+    inject_noise,
     load_golden,
     load_transformer,
     load_vae,
@@ -178,15 +179,6 @@ def test_krea_like_recipes_match_upstream(case, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------- Causal Forcing
-def inject_upstream_noise(golden: Golden, monkeypatch) -> InjectedNoise:
-    """The stream draws upstream's recorded noise, in upstream's order (a first-chunk step list included)."""
-    first = golden.settings.get("first_timesteps")
-    noise = InjectedNoise(golden, len(golden.settings["timesteps"]), None if first is None else len(first))
-    monkeypatch.setattr(stream_module, "randn_tensor", noise)
-    monkeypatch.setattr(scheduler_module, "randn_tensor", noise)
-    return noise
-
-
 CAUSAL_FORCING = (
     "chunkwise", "framewise", "framewise_2step", "framewise_1step",
     "switch_chunkwise", "switch_framewise", "switch_framewise_2step", "switch_framewise_1step",
@@ -202,7 +194,7 @@ def test_causal_forcing_recipes_match_upstream(scenario, monkeypatch):
     recipe = golden.settings["recipe"]
     pipe = krea_golden_pipeline(golden)
     first = golden.settings.get("first_timesteps")
-    noise = inject_upstream_noise(golden, monkeypatch)
+    noise = inject_noise(golden, monkeypatch)
     stream = pipe.stream(
         num_frames=pipe.latent_to_frames(golden.settings["latent_frames"]), prompt_embeds=golden.text["a"],
         output_type="latent", recipe=recipe,
@@ -232,7 +224,7 @@ def test_causal_forcing_switch_golden_sees_the_switch_and_the_recache(monkeypatc
     switch = golden.settings["switch"]["before_block"]
     assert_switch_seen(golden, load_golden("causal-forcing", "chunkwise"), switch, TOLERANCE)
     pipe = krea_golden_pipeline(golden)
-    inject_upstream_noise(golden, monkeypatch)
+    inject_noise(golden, monkeypatch)
     monkeypatch.setattr(pipe, "recache", lambda *args, **kwargs: None)
     errors = chunk_errors(golden, switched_stream(pipe, golden, "causal-forcing", 21, switch))
     assert max(errors[:switch]) <= TOLERANCE and min(errors[switch:]) > 10 * TOLERANCE, errors
