@@ -139,12 +139,28 @@ def test_a_session_suspended_on_one_replica_restores_on_the_other(server, refere
         assert _sessions(server) == [1, 1]
         holder.close()  # the first replica now has the fewest requests: the restore goes there
         assert until(lambda: _sessions(server)[first] == 0)
-        time.sleep(ROUTED_S)
-        resumed = clients.enter_context(restore(server.url, token))
-        assert resumed.ready["next_chunk"] == len(chunks)
+        resumed = _restored_on(server, first, token, chunks, clients)
         assert _sessions(server) == [1, 1]  # in the first replica, beside `other`'s
         chunks += list(resumed)
     assert _same(chunks, references(seed=3))
+
+
+def _restored_on(server: RayServer, replica: int, token: str, chunks: list, clients: ExitStack, tries: int = 4):
+    """The session of `token` restored on `replica` (the one with no session). Serve's router picks by request counts
+    it refreshes a moment late, and a CI run once sent the restore to the busy replica: then the session is suspended
+    again (its chunks kept in `chunks`) and restored again, at most `tries` times. Each restore must continue at the
+    chunk the last one stopped at."""
+    for _ in range(tries):
+        time.sleep(ROUTED_S)
+        resumed = clients.enter_context(restore(server.url, token))
+        assert resumed.ready["next_chunk"] == len(chunks)
+        if _sessions(server)[replica] == 1:
+            return resumed
+        resumed.pause()
+        token = resumed.suspend()
+        chunks += list(resumed)  # made before the cut
+        assert until(lambda: _sessions(server)[replica] == 0 and sum(_sessions(server)) == 1)
+    pytest.fail(f"Serve's router sent the restore to the busy replica {tries} times: {_sessions(server)}")
 
 
 def test_the_page_plays_from_a_replica(server, tmp_path):
