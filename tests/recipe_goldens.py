@@ -129,17 +129,20 @@ def load_vae(recipe: str) -> AutoencoderKLWan:
     return vae.eval().requires_grad_(False)
 
 
-def switched_stream(pipe, golden: Golden, recipe: str, latent_frames: int, switch: int) -> list[torch.Tensor]:
-    """A switch golden replayed: the stream under `recipe` on prompt "a", `switch_prompt` to "b" before chunk
-    `switch` (it must apply there); every chunk's latents."""
+def switched_stream(
+    pipe, golden: Golden, recipe: str, latent_frames: int, switch: int, scene_cut: bool = False, **call
+) -> list[torch.Tensor]:
+    """A switch golden replayed: the stream under `recipe` (and `call`'s other arguments) on prompt "a",
+    `switch_prompt` to "b" (a hard cut with `scene_cut`) before chunk `switch` (it must apply there); every chunk's
+    latents."""
     stream = pipe.stream(
         num_frames=pipe.latent_to_frames(latent_frames), prompt_embeds=golden.text["a"], output_type="latent",
-        recipe=recipe,
+        recipe=recipe, **call,
     )  # fmt: skip
     made = []
     for index in range(stream.num_chunks):
         if index == switch:
-            assert stream.switch_prompt(prompt_embeds=golden.text["b"]) == switch
+            assert stream.switch_prompt(prompt_embeds=golden.text["b"], scene_cut=scene_cut) == switch
         made.append(next(stream))
     return made
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from recipe_goldens import Golden, call_errors, chunk_errors, inject_noise, load_golden
+from recipe_goldens import Golden, call_errors, chunk_errors, inject_noise, load_golden, switched_stream
 from test_recipes_pipeline import krea_golden_pipeline
 
 from rolldiff import KreaRealtimeVideoPipeline
@@ -28,19 +28,12 @@ RECIPE = "infinity-rope"
 def _replayed(golden: Golden, monkeypatch, **extra) -> list[torch.Tensor]:
     """The golden's run through the stream under the recipe: prompt a, `switch_prompt` to b (a cut when the
     scenario has one) before its chunk; every chunk's latents, with upstream's noise."""
-    pipe = krea_golden_pipeline(golden)
+    settings = golden.settings
     noise = inject_noise(golden, monkeypatch)
-    stream = pipe.stream(
-        num_frames=pipe.latent_to_frames(3 * golden.settings["num_chunks"]), prompt_embeds=golden.text["a"],
-        output_type="latent", recipe=RECIPE, window_frames=golden.settings["window_frames"], **extra,
+    made = switched_stream(
+        krea_golden_pipeline(golden), golden, RECIPE, 3 * settings["num_chunks"], settings["switch_before_block"],
+        settings["scene_cut"], window_frames=settings["window_frames"], **extra,
     )  # fmt: skip
-    switch = golden.settings.get("switch_before_block")
-    made = []
-    for index in range(stream.num_chunks):
-        if index == switch:
-            cut = golden.settings["scene_cut"]
-            assert stream.switch_prompt(prompt_embeds=golden.text["b"], scene_cut=cut) == switch
-        made.append(next(stream))
     assert noise.noise.exhausted
     return made
 

@@ -534,7 +534,7 @@ class SlidingWindowLayer(CacheLayer):
             committed = int(self.committed_tokens.item())
             self._set_counters(committed, committed + self.ring_tokens, move_device=False)
             if self.ema_sink is not None:  # what left the window before the state was saved was blended then
-                self.ema_sink.blended_until = max(self.sink_tokens, self._window_start(committed))
+                self.ema_sink.blended_until = self._window_start(committed)
 
     def _check_chunk(self, num_pending: int) -> None:
         if num_pending > self.chunk_tokens:

@@ -287,10 +287,8 @@ class ChunkStream(PipelinedDenoising, StreamBatchDenoising, Iterator[Any]):
     def check_scene_cut(self) -> None:
         """Raise ValueError naming what this stream's settings lack for `switch_prompt(..., scene_cut=True)` (a front
         end asks before it queues a cut); returns if a cut can be placed."""
-        request, pipe = self._request, self._pipe
-        rope_frames = getattr(pipe.transformer.config, "rope_max_seq_len", None)
-        offered = getattr(pipe, "offers_scene_cuts", False)
-        check_cut_setup("scene_cut", request.layout, request.denoising, request.context_policy, rope_frames, offered)
+        request = self._request
+        check_cut_setup("scene_cut", self._pipe, request.layout, request.denoising, request.context_policy)
 
     @contextlib.contextmanager
     def _scene_cut(self, cut: bool) -> Iterator[None]:

@@ -255,9 +255,8 @@ def build_request(pipe: RequestPipeline, call: VideoCall) -> VideoRequest:
     check_recompute_fits(checked["context_policy"], layout, pipelined=denoising == "pipelined")
     check_flush(checked["recache_mode"], layout, denoising, checked["context_policy"])
     checked["scene_cuts"] = scene_cut_entries(
-        call.scene_cuts, schedule, layout, denoising, checked["context_policy"],
-        getattr(pipe.transformer.config, "rope_max_seq_len", None), getattr(pipe, "offers_scene_cuts", False),
-    )  # fmt: skip
+        call.scene_cuts, schedule, pipe, layout, denoising, checked["context_policy"]
+    )
     conditioning = build_conditioning(  # last: an input file's reader opens here, after every other check
         call.image,
         call.video,

@@ -43,16 +43,15 @@ def check_flush(recache_mode: str, layout: ChunkLayout, denoising: str, context_
                           denoising, context_policy)  # fmt: skip
 
 
-def check_cut_setup(
-    name: str, layout: ChunkLayout, denoising: str, context_policy: str, rope_frames: int | None, offered: bool = True
-) -> None:
-    """A scene cut (asked by `name`) can be placed in this stream: the settings it needs, and its RoPE frames inside
-    the model's table (`rope_frames`; None: no table to leave)."""
-    if not offered:
+def check_cut_setup(name: str, pipe: Any, layout: ChunkLayout, denoising: str, context_policy: str) -> None:
+    """A scene cut (asked by `name`) can be placed by `pipe` in a stream of these settings: the pipeline offers cuts,
+    the settings are those a cut needs, and its RoPE frames lie inside the model's table (`rope_max_seq_len`)."""
+    if not getattr(pipe, "offers_scene_cuts", False):
         raise ValueError(_NOT_OFFERED.format(name=name))
     _refuse_conflicts(f"`{name}` places a cut chunk by re-indexing keys stored before RoPE", layout, denoising,
                       context_policy)  # fmt: skip
     last = SCENE_CUT_FRAME + layout.chunk_frames - 1
+    rope_frames = getattr(pipe.transformer.config, "rope_max_seq_len", None)
     if rope_frames is not None and last >= rope_frames:
         raise ValueError(
             f"`{name}` places a cut chunk at RoPE frames {SCENE_CUT_FRAME}..{last}, past this model's RoPE table of "
@@ -61,33 +60,22 @@ def check_cut_setup(
 
 
 def scene_cut_entries(
-    scene_cuts: Any,
-    schedule: PromptSchedule,
-    layout: ChunkLayout,
-    denoising: str,
-    context_policy: str,
-    rope_frames: int | None,
-    offered: bool,
+    scene_cuts: Any, schedule: PromptSchedule, pipe: Any, layout: ChunkLayout, denoising: str, context_policy: str
 ) -> tuple[int, ...]:
-    """The prompt-schedule entries whose switch is a scene cut: `scene_cuts` names their frames.
-
-    `rope_frames`: the frames the model's RoPE table holds; `offered`: the pipeline places cuts at all."""
+    """The prompt-schedule entries whose switch is a scene cut: `scene_cuts` names their frames."""
     if scene_cuts is None:
         return ()
-    switches = [frame for frame, _ in schedule.entries[1:]]
-    if not offered:
-        raise ValueError(_NOT_OFFERED.format(name="scene_cuts"))
+    check_cut_setup("scene_cuts", pipe, layout, denoising, context_policy)
     frames = list(scene_cuts) if isinstance(scene_cuts, (list, tuple, set, frozenset)) else None
     if not frames or not all(is_int(frame) for frame in frames):
         raise ValueError(
             f"`scene_cuts` must be a non-empty list of int frames of prompt switches, got {scene_cuts!r}."
         )
-    unknown = sorted({int(frame) for frame in frames} - set(switches))
+    cut_frames, switches = {int(frame) for frame in frames}, [frame for frame, _ in schedule.entries[1:]]
+    unknown = sorted(cut_frames - set(switches))
     if unknown:
         raise ValueError(
             f"`scene_cuts` frames {unknown} are not prompt switches: a cut starts a new prompt, so each must be a frame "
             f"of `prompt_schedule` after the first prompt (the switches are at {switches or 'no frame'})."
         )
-    check_cut_setup("scene_cuts", layout, denoising, context_policy, rope_frames)
-    cut_frames = {int(frame) for frame in frames}
     return tuple(i for i, (frame, _) in enumerate(schedule.entries) if i and frame in cut_frames)
