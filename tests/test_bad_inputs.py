@@ -225,6 +225,16 @@ CLI_AFTER_LOAD = {
         "--seconds (`num_frames`) is 320 latent frames, more than the RoPE table's 64 positions with --position-mode",
     ),
     "prompt-at-past-end": (["--prompt", RED, "--prompt-at", "100:a blue square moving up"], "prompt_schedule"),
+    # Both flags build one schedule: its refusal names the flag that gave the frame, never the other one.
+    "cut-at-past-end": (["--prompt", RED, "--cut-at", "100:a blue square"], "--cut-at (`prompt_schedule`) frame 100"),
+    "cut-at-past-end-beside-a-switch": (
+        ["--prompt", RED, "--seconds", "1", "--prompt-at", "4:a blue square", "--cut-at", "100:a red circle"],
+        "--cut-at (`prompt_schedule`) frame 100",
+    ),
+    "prompt-at-past-end-beside-a-cut": (
+        ["--prompt", RED, "--seconds", "1", "--prompt-at", "100:a blue square", "--cut-at", "4:a red circle"],
+        "--prompt-at (`prompt_schedule`) frame 100",
+    ),
     "cut-at-absolute-positions": (  # the tiny model's positions are absolute: keys stored after RoPE cannot be cut
         ["--prompt", RED, "--cut-at", "2:a blue square moving up", "--position-mode", "absolute"],
         "--cut-at (`scene_cuts`) places a cut chunk",

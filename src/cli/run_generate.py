@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import signal
 import sys
 import threading
@@ -64,6 +65,11 @@ FLAGS = {
 }
 
 
+# The first frame a schedule message names: "`prompt_schedule` frame 400 is out of range ...", "... strictly
+# increasing; 30 follows 30."
+_SCHEDULE_FRAME = re.compile(r"`prompt_schedule` frames?\D*?(\d+)")
+
+
 def _start_image(path: Path | None):
     """`--image` read as an RGB picture, or a usage error naming the file."""
     if path is None:
@@ -85,9 +91,27 @@ def _check_before_loading(args: argparse.Namespace) -> None:
         PromptSchedule.build(args.prompt, _switches(args), num_frames=math.inf)
         check_image_mode(args.image_mode, args.image)
     except ValueError as exc:
-        raise relabel(exc, FLAGS) from None
+        raise _relabelled(exc, args) from None
     if args.video is not None and not args.video.is_file():
         raise UsageError(f"--video: no such file {str(args.video)!r}")
+
+
+def _relabelled(exc: Exception, args: argparse.Namespace) -> UsageError:
+    """The library's message with the flags' names; a schedule entry is named by the flag that gave it."""
+    return relabel(exc, {**FLAGS, "prompt_schedule": _schedule_flag(args, str(exc))})
+
+
+def _schedule_flag(args: argparse.Namespace, message: str) -> str:
+    """`--prompt-at` or `--cut-at`, whichever gave the schedule frame `message` is about (both build one schedule):
+    the only one given, else the one holding the first frame the message names."""
+    switches, cuts = {frame for frame, _ in args.prompt_at}, {frame for frame, _ in args.cut_at}
+    if not cuts or not switches:
+        return "--cut-at" if cuts else "--prompt-at"
+    named = _SCHEDULE_FRAME.search(message)
+    frame = int(named.group(1)) if named else None
+    if frame in cuts and frame not in switches:
+        return "--cut-at"
+    return "--prompt-at and --cut-at" if frame in cuts else "--prompt-at"
 
 
 def _switches(args: argparse.Namespace) -> list[tuple[int, str]] | None:
@@ -152,7 +176,7 @@ def run_generate(args: argparse.Namespace) -> int:
             generator = torch.Generator("cpu").manual_seed(args.seed)
             stream = pipe.stream(num_frames=num_frames, height=height, width=width, generator=generator, **call)
     except (ValueError, TypeError, OSError) as exc:
-        raise relabel(exc, FLAGS) from exc
+        raise _relabelled(exc, args) from exc
     _report_warnings(caught)
     rounded = " (rounded up to whole chunks)" if num_frames != round(args.seconds * args.fps) else ""
     duration = num_frames / args.fps
@@ -175,7 +199,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"rolldiff: interrupted; {_kept(args.out)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except ResumeError as exc:
-        raise UsageError(f"--resume: {relabel(exc, FLAGS)}") from exc
+        raise UsageError(f"--resume: {_relabelled(exc, args)}") from exc
     except (FloatingPointError, MemoryError) as exc:  # NaN latents, or a cache that does not fit: stopped there
         print(f"rolldiff: error: {exc} {_kept(args.out)}", file=sys.stderr)
         return EXIT_FAILED
