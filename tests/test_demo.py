@@ -206,6 +206,48 @@ def test_a_live_cut_equals_the_pipelines_scene_cuts_at_the_recorded_frame(pipe):
     assert plain_live.cuts == [] and not np.array_equal(cut, switched)
 
 
+def test_a_recipe_picked_on_the_page_runs_it_and_lets_a_cut_land(server, slow_chunks):
+    """The tiny model's own positions are absolute (a cut is refused: the next test); under the Recipe
+    "infinity-rope" (relative, sink 1 + window 5) a live cut lands and the run says which recipe it ran."""
+    client = _client(server)
+    job = client.submit(RED, 3, 0, recipe="infinity-rope", api_name="/generate")
+    _wait_for_first_chunk(job)
+    status = client.predict(BLUE, api_name="/cut_to_prompt")
+    details, plan = job.result()[-1], job.outputs()[0][5]  # the plan comes before the first chunk
+    assert status.startswith("Cutting to") and details["recipe"] == "infinity-rope"
+    assert "Recipe: infinity-rope (the Advanced fields you set win)." in plan
+    (_, first), (switch, second) = details["prompt_schedule"]
+    assert (first, second) == (RED, BLUE) and details["scene_cuts"] == [switch]
+
+
+def test_a_recipe_and_a_field_set_beside_it_give_the_librarys_video_for_them(pipe):
+    """The Recipe field is `recipe=`: its settings apply, a field set beside it wins, a live cut lands as
+    `scene_cuts` (bit for bit the library's frames)."""
+    settings = ChunkSettings(recipe="infinity-rope", denoising_steps=[1000, 500])
+    live, chunks = LivePrompt(RED), []
+    for chunk in generate_frames(pipe, live, 12, 16, 16, seed=0, settings=settings):
+        chunks.append(chunk.frames)
+        if len(chunks) == 2:
+            live.switch(BLUE, scene_cut=True)
+    assert live.cuts == [6] and [len(frames) for frames in chunks] == [3] * 4  # the recipe's chunks of 3
+    expected = pipe.stream(None, 12, 16, 16, prompt_schedule=live.applied, scene_cuts=live.cuts,
+                           recipe="infinity-rope", denoising_steps=[1000, 500],
+                           generator=torch.Generator().manual_seed(0))  # fmt: skip
+    np.testing.assert_array_equal(np.concatenate(chunks), _as_uint8(expected))
+    default = pipe.stream(RED, 12, 16, 16, recipe="infinity-rope", generator=torch.Generator().manual_seed(0))
+    assert not np.array_equal(np.concatenate(chunks[:2]), _as_uint8(default)[:6])  # the steps field won
+
+
+def test_picking_a_recipe_shows_its_values_as_the_fields_placeholders(server):
+    client = _client(server)
+    chunk, sink, window, steps, mode = client.predict("pipeline", "infinity-rope", api_name="/select_recipe")
+    assert (sink["placeholder"], window["placeholder"]) == ("1 (the recipe's)", "5 (the recipe's)")
+    assert steps["placeholder"] == "1000, 750, 500, 250 (the recipe's)"
+    assert mode["choices"][0] == ["the recipe's (relative)", ""]
+    chunk, sink, *_ = client.predict("pipeline", "", api_name="/select_recipe")
+    assert sink["placeholder"].endswith("(the model's)")
+
+
 def test_a_cut_the_videos_settings_cannot_make_is_refused_and_the_video_goes_on(server, slow_chunks):
     client = _client(server)
     job = client.submit(RED, 2, 0, api_name="/generate")  # the tiny model's absolute positions
@@ -351,6 +393,14 @@ BAD_FIELDS = [
     ),
     (dict(denoising_steps="fast"), "Denoising steps: type a number, got 'fast'"),
     (dict(position_mode="sideways"), "Position mode: choose one of absolute, relative, got 'sideways'"),
+    (dict(recipe=3), "Recipe: pick a recipe's name from the list (or none), got 3"),
+    (  # the pipeline's rule: the recipes of this pipeline class, by name
+        dict(recipe="longsana"),
+        "Recipe: must be one of ['causal-forcing', 'causal-forcing-1step', 'causal-forcing-2step', "
+        "'causal-forcing-framewise', 'infinity-rope', 'krea-realtime', 'longlive', 'reward-forcing', "
+        "'rolling-forcing', 'rolling-sink', 'self-forcing', 'streamdiffusionv2'] for KreaRealtimeVideoPipeline, "
+        "got 'longsana'.",
+    ),
 ]
 
 
@@ -426,7 +476,7 @@ def test_the_model_menu_switches_between_model_families(pipe, sana_pipe):
     demo = _serve(models={"krea": pipe, "sana": sana_pipe})
     try:
         client = _client(demo)
-        info, chunk, sink, window, steps, mode = client.predict("sana", api_name="/select_model")
+        info, chunk, sink, window, steps, mode, recipe = client.predict("sana", api_name="/select_model")
         job = client.submit(RED, 1, 0, "sana", api_name="/generate")
         video, *_, details = job.result()
         krea = client.predict(RED, 1, 0, "krea", api_name="/generate")
@@ -434,6 +484,7 @@ def test_the_model_menu_switches_between_model_families(pipe, sana_pipe):
         demo.close()
     assert info == "LongSanaVideoPipeline, 16x16 pixels"
     assert window["placeholder"] == "every earlier frame (the model's)"  # LongSANA's unbounded window
+    assert recipe["choices"] == [["the model's own settings", ""], ["longsana", "longsana"]]  # SANA's recipes only
     assert details["model"] == "sana" and krea[-1]["model"] == "krea"
     assert [_preview_frames(output) for output in _chunk_outputs(job)] == [2, 2] and len(_read(video)) == 4
     assert not np.array_equal(_read(video), _read(krea[0]))

@@ -281,6 +281,29 @@ def test_the_switch_note_goes_when_the_run_ends(page, slow_server):
     note.wait_for(state="detached", timeout=10_000)
 
 
+def test_a_recipe_picked_in_the_menu_shows_its_values_and_lets_cut_to_it_land(page, slow_server):
+    """The Recipe menu (Advanced) lists the model's recipes; picking Infinity-RoPE's shows its sink and window as
+    the fields' placeholders, the run says it, and *Cut to it* lands (the tiny model's own positions cannot cut)."""
+    page.goto(slow_server.local_url)
+    page.click("#advanced button")
+    page.click("#recipe input")
+    page.get_by_role("option", name="infinity-rope", exact=True).click()
+    sink = page.locator("#sink_frames textarea")
+    page.wait_for_function(
+        "() => document.querySelector('#sink_frames textarea').placeholder === \"1 (the recipe's)\"", timeout=30_000
+    )
+    assert page.locator("#window_frames textarea").get_attribute("placeholder") == "5 (the recipe's)"
+    assert sink.input_value() == ""  # a placeholder, not a value: the recipe's settings stay the recipe's
+    _set_length(page, "6")
+    page.click("#generate")
+    page.locator("#plan").get_by_text("Recipe: infinity-rope").wait_for(timeout=60_000)
+    page.wait_for_function(f"() => {CHUNKS_SHOWN} >= 1", timeout=60_000)
+    page.click("#cut")
+    page.locator("#status").get_by_text("Cutting to").wait_for(timeout=30_000)
+    page.click("#stop")
+    page.wait_for_selector("#generate:not([disabled])", timeout=60_000)
+
+
 def test_a_refused_upload_leaves_a_note_that_the_run_is_text_to_video(page, slow_server, tmp_path):
     """Point 4: a `.txt` the uploader refuses is no start image, and the run says it is text-to-video."""
     notes = tmp_path / "notes.txt"

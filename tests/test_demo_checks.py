@@ -35,6 +35,7 @@ from rolldiff.demo import (
     parse_length,
     parse_position_mode,
     parse_prompt,
+    parse_recipe,
     parse_seconds,
     parse_steps,
     parse_strength,
@@ -251,6 +252,29 @@ def test_empty_advanced_fields_are_the_models_own_and_set_ones_are_numbers():
     assert ChunkSettings.parse("2", 0, "6", "1000, 500", "absolute") == ChunkSettings(
         chunk_frames=2, sink_frames=0, window_frames=6, denoising_steps=[1000, 500], position_mode="absolute"
     )
+
+
+def test_the_recipe_field_is_a_name_or_empty_and_the_pipeline_says_which_it_has(pipe, model_calls):
+    assert parse_recipe("") is None and parse_recipe(None) is None and parse_recipe(" longlive ") == "longlive"
+    with pytest.raises(DemoInputError, match=r"^Recipe: pick a recipe's name from the list \(or none\), got 7\.$"):
+        parse_recipe(7)
+    with pytest.raises(DemoInputError, match=r"^Recipe: must be one of \['causal-forcing', .* got 'nope'\.$"):
+        _generation(pipe, recipe="nope")
+    assert model_calls == []
+    assert _generation(pipe, recipe="infinity-rope").recipe == "infinity-rope"
+    assert _generation(pipe).recipe is None  # the tiny model's folder names none
+
+
+def test_the_models_values_are_its_folders_recipes_when_it_names_one():
+    """A converted folder names its recipe (`model_index.json`): what a run takes with every field empty is the
+    recipe's, not the registered config's."""
+    named = tiny_pipeline()
+    named.register_to_config(recipe="infinity-rope")
+    own = ChunkSettings.of_model(named)
+    assert (own.recipe, own.sink_frames, own.window_frames, own.position_mode) == ("infinity-rope", 1, 5, "relative")
+    assert ChunkSettings.of_model(named, "self-forcing").window_frames == 21  # a recipe picked wins over the folder's
+    plain = ChunkSettings.of_model(tiny_pipeline())
+    assert (plain.recipe, plain.sink_frames, plain.window_frames) == (None, 2, 4)
 
 
 @pytest.mark.parametrize(
@@ -480,10 +504,10 @@ def test_the_form_checks_into_one_config_with_the_demos_defaults():
     assert GenerateFields(RED, 1, MAX_SEED, "sana").check(60).model == "sana"
 
 
-def test_the_forms_fields_are_the_generate_apis_arguments_the_input_fields_last():
+def test_the_forms_fields_are_the_generate_apis_arguments_the_later_ones_last():
     assert GenerateFields.names() == [
         "prompt", "seconds", "seed", "model", "chunk_frames", "sink_frames", "window_frames", "denoising_steps",
-        "position_mode", "image", "video", "webcam", "strength",
+        "position_mode", "image", "video", "webcam", "strength", "recipe",
     ]  # fmt: skip
 
 

@@ -33,6 +33,7 @@ from ..caching.layout import POSITION_MODES
 from ..pipelines.io.video_input import read_image
 from ..pipelines.request.conditioning import DEFAULT_STRENGTH, check_strength
 from ..pipelines.request.text_encoding import PromptWarning
+from ..recipes import get_recipe
 
 # Each one starts right on both embedded models at the default seed (0): the tiny models' first frames are their
 # weak spot, and "a green triangle moving right" at seed 0 opens with empty frames (tests/test_demo.py checks these).
@@ -56,6 +57,7 @@ class DemoInputError(ValueError):
 # ---------------------------------------------------------------------------------------- the pipeline's words
 IMAGE_LABEL, VIDEO_LABEL, WEBCAM_LABEL, STRENGTH_LABEL = "Start image", "Input video", "Webcam", "Strength"
 PROMPT_LABEL, STEPS_LABEL, SWITCH_LABEL = "Prompt", "Denoising steps", "Switch prompt to"
+RECIPE_LABEL = "Recipe"
 LENGTH_LABEL = "Length (seconds)"
 
 # The pipeline's argument names (as its messages spell them, in backticks) and the field that sets each one.
@@ -68,6 +70,7 @@ FIELD_LABELS: dict[str, str] = {
     "denoising_steps": STEPS_LABEL,
     **CACHE_FIELDS,
     "position_mode": "Position mode",
+    "recipe": RECIPE_LABEL,
     "height": "Frame height",  # a `build_demo` setting: each model's native size unless set
     "width": "Frame width",
     "num_frames": LENGTH_LABEL,  # the frames are the seconds asked for, in whole chunks
@@ -212,6 +215,16 @@ def parse_position_mode(value: Any) -> str | None:
     if value not in (None, "", *POSITION_MODES):
         raise DemoInputError(f"Position mode: choose one of {', '.join(POSITION_MODES)}, got {value!r}.")
     return value or None
+
+
+def parse_recipe(value: Any) -> str | None:
+    """A recipe's name as typed; empty means the model's own. Whether the model has it is the pipeline's rule
+    (`get_recipe`), shown with the field's label."""
+    if _is_empty(value):
+        return None
+    if not isinstance(value, str):
+        raise DemoInputError(f"{RECIPE_LABEL}: pick a recipe's name from the list (or none), got {value!r}.")
+    return value.strip()
 
 
 def prompt_notes(pipe, prompt: str, name: str = "prompt") -> list[str]:
@@ -365,16 +378,20 @@ class InputConfig:
 # ---------------------------------------------------------------------------------------- the Advanced section
 @dataclass(frozen=True)
 class ChunkSettings:
-    """The Advanced section: cache geometry in latent frames, denoising steps, position mode; `None` = the model's."""
+    """The Advanced section: a recipe, cache geometry in latent frames, denoising steps, position mode; `None` =
+    the model's. A field set explicitly wins over the recipe's value, as in `pipe(..., recipe=...)`."""
 
     chunk_frames: int | None = None
     sink_frames: int | None = None
     window_frames: int | None = None
     denoising_steps: list[int | float] | None = None
     position_mode: str | None = None
+    recipe: str | None = None
 
     @classmethod
-    def parse(cls, chunk: Any, sink: Any, window: Any, steps: Any, position_mode: Any) -> ChunkSettings:
+    def parse(
+        cls, chunk: Any, sink: Any, window: Any, steps: Any, position_mode: Any, recipe: Any = None
+    ) -> ChunkSettings:
         """The raw Advanced fields; an empty field is the model's default."""
 
         def optional(name: str, value: Any, lowest: int) -> int | None:
@@ -387,6 +404,7 @@ class ChunkSettings:
             window_frames=optional("window_frames", window, 1),
             denoising_steps=parse_steps(steps),
             position_mode=mode,
+            recipe=parse_recipe(recipe),
         )
 
     def cache_options(self, pipe) -> dict[str, Any]:
@@ -399,20 +417,33 @@ class ChunkSettings:
                 raise DemoInputError(f"{label}: {type(pipe).__name__} has no such setting; leave the field empty.")
         return options
 
+    def stream_options(self, pipe) -> dict[str, Any]:
+        """Every argument the section gives `pipe.stream`: the steps, the cache options set, and the recipe."""
+        recipe = {} if self.recipe is None else {"recipe": self.recipe}
+        return {"denoising_steps": self.denoising_steps, **self.cache_options(pipe), **recipe}
+
     @classmethod
-    def of_model(cls, pipe) -> ChunkSettings:
-        """The model's own values, from its registered config (`None`: it has no such option; `"all"`: an unbounded window)."""
-        own = {name: pipe.config[name] for name in (*CACHE_FIELDS, "position_mode") if name in pipe.cache_options}
-        return cls(denoising_steps=list(pipe.config.denoising_steps), **own)
+    def of_model(cls, pipe, recipe: str | None = None) -> ChunkSettings:
+        """The values a run takes when no field is set: the model's registered config (`None`: it has no such
+        option; `"all"`: an unbounded window) under `recipe`'s settings, else under the recipe its folder names.
+
+        Raises:
+            ValueError: `pipe` has no recipe `recipe` (the pipeline's message, naming the recipes it has).
+        """
+        name = recipe if recipe is not None else pipe.config.get("recipe")
+        recipe_settings = {} if name is None else get_recipe(name, type(pipe).__name__).settings
+        names = (*CACHE_FIELDS, "position_mode")
+        own = {name: recipe_settings.get(name, pipe.config[name]) for name in names if name in pipe.cache_options}
+        steps = recipe_settings.get("denoising_steps", pipe.config.denoising_steps)
+        return cls(denoising_steps=list(steps), recipe=name, **own)
 
 
-# ---------------------------------------------------------------------------------------- the Generate form
 @dataclass(frozen=True)
 class GenerateFields:
     """The Generate form as typed: one raw value per field. The field names are the `/generate` API's argument
     names; an argument an API caller leaves out is `None` (the model's own setting, seed 0, no input picture).
-    The input fields (`image`, `video`, `webcam`, `strength`) come last so that positional API calls written
-    before them still mean the same."""
+    Fields added later come after the older ones, so that positional API calls written before them still mean the
+    same: the input fields (`image`, `video`, `webcam`, `strength`), then `recipe`."""
 
     prompt: Any = None
     seconds: Any = None
@@ -427,6 +458,7 @@ class GenerateFields:
     video: Any = None  # the input video: an upload record or a path
     webcam: Any = None  # True: the input video is this session's webcam
     strength: Any = None
+    recipe: Any = None  # a checkpoint's own settings by name (`rolldiff.recipes`); empty: the model's
 
     @classmethod
     def names(cls) -> list[str]:
@@ -446,7 +478,12 @@ class GenerateFields:
             seed=parse_whole_number("Seed", DEFAULT_SEED if self.seed is None else self.seed, 0, MAX_SEED),
             model=None if _is_empty(self.model) else self.model,
             settings=ChunkSettings.parse(
-                self.chunk_frames, self.sink_frames, self.window_frames, self.denoising_steps, self.position_mode
+                self.chunk_frames,
+                self.sink_frames,
+                self.window_frames,
+                self.denoising_steps,
+                self.position_mode,
+                self.recipe,
             ),
             inputs=InputConfig.parse(self.image, self.video, self.webcam, self.strength, uploads),
             notes=() if clamped is None else (clamped,),

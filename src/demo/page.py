@@ -23,6 +23,7 @@ from gradio.utils import get_upload_folder
 
 from ..caching.layout import ALL_FRAMES, POSITION_MODES
 from ..pipelines.request.conditioning import DEFAULT_STRENGTH
+from ..recipes import list_recipes
 from .fields import (
     CACHE_FIELDS,
     DEFAULT_SEED,
@@ -30,6 +31,7 @@ from .fields import (
     IMAGE_LABEL,
     LENGTH_LABEL,
     MAX_SEED,
+    RECIPE_LABEL,
     STRENGTH_LABEL,
     VIDEO_LABEL,
     WEBCAM_LABEL,
@@ -37,6 +39,7 @@ from .fields import (
     DemoInputError,
     DemoSettings,
     GenerateFields,
+    relabel,
 )
 from .session import (
     DemoSession,
@@ -199,9 +202,13 @@ def _input_section() -> tuple[dict[str, Any], gr.Image]:
 def _advanced_section(first) -> dict[str, Any]:
     fields = _advanced_fields(first)
     with gr.Accordion("Advanced", open=False, elem_id="advanced"):
+        recipe = gr.Dropdown(
+            value="", label=RECIPE_LABEL, elem_id="recipe", **fields["recipe"],
+            info="a checkpoint's authors' own inference settings: chunk, sink, window, steps, positions",
+        )  # fmt: skip
         gr.Markdown(
             "Cache geometry in latent frames (one latent frame is several video frames). "
-            "Leave a field empty for the model's own value."
+            "Leave a field empty for the recipe's or the model's own value; a value set here wins."
         )
         with gr.Row():
             geometry = {
@@ -216,7 +223,7 @@ def _advanced_section(first) -> dict[str, Any]:
             value="", label="Position mode", elem_id="position_mode", **fields["position_mode"],
             info="absolute: RoPE positions grow with the video; relative: re-indexed inside the window",
         )  # fmt: skip
-    return {**geometry, "denoising_steps": steps, "position_mode": position_mode}
+    return {**geometry, "denoising_steps": steps, "position_mode": position_mode, "recipe": recipe}
 
 
 def _controls() -> dict[str, Any]:
@@ -257,18 +264,25 @@ def _model_info(pipe, size: tuple[int, int]) -> str:
     return f"{type(pipe).__name__}, {size[0]}x{size[1]} pixels"
 
 
-def _advanced_fields(pipe) -> dict[str, dict[str, Any]]:
-    """Each Advanced field's placeholder (the model's own value) and visibility (whether the model has it)."""
-    own = ChunkSettings.of_model(pipe)
+def _advanced_fields(pipe, recipe: str | None = None) -> dict[str, dict[str, Any]]:
+    """Each Advanced field's placeholder (the value a run takes when it is empty: `recipe`'s, else the recipe the
+    model's folder names, else the model's) and visibility (whether the model has it); the recipe menu lists the
+    recipes of the model's pipeline class."""
+    own = ChunkSettings.of_model(pipe, recipe)
+    whose = "the recipe's" if own.recipe is not None else "the model's"
 
     def shown(name: str) -> str:
         value = getattr(own, name)
-        return f"{'every earlier frame' if value == ALL_FRAMES else value} (the model's)"
+        return f"{'every earlier frame' if value == ALL_FRAMES else value} ({whose})"
 
     fields = {name: dict(placeholder=shown(name), visible=name in pipe.cache_options) for name in CACHE_FIELDS}
-    fields["denoising_steps"] = dict(placeholder=", ".join(map(str, own.denoising_steps)) + " (the model's)")
-    choices = [(f"the model's ({own.position_mode})", ""), *((mode, mode) for mode in POSITION_MODES)]
+    fields["denoising_steps"] = dict(placeholder=", ".join(map(str, own.denoising_steps)) + f" ({whose})")
+    choices = [(f"{whose} ({own.position_mode})", ""), *((mode, mode) for mode in POSITION_MODES)]
     fields["position_mode"] = dict(choices=choices, visible="position_mode" in pipe.cache_options)
+    folder_recipe = pipe.config.get("recipe")
+    recipes = list_recipes(type(pipe).__name__)
+    model_own = f"the model's ({folder_recipe})" if folder_recipe else "the model's own settings"
+    fields["recipe"] = dict(choices=[(model_own, ""), *((name, name) for name in recipes)], visible=bool(recipes))
     return fields
 
 
@@ -324,7 +338,19 @@ class _Handlers:
             *(gr.Textbox(value="", **fields[name]) for name in CACHE_FIELDS),
             gr.Textbox(value="", **fields["denoising_steps"]),
             gr.Radio(value="", **fields["position_mode"]),
+            gr.Dropdown(value="", **fields["recipe"]),
         )
+
+    def recipe_defaults(self, model_name: str, recipe: str) -> tuple:
+        """Show the chosen recipe's settings as the Advanced fields' placeholders; the values typed stay."""
+        try:
+            fields = _advanced_fields(self.shelf.get(model_name), recipe or None)
+        except ValueError as exc:
+            raise _refusal(relabel(exc)) from exc
+        placeholders = (
+            gr.Textbox(placeholder=fields[name]["placeholder"]) for name in (*CACHE_FIELDS, "denoising_steps")
+        )
+        return *placeholders, gr.Radio(choices=fields["position_mode"]["choices"])
 
 
 def _summary(generation: Generation, done: bool = False) -> str:
@@ -371,8 +397,11 @@ def _wire(form: dict, controls: dict, outputs: list, session: gr.State, handlers
     controls["stop"].click(stop_generation, session, controls["status"], concurrency_limit=None, api_name="stop")
     # However the run ended: the status line ("Switching to ...") is cleared and a recording webcam is stopped.
     run.then(_cleared, None, controls["status"], js=STOP_WEBCAM_JS, api_visibility="private")
-    advanced = [form[name] for name in ("model_info", *CACHE_FIELDS, "denoising_steps", "position_mode")]
+    advanced = [form[name] for name in ("model_info", *CACHE_FIELDS, "denoising_steps", "position_mode", "recipe")]
     form["model"].change(handlers.model_defaults, form["model"], advanced, api_name="select_model")
+    form["recipe"].change(
+        handlers.recipe_defaults, [form["model"], form["recipe"]], advanced[1:-1], api_name="select_recipe"
+    )
     # Unlimited concurrency: a switch must never wait behind the generations it is meant to steer.
     switch = dict(fn=switch_prompt, inputs=[controls["new_prompt"], session], outputs=controls["status"])
     controls["switch"].click(**switch, concurrency_limit=None, api_name="switch_prompt")

@@ -186,9 +186,9 @@ class LiveStream:
         """Checks every argument now (the pipeline's ValueError) and does no work yet."""
         self._pipe, self._live, self._switch = pipe, live, 0
         self._stream = pipe.stream(
-            live.prompt, plan.num_frames, plan.height, plan.width, denoising_steps=plan.settings.denoising_steps,
+            live.prompt, plan.num_frames, plan.height, plan.width,
             generator=torch.Generator("cpu").manual_seed(plan.seed), output_type="np",
-            **plan.settings.cache_options(pipe), **plan.inputs,
+            **plan.settings.stream_options(pipe), **plan.inputs,
         )  # fmt: skip
         live.last_chunk_start = self._stream.last_chunk_start
 
@@ -222,8 +222,13 @@ class LiveStream:
 
     @property
     def chunk_frames(self) -> int:
-        """Latent frames per chunk, as the stream resolved them (the field's, else the model's)."""
+        """Latent frames per chunk, as the stream resolved them (the field's, else the recipe's or the model's)."""
         return self._stream.request.layout.chunk_frames
+
+    @property
+    def recipe(self) -> str | None:
+        """The recipe the stream runs (the field's, else the one the model's folder names; None: no recipe)."""
+        return self._stream.request.recipe
 
     @staticmethod
     def check_frame_size(pipe, height: int, width: int) -> None:
@@ -372,8 +377,9 @@ class Generation:
         self.webcam = FrameQueue() if config.inputs.webcam else None
         try:
             self.num_frames = self.pipe.num_frames_for(
-                config.seconds, settings.fps, chunk_frames=config.settings.chunk_frames, image=config.inputs.image
-            )
+                config.seconds, settings.fps, chunk_frames=config.settings.chunk_frames, image=config.inputs.image,
+                recipe=config.settings.recipe,
+            )  # fmt: skip
             with prompt_warnings() as self.notes:  # the stream's own prompt check: each warning issued once
                 stream = _live_stream(
                     self.pipe, self.live, self.num_frames, self.height, self.width, config.seed, config.settings,
@@ -388,6 +394,7 @@ class Generation:
         self.stream = stream
         self.num_chunks = stream.num_chunks
         self.chunk_frames = stream.chunk_frames
+        self.recipe = stream.recipe
         self._stopped = threading.Event()
         self._chunks = _timed(stream, self._stopped)
         self.chunk_seconds: list[float] = []  # per chunk made so far
@@ -437,12 +444,14 @@ class Generation:
             f"{self.seconds:g} s -> {self.num_frames} frames, whole chunks of {self.chunk_frames} latent frames "
             f"({chunks}) at {self.fps} fps."
         )
-        return " ".join([length, INPUT_NOTES[self.inputs.kind], *self.form_notes])
+        recipe = [] if self.recipe is None else [f"Recipe: {self.recipe} (the Advanced fields you set win)."]
+        return " ".join([length, *recipe, INPUT_NOTES[self.inputs.kind], *self.form_notes])
 
     def details(self) -> dict[str, Any]:
         """The run so far, as the page's JSON shows it."""
         return {
             "model": self.model,
+            "recipe": self.recipe,
             "frames": f"{self.frames_written} / {self.num_frames}",
             "size": f"{self.height}x{self.width} at {self.fps} fps",
             "frames_per_second": round(self.frames_per_second, 2),
