@@ -19,7 +19,10 @@ import rolldiff.defaults
 from rolldiff import KreaRealtimeVideoPipeline
 from rolldiff.cli import main
 from rolldiff.defaults import native_size
+from rolldiff.pipelines.io.resume import write_video
+from rolldiff.pipelines.io.subtitles import subtitle_overlay
 from rolldiff.pipelines.io.video_writer import StreamingVideoWriter
+from rolldiff.story import parse_story
 
 RED, BLUE = "a red circle moving left", "a blue square moving up"
 SIZE = ["--height", "16", "--width", "16"]
@@ -82,6 +85,28 @@ def test_cut_at_gives_the_pipelines_scene_cuts(model_dir, tmp_path):
     assert np.array_equal(_read(cut)[:4], _read(switch)[:4]) and not np.array_equal(_read(cut), _read(switch))
 
 
+def test_story_writes_the_librarys_scenes_cuts_and_subtitles(model_dir, tmp_path, capsys):
+    """`--story` is `parse_story(...).arguments(...)` for the stream, its length the story's, its subtitles drawn on
+    their scenes' frames; the same story without subtitles is the plain library video."""
+    story = f"{RED}[0.5s#] | {BLUE}[0.5s] ; Red | Blue"
+    out, plain = tmp_path / "story.mp4", tmp_path / "plain.mp4"
+    assert _generate(model_dir, out, "--position-mode", "relative", "--story", story, "--quality", "10") == 0
+    assert "Generating 8 frames" in capsys.readouterr().out  # 1 s at 8 fps: the story's length
+    assert _generate(model_dir, plain, "--position-mode", "relative", "--story", story.split(";")[0]) == 0
+
+    pipe = KreaRealtimeVideoPipeline.from_pretrained(model_dir)
+    parsed = parse_story(story)
+    call = parsed.arguments(pipe, 8, height=16, width=16, position_mode="relative")
+    assert call["prompt_schedule"] == [(0, RED), (4, BLUE)] and call["scene_cuts"] == [4]
+    expected, expected_plain = tmp_path / "expected.mp4", tmp_path / "expected_plain.mp4"
+    stream = pipe.stream(generator=torch.Generator().manual_seed(0), **call)
+    write_video(stream, expected, 8, quality=10, overlay=subtitle_overlay(parsed.subtitle_spans(8)))
+    np.testing.assert_array_equal(_read(out), _read(expected))
+    pipe.generate_to_file(expected_plain, fps=8, generator=torch.Generator().manual_seed(0), **call)
+    np.testing.assert_array_equal(_read(plain), _read(expected_plain))
+    assert not np.array_equal(_read(out), _read(plain))  # the subtitles are in the frames
+
+
 def test_default_model_is_used_without_model_argument(model_dir, tmp_path, monkeypatch, capsys):
     default = shutil.copytree(model_dir, tmp_path / "default")
     index = json.loads((default / "model_index.json").read_text())
@@ -118,6 +143,13 @@ def test_native_size_comes_from_the_pipeline_config_else_480x832(model_dir, tmp_
         (["--prompt", RED, "--out", "video.gif"], "--out (`path`) must end in .mp4"),
         (["--prompt", RED, "--quality", "11"], "--quality: expected a number from 1 to 10, got '11'"),
         (["--prompt", RED, "--quality", "best"], "--quality: expected a number from 1 to 10"),
+        (
+            ["--story", f"{RED}[1s]", "--prompt", RED],
+            "--story holds the prompts, their switches and cuts; drop --prompt.",
+        ),
+        (["--story", f"{RED}[1s]", "--cut-at", f"2:{BLUE}"], "drop --cut-at"),
+        (["--story", f"{RED}[2 sec]"], "--story (`story`) scene 1: '[2 sec]' is not a length"),
+        (["--story", f"{RED}[1s] | {BLUE}"], "--story (`prompt_schedule`) frame 16 is out of range"),  # past --seconds
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_on_stderr(model_dir, tmp_path, capsys, args, message):

@@ -30,6 +30,7 @@ EXAMPLES = """examples:
   rolldiff generate --prompt "a red circle moving left" --seconds 20 --out video.mp4
   rolldiff generate --prompt "a red circle moving left" --prompt-at "160:a blue square moving up" --seconds 30
   rolldiff generate --recipe infinity-rope --prompt "a red circle moving left" --cut-at "160:a blue square" --seconds 30
+  rolldiff generate --recipe infinity-rope --story "a red circle[5s#] | a blue square[5s] ; Red | Blue"
   rolldiff generate --image start.png --prompt "a red circle moving left" --out i2v.mp4
   rolldiff generate --model FOLDER --lora style.safetensors --lora-scale 0.8 --prompt "..." --out styled.mp4
   rolldiff generate --model FOLDER --prompt "..." --seconds 3600 --out hour.mp4 --resume   # again after Ctrl-C
@@ -64,10 +65,16 @@ def add_generate_command(commands) -> None:
         "--position-mode relative, e.g. --recipe infinity-rope)",
     )
     generate.add_argument(
+        "--story",
+        metavar="TEXT",
+        help="a whole multi-scene video in Infinity-RoPE's syntax, instead of --prompt/--prompt-at/--cut-at: "
+        "'SCENE[5s#] | SCENE[10s] ; SUBTITLE | SUBTITLE' (# in a scene's brackets: a hard cut after it; subtitles "
+        "drawn in)",
+    )
+    generate.add_argument(
         "--seconds",
         type=positive(float, MAX_SECONDS),
-        default=5.0,
-        help="length (default 5, at most a day); rounded up",
+        help="length (default 5, or the story's; at most a day); rounded up",
     )
     generate.add_argument("--out", type=Path, default=Path("video.mp4"), help="the .mp4 to write (default video.mp4)")
     add_model_arguments(generate)
@@ -229,6 +236,11 @@ def _check_flags_alone(args: argparse.Namespace) -> None:
     """The rules the flags decide on their own (no library, no model, no file read). Raises `UsageError`."""
     check_lora_flags(args)
     check_memory_flags(args)
+    if args.story is not None:
+        given = [flag for flag, on in (("--prompt", args.prompt is not None), ("--prompt-at", args.prompt_at),
+                                       ("--cut-at", args.cut_at)) if on]  # fmt: skip
+        if given:
+            raise UsageError(f"--story holds the prompts, their switches and cuts; drop {', '.join(given)}.")
     if args.pipeline_parallel is not None:
         # each stage loads the model again and runs it as loaded, and a split run cannot load a saved state
         given = [flag for flag, on in (("--compile", args.compile), ("--cuda-graphs", args.cuda_graphs),

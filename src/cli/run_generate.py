@@ -20,12 +20,16 @@ import torch
 
 from ..defaults import default_device, native_size
 from ..pipelines.io.resume import ResumeError, load_state, state_path_for, write_video
+from ..pipelines.io.subtitles import subtitle_overlay
 from ..pipelines.io.video_writer import check_output_path, count_frames, partial_path_for
 from ..pipelines.request.builder import check_image_mode
 from ..pipelines.request.prompt_schedule import PromptSchedule
 from ..pipelines.request.text_encoding import PromptWarning
+from ..story import Story, parse_story
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, relabel
 from .loading import load_from_flags
+
+DEFAULT_SECONDS = 5.0  # --seconds without a story
 
 # The library's argument names and the flags that set them: a library error is relabelled with the flag (the
 # rule itself is checked once, by the library).
@@ -88,7 +92,8 @@ def _check_before_loading(args: argparse.Namespace) -> None:
     the flags alone decide were answered before torch loaded (`generate._check_flags_alone`)."""
     try:
         check_output_path(args.out)
-        PromptSchedule.build(args.prompt, _switches(args), num_frames=math.inf)
+        if args.story is None:
+            PromptSchedule.build(args.prompt, _switches(args), num_frames=math.inf)
         check_image_mode(args.image_mode, args.image)
     except ValueError as exc:
         raise _relabelled(exc, args) from None
@@ -98,7 +103,31 @@ def _check_before_loading(args: argparse.Namespace) -> None:
 
 def _relabelled(exc: Exception, args: argparse.Namespace) -> UsageError:
     """The library's message with the flags' names; a schedule entry is named by the flag that gave it."""
+    if args.story is not None:
+        return relabel(exc, {**FLAGS, "prompt_schedule": "--story", "scene_cuts": "--story", "story": "--story"})
     return relabel(exc, {**FLAGS, "prompt_schedule": _schedule_flag(args, str(exc))})
+
+
+def _story(args: argparse.Namespace) -> Story | None:
+    """`--story` parsed (a usage error naming it), before the model loads."""
+    if args.story is None:
+        return None
+    try:
+        return parse_story(args.story)
+    except ValueError as exc:
+        raise _relabelled(exc, args) from None
+
+
+def _frames_and_call(pipe, args: argparse.Namespace, story: Story | None, call: dict) -> tuple[int, dict]:
+    """The frame count and the stream's arguments: `--seconds` (default 5) and the prompt flags, or the story's
+    scenes, cuts and length (`--seconds` wins)."""
+    if story is None:
+        seconds = DEFAULT_SECONDS if args.seconds is None else args.seconds
+        return pipe.num_frames_for(seconds, args.fps, **call), call
+    if args.seconds is not None:
+        call["num_frames"] = pipe.num_frames_for(args.seconds, args.fps, **call)
+    call = story.arguments(pipe, args.fps, **call)
+    return call.pop("num_frames"), call
 
 
 def _schedule_flag(args: argparse.Namespace, message: str) -> str:
@@ -161,6 +190,7 @@ def _stage_devices(stages: int | None, device: str) -> list[str] | None:
 
 def run_generate(args: argparse.Namespace) -> int:
     _check_before_loading(args)
+    story = _story(args)
     image = _start_image(args.image)  # read (and refused) before the model loads
     device = args.device or default_device()
     pipe = load_from_flags(args, device)
@@ -172,13 +202,15 @@ def run_generate(args: argparse.Namespace) -> int:
             warnings.simplefilter("always", PromptWarning)
             # The length as the stream resolves it (the flags, else --recipe's or the folder's), then every
             # argument checked and the bad one named; nothing runs until the stream is iterated.
-            num_frames = pipe.num_frames_for(args.seconds, args.fps, **call)
+            num_frames, call = _frames_and_call(pipe, args, story, call)
             generator = torch.Generator("cpu").manual_seed(args.seed)
             stream = pipe.stream(num_frames=num_frames, height=height, width=width, generator=generator, **call)
     except (ValueError, TypeError, OSError) as exc:
         raise _relabelled(exc, args) from exc
     _report_warnings(caught)
-    rounded = " (rounded up to whole chunks)" if num_frames != round(args.seconds * args.fps) else ""
+    asked = args.seconds if args.seconds is not None or story is None else story.seconds
+    asked = DEFAULT_SECONDS if asked is None and story is None else asked
+    rounded = " (rounded up to whole chunks)" if asked is not None and num_frames != round(asked * args.fps) else ""
     duration = num_frames / args.fps
     print(f"Generating {num_frames} frames{rounded}: {duration:.2f} s at {args.fps} fps, {height}x{width}, {device}")
 
@@ -194,6 +226,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 resume=args.resume,
                 state_every_s=args.state_every,
                 quality=args.quality,
+                overlay=None if story is None else subtitle_overlay(story.subtitle_spans(args.fps)),
             )
     except KeyboardInterrupt:
         print(f"rolldiff: interrupted; {_kept(args.out)}", file=sys.stderr)

@@ -194,11 +194,15 @@ def write_video(
     state_every_s: float = 60.0,
     quality: float = 5,
     on_chunk: Callable[[int], None] | None = None,
+    overlay: Callable[[np.ndarray, int], np.ndarray] | None = None,
 ) -> int:
     """`pipe.generate_to_file`: write `stream` into `path`, saving a resume state after the first chunk and then
     at most every `state_every_s` seconds (at chunk boundaries; 0: after every chunk). `on_chunk(frames_written)`
     runs after each chunk is in the file (and its state saved, when due): a host's progress bar, or its stop button,
     since an exception raised there ends the run as an interrupt does (the frames done kept, resumable).
+
+    `overlay(frames, first_frame)`, given, draws on each chunk's uint8 frames before they are written (`first_frame`:
+    the video frame number of `frames[0]`), e.g. a story's subtitles (`subtitles.subtitle_overlay`).
 
     Every argument is checked first, and with `resume=True` the saved state too (same arguments, the partial
     file holds the frames it vouches for), before any model work. A failed or interrupted run leaves `path` as
@@ -210,7 +214,7 @@ def write_video(
     uninterrupted run's to the encoder's precision, and exactly at `quality=10` (lossless).
     """
     try:
-        return _write(stream, path, fps, resume, state_every_s, quality, on_chunk)
+        return _write(stream, path, fps, resume, state_every_s, quality, on_chunk, overlay)
     finally:
         stream.close()  # a refused argument or state, or a failed write, leaves no input reader or hook behind
 
@@ -223,6 +227,7 @@ def _write(
     state_every_s: float,
     quality: float,
     on_chunk: Callable[[int], None] | None,
+    overlay: Callable[[np.ndarray, int], np.ndarray] | None = None,
 ) -> int:
     path = check_output_path(path)
     quality = check_quality(quality)
@@ -253,7 +258,8 @@ def _write(
     with writer:
         last_save = -math.inf  # the first state right after the first chunk, then at most every `state_every_s`
         for frames in stream:  # (1, frames, height, width, 3) in [0, 1]
-            writer.write((frames[0] * 255.0).round().clip(0, 255).astype(np.uint8))
+            pixels = (frames[0] * 255.0).round().clip(0, 255).astype(np.uint8)
+            writer.write(pixels if overlay is None else overlay(pixels, writer.total_frames))
             more_to_come = stream.next_chunk < stream.num_chunks
             if more_to_come and time.monotonic() - last_save >= state_every_s:
                 save_state(state_path, RunState(fingerprint, writer.total_frames, stream.state_dict()))

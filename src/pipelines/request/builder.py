@@ -187,6 +187,20 @@ def longest_num_frames(pipe: RequestPipeline, call: VideoCall, at_most: int) -> 
     return _whole_chunks(pipe, call, at_most)[0]
 
 
+def chunk_start_frame(pipe: RequestPipeline, call: VideoCall, chunk: int) -> int:
+    """The first pixel frame of whole chunk `chunk` (0 = the first) of a `call`, as `build_request` resolves its
+    chunks (after one latent frame for a start image in the "frame" convention): where a switch there lands."""
+    _, options, first_chunk = _resolved(pipe, call)
+    alone = first_chunk in ("frame", "extra_frame")
+    return pipe.latent_to_pixel_start(int(alone) + chunk * options.chunk_frames)
+
+
+def chunk_pixel_frames(pipe: RequestPipeline, call: VideoCall) -> int:
+    """Pixel frames one whole chunk of a `call` spans (its latent frames times the VAE's time factor)."""
+    _, options, _ = _resolved(pipe, call)
+    return options.chunk_frames * pipe.vae_scale_factor_temporal
+
+
 def _whole_chunks(pipe: RequestPipeline, call: VideoCall, frames: int) -> tuple[int, int, ChunkLayout]:
     """The reachable frame counts just below and above `frames` for the call's chunks (after one latent frame for a
     start image in the "frame" convention), and the layout they were read from."""
