@@ -74,7 +74,7 @@ class Story:
         resolved = VideoCall.bind("story", (), call)
         chunks = self.scene_chunks(fps, chunk_pixel_frames(pipe, resolved))
         starts = [sum(chunks[:index]) for index in range(len(chunks))]
-        frames = [chunk_start_frame(pipe, resolved, start) for start in starts]
+        frames = [0] + [chunk_start_frame(pipe, resolved, start) for start in starts[1:]]  # a start image: frame 0
         schedule = [(frame, scene.text) for frame, scene in zip(frames, self.scenes, strict=True)]
         cuts = [frame for frame, scene in zip(frames[1:], self.scenes[:-1], strict=True) if scene.cut]
         if "num_frames" not in call:

@@ -26,6 +26,7 @@ from tiny_components import tiny_pipeline
 
 from rolldiff.cli import main
 from rolldiff.pipelines.io.resume import ResumeError, load_state, state_path_for
+from rolldiff.pipelines.io.subtitles import subtitle_overlay
 from rolldiff.pipelines.io.video_writer import StreamingVideoWriter, partial_path_for
 
 RED, BLUE = "a red circle moving left", "a blue square moving up"
@@ -291,3 +292,21 @@ def test_on_chunk_sees_every_chunk_in_the_file_and_an_exception_there_stops_the_
     assert _generate(pipe, path, state_every_s=0, resume=True, on_chunk=seen.append) == 10
     assert seen == [6, 8, 10]  # the frames in the file, counting those kept from the first run
     np.testing.assert_array_equal(_read(path), uninterrupted[1])
+
+
+def test_a_run_with_subtitles_resumes_drawing_them_on_and_other_subtitles_are_refused(pipe, tmp_path):
+    """`overlay=` (a story's subtitles) draws on each chunk by its video frame numbers, so a resumed run draws on
+    from where the first stopped and equals one uninterrupted run; a resume with other subtitles is refused."""
+    spans = [(0, 5, "Red"), (5, 10, "Blue")]
+    whole, path = tmp_path / "whole.mp4", tmp_path / "video.mp4"
+    _generate(pipe, whole, overlay=subtitle_overlay(spans))
+    with pytest.raises(KeyboardInterrupt):
+        _generate(pipe, path, state_every_s=0, overlay=subtitle_overlay(spans),
+                  callback_on_step_end=_interrupt_at_step(3 * STEPS + 1))  # fmt: skip
+    with pytest.raises(ResumeError, match="overlay"):
+        _generate(pipe, path, resume=True, overlay=subtitle_overlay([(0, 10, "Other")]))
+    assert _generate(pipe, path, resume=True, overlay=subtitle_overlay(spans)) == 10
+    np.testing.assert_array_equal(_read(path), _read(whole))
+    plain = tmp_path / "plain.mp4"
+    _generate(pipe, plain)
+    assert not np.array_equal(_read(plain), _read(whole))  # the subtitles are drawn

@@ -85,6 +85,16 @@ def test_upstreams_own_prompts_switch_and_cut_where_its_code_did(scenario):
     assert call["scene_cuts"] == ([switch] if settings["scene_cut"] else None)
 
 
+def test_with_a_start_image_as_its_own_frame_the_scenes_count_from_the_chunk_after_it(pipe):
+    """`image_mode="frame"`: the image is one latent frame before the chunks (upstream's `initial_latent`); the first
+    scene still starts at frame 0, the next one a frame later than without the image, and the call runs."""
+    image = np.full((16, 16, 3), 128, dtype=np.uint8)
+    story = parse_story(f"{RED}[1s#] | {BLUE}[1s]")
+    call = story.arguments(pipe, 8, height=16, width=16, position_mode="relative", image=image, image_mode="frame")
+    assert call["prompt_schedule"] == [(0, RED), (9, BLUE)] and call["scene_cuts"] == [9]
+    assert call["num_frames"] == 17 and pipe(**call).frames.shape[1] == 17
+
+
 def test_a_bad_fps_is_named(pipe):
     with pytest.raises(ValueError, match="`fps`"):
         parse_story(f"{RED}[1s]").arguments(pipe, 0)

@@ -316,6 +316,7 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         state_every_s: float = 60.0,
         quality: float = 5,
         on_chunk: Callable[[int], None] | None = None,
+        overlay: Callable[[np.ndarray, int], np.ndarray] | None = None,
         **kwargs: Any,
     ) -> int:
         """Stream a video straight into an mp4 at `path` in constant memory; returns the frames in the file.
@@ -326,14 +327,16 @@ class ChunkedVideoPipeline(DiffusionPipeline):
         state is saved beside it (`video.resume.safetensors`); `resume=True` continues from there, and the
         resumed video equals an uninterrupted one. `quality` is the encoder's, 1 (smallest file) to 10 (lossless
         with libx264). `on_chunk(frames_written)` runs after each chunk is in the file; an exception raised there
-        stops the run as an interrupt does. See `rolldiff.pipelines.io.resume.write_video`.
+        stops the run as an interrupt does. `overlay(frames, first_frame)` draws on each chunk's frames before they
+        are written (a story's subtitles: `subtitle_overlay`). See `rolldiff.pipelines.io.resume.write_video`.
         """
         if kwargs.get("output_type", "np") != "np":
             raise ValueError("`output_type`: `generate_to_file` writes frames itself; do not pass it.")
         stream = self.stream(prompt, **kwargs)  # checks every argument before any work
         return write_video(
-            stream, path, fps, resume=resume, state_every_s=state_every_s, quality=quality, on_chunk=on_chunk
-        )
+            stream, path, fps, resume=resume, state_every_s=state_every_s, quality=quality, on_chunk=on_chunk,
+            overlay=overlay,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------------------------------- speed
     def enable_fp8(self) -> bool:

@@ -139,10 +139,11 @@ def check_fingerprint(saved: dict, current: dict, path: str | os.PathLike) -> No
         )
 
 
-def run_fingerprint(stream: ChunkStream, fps: float, quality: float = 5) -> dict:
+def run_fingerprint(stream: ChunkStream, fps: float, quality: float = 5, overlay: Any = None) -> dict:
     """What makes two runs the same video: every fingerprinted field of the request (`request_fingerprint`,
-    derived from `VideoRequest`'s fields), the model, and the output's rate and encoding (parts encoded at
-    different qualities may differ in H.264 profile and cannot be joined by stream copy)."""
+    derived from `VideoRequest`'s fields), the model, the output's rate and encoding (parts encoded at different
+    qualities may differ in H.264 profile and cannot be joined by stream copy), and what an `overlay` draws (its
+    `fingerprint` attribute, e.g. the subtitles)."""
     pipe = stream.pipeline
     transformer = {k: v for k, v in dict(pipe.transformer.config).items() if not k.startswith("_")}
     fingerprint = {
@@ -155,6 +156,7 @@ def run_fingerprint(stream: ChunkStream, fps: float, quality: float = 5) -> dict
         "decoder": "tiny" if getattr(pipe, "tiny_autoencoder", None) is not None else "vae",
         "fps": float(fps),
         "quality": float(quality),
+        "overlay": getattr(overlay, "fingerprint", None),  # None: absent from states saved before it
     }
     return json.loads(json.dumps(fingerprint, default=str))
 
@@ -238,7 +240,7 @@ def _write(
     if request.batch_size != 1:
         raise ValueError(f"`prompt`: `generate_to_file` writes one video; got a batch of {request.batch_size}.")
     state_path, partial = state_path_for(path), partial_path_for(path)
-    fingerprint = run_fingerprint(stream, fps, quality)
+    fingerprint = run_fingerprint(stream, fps, quality, overlay)
     continue_frames = None
     if resume and state_path.exists():
         continue_frames = _continue_from(stream, state_path, partial, fingerprint)

@@ -40,7 +40,8 @@ def draw_subtitle(frame: np.ndarray, text: str) -> np.ndarray:
 
 def subtitle_overlay(spans: Sequence[tuple[int, int, str]]) -> Callable[[np.ndarray, int], np.ndarray] | None:
     """What `write_video(..., overlay=)` takes: `(frames, first_frame) -> frames` drawing each span's text on the
-    frames `[start, end)` it covers (video frame numbers); None when there is nothing to draw."""
+    frames `[start, end)` it covers (video frame numbers); None when there is nothing to draw. Its `fingerprint`
+    (the spans) goes into a resumable run's state, so a resume with other subtitles is refused."""
     if not spans:
         return None
 
@@ -52,4 +53,5 @@ def subtitle_overlay(spans: Sequence[tuple[int, int, str]]) -> Callable[[np.ndar
                 frames[index] = draw_subtitle(frames[index], texts[0])
         return frames
 
+    overlay.fingerprint = [list(span) for span in spans]
     return overlay
