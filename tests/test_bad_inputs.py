@@ -224,6 +224,10 @@ CLI_AFTER_LOAD = {
         ["--prompt", RED, "--seconds", "20", "--position-mode", "absolute"],
         "--seconds (`num_frames`) is 320 latent frames, more than the RoPE table's 64 positions with --position-mode",
     ),
+    "height-past-the-rope-table": (  # the tiny table has 64 rows: 512 pixels at 4 x 2 pixels a position
+        ["--prompt", RED, "--height", "1200"],
+        "--height (`height`)=1200 is 150 patch positions, more than the RoPE table's 64: make it at most 512 pixels.",
+    ),
     "prompt-at-past-end": (["--prompt", RED, "--prompt-at", "100:a blue square moving up"], "prompt_schedule"),
     # Both flags build one schedule: its refusal names the flag that gave the frame, never the other one.
     "cut-at-past-end": (["--prompt", RED, "--cut-at", "100:a blue square"], "--cut-at (`prompt_schedule`) frame 100"),

@@ -25,8 +25,10 @@ from rolldiff.comfyui import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 from rolldiff.comfyui.install import NODES_FOLDER, install_nodes
 from rolldiff.comfyui.nodes import output_path
 from rolldiff.pipelines.io.resume import state_path_for
+from rolldiff.pipelines.io.subtitles import subtitle_overlay
 from rolldiff.pipelines.io.video_writer import partial_path_for
 from rolldiff.pipelines.lora import fuse_loras
+from rolldiff.story import parse_story
 
 PROMPT, OTHER = "a red circle moving left", "a blue square moving up"
 # 12 frames of 16x16: 3 chunks of the tiny Krea-like pipeline
@@ -196,6 +198,29 @@ def test_scene_cuts_are_the_librarys(pipe):
     assert not np.array_equal(frames.numpy(), library_frames(pipe, **call))
 
 
+def test_a_story_is_the_librarys_scenes_and_cuts_with_its_subtitles_drawn_in(pipe, monkeypatch, tmp_path):
+    """`story` replaces the prompt inputs and the length: the frames are the library's for `parse_story(...)
+    .arguments(...)`, except on the frames a subtitle covers, which carry it; the file node draws them the same."""
+    ComfyStandIns(monkeypatch, tmp_path)
+    inputs = {**INPUTS, "recipe": "infinity-rope"}  # chunks of 3, relative positions (a cut needs them)
+    story = f"{PROMPT}[0.75s#] | {OTHER}[0.75s] ; Red"  # 1.5 s at 8 fps: 12 frames, the cut at frame 6
+    frames, _ = NODE_CLASS_MAPPINGS["RolldiffVideo"]().generate(pipe, **inputs, story=story)
+    call = parse_story(story).arguments(pipe, 8, recipe="infinity-rope")
+    assert call["prompt_schedule"] == [(0, PROMPT), (6, OTHER)] and call["scene_cuts"] == [6]
+    expected = library_frames(pipe, **call)
+    assert frames.shape == expected.shape == (12, 16, 16, 3)
+    np.testing.assert_array_equal(frames.numpy()[6:], expected[6:])  # "Red" covers the first scene only
+    drawn = (frames.numpy()[:6] != expected[:6]).any(axis=(1, 2, 3))
+    assert drawn.all()
+    written = NODE_CLASS_MAPPINGS["RolldiffVideoToFile"]().write(
+        pipe, filename_prefix="story", quality=10, resume=False, **inputs, story=story
+    )["result"][0]
+    reference = tmp_path / "reference.mp4"
+    pipe.generate_to_file(str(reference), fps=8, quality=10, generator=torch.Generator().manual_seed(0), height=16,
+                          width=16, overlay=subtitle_overlay(parse_story(story).subtitle_spans(8)), **call)  # fmt: skip
+    np.testing.assert_array_equal(file_frames(written), file_frames(reference))
+
+
 def test_without_a_width_and_height_the_embedded_model_makes_its_own_size():
     (pipe,) = NODE_CLASS_MAPPINGS["RolldiffLoadPipeline"]().load("tiny-bouncing-shapes", "cpu", "auto", "none", False)
     inputs = {**INPUTS, "width": 0, "height": 0, "seconds": 0.5, "fps": 16}
@@ -217,6 +242,8 @@ def test_without_a_width_and_height_the_embedded_model_makes_its_own_size():
         (dict(width=20), "`width`"),
         (dict(recipe="longsana"), "`recipe`"),  # the SANA-like pipe's recipe
         (dict(seconds=0.0), "`seconds` must be a finite number > 0"),
+        (dict(story="a red circle[1s] | "), "`story` scene 2 has no prompt"),
+        (dict(story="a red circle[1s]", scene_cuts="4"), "`story` holds the prompts, their switches and cuts; empty "),
     ],
 )
 def test_a_bad_input_is_refused_by_name_before_any_chunk(pipe, model_calls, inputs, message):

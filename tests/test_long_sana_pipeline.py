@@ -215,6 +215,7 @@ def test_rolldiff_generate_runs_a_saved_sana_pipeline(pipe, tmp_path, capsys):
         (dict(denoising_steps=[250, 500]), "denoising_steps"),
         (dict(output_type="gif"), "output_type"),
         (dict(num_frames=66), "RoPE table"),
+        (dict(width=1200), r"`width`=1200 is 150 patch positions, more than the RoPE table's 64"),
     ],
 )
 def test_bad_input_is_refused_before_any_work(pipe, kwargs, message, monkeypatch):

@@ -16,9 +16,11 @@ name the input at fault; `seconds` sets `num_frames` (rounded up to whole chunks
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..choices import DEFAULT_MODEL_NAME, DEFAULT_STRENGTH, DTYPE_NAMES, EMBEDDED_MODEL_NAMES, OFFLOAD_MODES
@@ -168,6 +170,17 @@ def video_inputs() -> dict:
                     "relative position mode, e.g. recipe infinity-rope)",
                 },
             ),  # fmt: skip
+            "story": (
+                "STRING",
+                {
+                    "multiline": True,
+                    "default": "",
+                    "tooltip": "a whole multi-scene video in Infinity-RoPE's syntax, SCENE[5s#] | SCENE[10s] ; "
+                    "SUBTITLE | SUBTITLE (# in the brackets: a hard cut after that scene): replaces prompt, "
+                    "prompt_schedule and scene_cuts; the video lasts the story (seconds, when a scene has no "
+                    "length); subtitles are drawn in",
+                },
+            ),  # fmt: skip
             "denoising_steps": ("STRING", {"default": "", "tooltip": "e.g. 1000,750,500,250; empty: the recipe's"}),
             "image": ("IMAGE", {"tooltip": "a start frame (image-to-video)"}),
             "video": ("IMAGE", {"tooltip": "an input video's frames (video-to-video)"}),
@@ -189,24 +202,40 @@ def open_stream(
     width: int,
     height: int,
     **optional: Any,
-):
-    """The pipeline's `ChunkStream` for the nodes' inputs, every input checked (nothing has run yet)."""
+) -> tuple[Any, Callable[[np.ndarray, int], np.ndarray] | None]:
+    """The pipeline's `ChunkStream` for the nodes' inputs, every input checked (nothing has run yet), and what draws
+    a story's subtitles on its frames (None: nothing to draw)."""
     from ..defaults import native_size
+    from ..pipelines.io.subtitles import subtitle_overlay
 
+    story = optional.pop("story", "")
     call = _call_arguments(prompt, recipe, **optional)
     native_height, native_width = native_size(pipeline)
     try:
-        num_frames = pipeline.num_frames_for(seconds, fps, **call)
+        parsed = _story(story, call)
+        if parsed is None or parsed.seconds is None:  # no story, or a scene without a length: `seconds` long
+            call["num_frames"] = pipeline.num_frames_for(seconds, fps, **call)
+        if parsed is not None:
+            call = parsed.arguments(pipeline, fps, **call)
         generator = torch.Generator("cpu").manual_seed(seed)
-        return pipeline.stream(
-            num_frames=num_frames,
-            height=height or native_height,
-            width=width or native_width,
-            generator=generator,
-            **call,
+        stream = pipeline.stream(
+            height=height or native_height, width=width or native_width, generator=generator, **call
         )
     except (ValueError, TypeError) as exc:
         raise relabel(exc) from exc
+    return stream, None if parsed is None else subtitle_overlay(parsed.subtitle_spans(fps))
+
+
+def _story(text: str, call: dict):
+    """The `story` input parsed, or None when empty; it holds the prompts, so the schedule inputs must be empty."""
+    from ..story import parse_story
+
+    if not text.strip():
+        return None
+    given = [name for name in ("prompt_schedule", "scene_cuts") if call[name] is not None]
+    if given:
+        raise ValueError(f"`story` holds the prompts, their switches and cuts; empty {' and '.join(given)}.")
+    return parse_story(text)
 
 
 def _call_arguments(
@@ -278,7 +307,7 @@ class RolldiffVideo:
         return video_inputs()
 
     def generate(self, pipeline, **inputs: Any) -> tuple[torch.Tensor, float]:
-        stream = open_stream(pipeline, **inputs)
+        stream, overlay = open_stream(pipeline, **inputs)
         total = stream.request.geometry.num_frames
         progress = host.Progress(total)
         video, made = None, 0  # the IMAGE batch, filled in place: no second copy of the video at the end
@@ -286,13 +315,25 @@ class RolldiffVideo:
             for frames in stream:  # (1, chunk frames, height, width, 3) float32 in [0, 1]
                 if video is None:
                     video = torch.empty((total, *frames.shape[2:]), dtype=torch.float32)
-                video[made : made + frames.shape[1]] = torch.from_numpy(frames[0])
+                video[made : made + frames.shape[1]] = torch.from_numpy(_drawn(frames[0], made, overlay))
                 made += frames.shape[1]
                 progress.frames_done(made)
                 host.check_interrupted()
         finally:
             stream.close()
         return video[:made], float(inputs["fps"])  # an input video may end before `seconds`
+
+
+def _drawn(frames: np.ndarray, first_frame: int, overlay) -> np.ndarray:
+    """`frames` (float in [0, 1]) with the subtitles drawn on those they cover; the others untouched."""
+    if overlay is None:
+        return frames
+    pixels = (frames * 255.0).round().clip(0, 255).astype(np.uint8)
+    drawn = overlay(pixels, first_frame)
+    changed = (drawn != pixels).any(axis=(1, 2, 3))
+    frames = frames.copy()
+    frames[changed] = drawn[changed].astype(np.float32) / 255.0
+    return frames
 
 
 class RolldiffVideoToFile:
@@ -324,7 +365,7 @@ class RolldiffVideoToFile:
 
         folder = host.output_folder()
         path = output_path(folder, filename_prefix, resume)
-        stream = open_stream(pipeline, **inputs)
+        stream, overlay = open_stream(pipeline, **inputs)
         total = stream.request.geometry.num_frames
         progress = host.Progress(total)
 
@@ -335,7 +376,9 @@ class RolldiffVideoToFile:
 
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            write_video(stream, path, inputs["fps"], resume=resume, quality=quality, on_chunk=after_chunk)
+            write_video(
+                stream, path, inputs["fps"], resume=resume, quality=quality, on_chunk=after_chunk, overlay=overlay
+            )
         except ValueError as exc:  # a saved state that does not fit these inputs, named by the library
             raise relabel(exc) from exc
         saved = {"filename": path.name, "subfolder": path.parent.relative_to(folder).as_posix(), "type": "output"}

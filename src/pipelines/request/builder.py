@@ -472,6 +472,20 @@ def _step_plan(pipe: RequestPipeline, call: VideoCall, steps, sigmas=None, name:
     )
 
 
+def _check_rope_grid(pipe: RequestPipeline, **sizes: int) -> None:
+    """Each side's patches inside the RoPE table (`rope_max_seq_len` rows and columns), or a refusal naming it
+    before any work (past the table a token has no position: an IndexError mid-video)."""
+    config = pipe.transformer.config
+    limit = config.rope_max_seq_len
+    for (name, pixels), patch in zip(sizes.items(), config.patch_size[1:], strict=True):
+        per_position = pipe.vae_scale_factor_spatial * patch
+        if pixels // per_position > limit:
+            raise ValueError(
+                f"`{name}`={pixels} is {pixels // per_position} patch positions, more than the RoPE table's {limit}: "
+                f"make it at most {limit * per_position} pixels."
+            )
+
+
 def _geometry(
     pipe: RequestPipeline, call: VideoCall, options: CacheOptions, first_chunk: str
 ) -> tuple[VideoGeometry, ChunkLayout]:
@@ -483,6 +497,7 @@ def _geometry(
     height = pipe.check_size("height", pipe.config.height if call.height is None else call.height)
     width = pipe.check_size("width", pipe.config.width if call.width is None else call.width)
     spatial = pipe.vae_scale_factor_spatial
+    _check_rope_grid(pipe, height=height, width=width)
     latent_frames = pipe.frames_to_latent(num_frames)
     tokens_per_frame = pipe.transformer.tokens_per_frame(height // spatial, width // spatial)
     layout = pipe.make_layout(tokens_per_frame, options, latent_frames)
