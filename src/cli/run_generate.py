@@ -118,14 +118,21 @@ def _story(args: argparse.Namespace) -> Story | None:
         raise _relabelled(exc, args) from None
 
 
+def _asked_seconds(args: argparse.Namespace, story: Story | None) -> float | None:
+    """The length asked for: `--seconds`, else the story's (None: a scene without one, counted in chunks), else 5."""
+    if args.seconds is not None:
+        return args.seconds
+    return DEFAULT_SECONDS if story is None else story.seconds
+
+
 def _frames_and_call(pipe, args: argparse.Namespace, story: Story | None, call: dict) -> tuple[int, dict]:
-    """The frame count and the stream's arguments: `--seconds` (default 5) and the prompt flags, or the story's
-    scenes, cuts and length (`--seconds` wins)."""
+    """The frame count and the stream's arguments: the length asked for and the prompt flags, or the story's scenes
+    and cuts (its length when `--seconds` is not given)."""
+    seconds = _asked_seconds(args, story)
     if story is None:
-        seconds = DEFAULT_SECONDS if args.seconds is None else args.seconds
         return pipe.num_frames_for(seconds, args.fps, **call), call
     if args.seconds is not None:
-        call["num_frames"] = pipe.num_frames_for(args.seconds, args.fps, **call)
+        call["num_frames"] = pipe.num_frames_for(seconds, args.fps, **call)
     call = story.arguments(pipe, args.fps, **call)
     return call.pop("num_frames"), call
 
@@ -208,8 +215,7 @@ def run_generate(args: argparse.Namespace) -> int:
     except (ValueError, TypeError, OSError) as exc:
         raise _relabelled(exc, args) from exc
     _report_warnings(caught)
-    asked = args.seconds if args.seconds is not None or story is None else story.seconds
-    asked = DEFAULT_SECONDS if asked is None and story is None else asked
+    asked = _asked_seconds(args, story)
     rounded = " (rounded up to whole chunks)" if asked is not None and num_frames != round(asked * args.fps) else ""
     duration = num_frames / args.fps
     print(f"Generating {num_frames} frames{rounded}: {duration:.2f} s at {args.fps} fps, {height}x{width}, {device}")
