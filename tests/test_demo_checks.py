@@ -265,6 +265,17 @@ def test_the_recipe_field_is_a_name_or_empty_and_the_pipeline_says_which_it_has(
     assert _generation(pipe).recipe is None  # the tiny model's folder names none
 
 
+@pytest.mark.parametrize(
+    ("recipe", "said"),
+    [
+        ("rolling-forcing", "whole chunks of 3 latent frames (3 chunks)"),  # 4 chunks in flight: not a chunk of 12
+        ("causal-forcing-framewise", "whole chunks of 1 latent frame (8 chunks)"),
+    ],
+)
+def test_the_plan_says_a_chunks_own_length_under_any_recipe(pipe, recipe, said):
+    assert said in _generation(pipe, recipe=recipe, seconds=2).plan_note()
+
+
 def test_the_models_values_are_its_folders_recipes_when_it_names_one():
     """A converted folder names its recipe (`model_index.json`): what a run takes with every field empty is the
     recipe's, not the registered config's."""

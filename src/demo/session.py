@@ -222,8 +222,9 @@ class LiveStream:
 
     @property
     def chunk_frames(self) -> int:
-        """Latent frames per chunk, as the stream resolved them (the field's, else the recipe's or the model's)."""
-        return self._stream.request.layout.chunk_frames
+        """Latent frames per chunk, as the stream resolved them (the field's, else the recipe's or the model's): a
+        chunk's own, not the cache's span of the chunks in flight (pipelined denoising) or of a longer first one."""
+        return self._stream.request.geometry.chunk_frames
 
     @property
     def recipe(self) -> str | None:
@@ -441,7 +442,8 @@ class Generation:
         (6 chunks) at 16 fps.", then the input it starts from and what the form changed (a clamped length)."""
         chunks = f"{self.num_chunks} chunk{'s' if self.num_chunks != 1 else ''}"
         length = (
-            f"{self.seconds:g} s -> {self.num_frames} frames, whole chunks of {self.chunk_frames} latent frames "
+            f"{self.seconds:g} s -> {self.num_frames} frames, whole chunks of {self.chunk_frames} latent "
+            f"frame{'s' if self.chunk_frames != 1 else ''} "
             f"({chunks}) at {self.fps} fps."
         )
         recipe = [] if self.recipe is None else [f"Recipe: {self.recipe} (the Advanced fields you set win)."]
