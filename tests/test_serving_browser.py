@@ -99,3 +99,24 @@ def test_the_page_plays_under_a_recipe_of_absolute_positions(page):
         assert server.sessions_within(0)
     finally:
         server.stop()
+
+
+def test_the_recipe_menu_decides_whether_cut_to_it_lands(page, server):
+    """The recipe menu lists the served pipeline's recipes (`/v1/model`'s `recipes`). Under `self-forcing` (absolute
+    positions) **Cut to it** is refused by the server, in words, and the video goes on; under `infinity-rope` it is
+    accepted as a cut."""
+    page.goto(f"http://127.0.0.1:{server.port}/")
+    page.wait_for_function("() => document.querySelector('#recipe').options.length > 1")
+    names = page.evaluate("() => [...document.querySelector('#recipe').options].map((o) => o.value)")
+    assert names[0] == "" and names[1:] == server.http("/v1/model")["recipes"] and "infinity-rope" in names
+    for recipe, said in (("self-forcing", "bad_request: `scene_cut`"), ("infinity-rope", "cutting at chunk")):
+        page.select_option("#recipe", recipe)
+        page.click("#start")
+        page.wait_for_function("() => +document.querySelector('#frames').innerText >= 6", timeout=60_000)
+        page.click("#cut")
+        page.wait_for_function(f"() => document.querySelector('#status').innerText.includes({said!r})")
+        before = _frames(page)  # the video goes on either way
+        page.wait_for_function(f"() => +document.querySelector('#frames').innerText >= {before + 6}", timeout=60_000)
+        page.click("#stop")
+        page.wait_for_function("() => document.querySelector('#status').innerText.startsWith('done')", timeout=30_000)
+    assert server.sessions_within(0)

@@ -29,6 +29,7 @@ from ..pipelines.memory import fp8_storage, offload_mode
 from ..pipelines.request import VideoCall, build_request, longest_num_frames
 from ..pipelines.request.text_encoding import PromptWarning
 from ..pipelines.stream import ChunkStream
+from ..recipes import list_recipes
 from .batching import LockstepPipeline, batchable
 from .board import ServerBoard, WorkerRow
 from .frames import decode_frame, decode_image
@@ -125,6 +126,7 @@ class Hub:
             "model": self.settings.model,
             "pipeline": type(self.pipe).__name__,
             "recipe": self.settings.recipe or config.get("recipe"),
+            "recipes": list_recipes(type(self.pipe).__name__),  # what a session's `start` may name
             "loras": list(config.get("fused_loras") or []),  # `--lora`: each source and its scale
             "offload": offload_mode(self.pipe),  # `--offload` (None: every weight resident)
             "fp8_storage": fp8_storage(self.pipe.transformer),

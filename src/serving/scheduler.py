@@ -224,7 +224,7 @@ class Scheduler:
             except (ValueError, RuntimeError) as error:
                 session.post(ProtocolError("bad_request", str(error), "prompt").as_message())
                 return
-            session.post({"type": "prompt.accepted", "chunk": chunk})
+            session.post({"type": "prompt.accepted", "chunk": chunk, "scene_cut": bool(scene_cut)})
 
     def _make_chunk(self, session: Session) -> None:
         stream = session.stream
