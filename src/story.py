@@ -20,6 +20,7 @@ apart). In the example the cut is where "a city at night" starts. Subtitles last
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,8 +70,17 @@ class Story:
         from .checks import check_number
         from .pipelines.request.builder import chunk_pixel_frames, chunk_start_frame
         from .pipelines.request.call import VideoCall
+        from .pipelines.request.text_encoding import PromptWarning
 
         fps = check_number("fps", fps, 0, above=True)
+        if self.scenes[-1].cut:
+            warnings.warn(
+                f"`story`: the last scene (scene {len(self.scenes)}) is marked '#', and a mark makes the switch AFTER "
+                "its scene a hard cut (as Infinity-RoPE's code reads it), so it cuts nothing; to cut where a scene "
+                "starts, mark the scene before it ('...[10s#] | ...').",
+                PromptWarning,
+                stacklevel=2,
+            )
         resolved = VideoCall.bind("story", (), call)
         chunks = self.scene_chunks(fps, chunk_pixel_frames(pipe, resolved))
         starts = [sum(chunks[:index]) for index in range(len(chunks))]
@@ -125,8 +135,8 @@ def _scene(part: str, number: int) -> Scene:
     unread = _MARK.search(text)
     if unread:
         raise ValueError(
-            f"`story` scene {number}: {unread.group(0)!r} is not a length; write seconds as '[10s]', or '[10s#]' for "
-            "a scene that starts with a cut."
+            f"`story` scene {number}: {unread.group(0)!r} is not its length (a scene has one, written '[10s]', or "
+            "'[10s#]' for a hard cut after the scene)."
         )
     if not text:
         raise ValueError(f"`story` scene {number} has no prompt; every scene between '|' needs words.")

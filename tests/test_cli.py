@@ -148,7 +148,7 @@ def test_native_size_comes_from_the_pipeline_config_else_480x832(model_dir, tmp_
             "--story holds the prompts, their switches and cuts; drop --prompt.",
         ),
         (["--story", f"{RED}[1s]", "--cut-at", f"2:{BLUE}"], "drop --cut-at"),
-        (["--story", f"{RED}[2 sec]"], "--story (`story`) scene 1: '[2 sec]' is not a length"),
+        (["--story", f"{RED}[2 sec]"], "--story (`story`) scene 1: '[2 sec]' is not its length"),
         (["--story", f"{RED}[1s] | {BLUE}"], "--story (`prompt_schedule`) frame 16 is out of range"),  # past --seconds
     ],
 )

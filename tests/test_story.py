@@ -10,6 +10,7 @@ from test_recipes_pipeline import krea_golden_pipeline
 from tiny_components import tiny_pipeline
 
 from rolldiff.pipelines.io.subtitles import draw_subtitle, subtitle_overlay
+from rolldiff.pipelines.request.text_encoding import PromptWarning
 from rolldiff.story import DEFAULT_SCENE_CHUNKS, Scene, Story, parse_story
 
 RED, BLUE, GREEN = "a red circle moving left", "a blue square moving up", "a green square moving left"
@@ -35,7 +36,8 @@ def test_a_story_is_scenes_with_lengths_and_marks_then_subtitles():
         ("", "`story` must be scenes as text"),
         (3, "`story` must be scenes as text"),
         (f"{RED}[2s] | | {BLUE}", "`story` scene 2 has no prompt"),
-        (f"{RED}[2 sec]", "`story` scene 1: '[2 sec]' is not a length; write seconds as '[10s]'"),
+        (f"{RED}[2 sec]", "`story` scene 1: '[2 sec]' is not its length (a scene has one, written '[10s]'"),
+        (f"{RED}[2s][3s]", "`story` scene 1: '[3s]' is not its length"),
         (f"{RED}[0s]", "`story` scene 1 lasts [0s]; a scene lasts more than 0 seconds"),
         (f"{RED}[1s] ; one | two", "`story` has 2 subtitles (after ';') for 1 scenes"),
     ],
@@ -93,6 +95,14 @@ def test_with_a_start_image_as_its_own_frame_the_scenes_count_from_the_chunk_aft
     call = story.arguments(pipe, 8, height=16, width=16, position_mode="relative", image=image, image_mode="frame")
     assert call["prompt_schedule"] == [(0, RED), (9, BLUE)] and call["scene_cuts"] == [9]
     assert call["num_frames"] == 17 and pipe(**call).frames.shape[1] == 17
+
+
+def test_a_mark_on_the_last_scene_cuts_nothing_and_says_so(pipe):
+    """Infinity-RoPE's README words `#` as "this scene starts with a cut", its code as "cut after this scene": the
+    README's `a[1s] | b[1s#]` makes no cut there, and the story says so instead of quietly making none."""
+    with pytest.warns(PromptWarning, match=r"the last scene \(scene 2\) is marked '#'.*mark the scene before it"):
+        call = parse_story(f"{RED}[1s] | {BLUE}[1s#]").arguments(pipe, 8)
+    assert call["scene_cuts"] is None
 
 
 def test_a_bad_fps_is_named(pipe):
