@@ -116,7 +116,7 @@ def parse_story(text: Any) -> Story:
     """
     if not isinstance(text, str) or not text.strip():
         raise ValueError(
-            f"`story` must be scenes as text, e.g. 'a red circle[5s] | a blue square[5s#]', got {text!r}."
+            f"`story` must be scenes as text, e.g. 'a red circle[5s#] | a blue square[5s]', got {text!r}."
         )
     scenes_text, _, subtitles_text = text.partition(";")
     scenes = tuple(_scene(part, number) for number, part in enumerate(scenes_text.split("|"), start=1))
