@@ -88,6 +88,24 @@ def test_http_beside_the_socket(server):
         assert response.headers.get_content_type() == "text/html"
 
 
+def test_the_models_chunk_is_the_servers_recipes_as_its_sessions_run_it():
+    """`--recipe causal-forcing-framewise` makes chunks of one latent frame: `/v1/model` says so (not the model
+    config's 3), as a session's `ready` does."""
+    server = Server("--recipe", "causal-forcing-framewise")
+    try:
+        model = server.http("/v1/model")
+        assert (model["chunk_frames"], model["latent_chunk_frames"], model["recipe"]) == (
+            1,
+            1,
+            "causal-forcing-framewise",
+        )
+        assert "infinity-rope" in model["recipes"] and "longsana" not in model["recipes"]  # this pipeline's recipes
+        with connect(server.url, prompt=RED, seed=3, num_frames=4) as live:
+            assert live.ready["chunk_frames"] == model["chunk_frames"]
+    finally:
+        server.stop()
+
+
 def test_an_ipv6_address_is_announced_in_brackets():
     from rolldiff.cli.run_serve import _served_at
 

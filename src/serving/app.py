@@ -27,6 +27,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from ..choices import DEFAULT_MODEL_NAME
 from ..pipelines.memory import fp8_storage, offload_mode
 from ..pipelines.request import VideoCall, build_request, longest_num_frames
+from ..pipelines.request.builder import resolve_call
 from ..pipelines.request.text_encoding import PromptWarning
 from ..pipelines.stream import ChunkStream
 from ..recipes import list_recipes
@@ -122,6 +123,9 @@ class Hub:
 
     def describe(self) -> dict[str, Any]:
         config = self.pipe.config
+        # a session's chunk under the server's recipe (else the folder's), as `start` without a recipe runs it
+        latent_chunk = resolve_call(self.pipe, VideoCall(recipe=self.settings.recipe)).chunk_frames
+        latent_chunk = int(config.chunk_frames if latent_chunk is None else latent_chunk)
         return {
             "model": self.settings.model,
             "pipeline": type(self.pipe).__name__,
@@ -132,8 +136,8 @@ class Hub:
             "fp8_storage": fp8_storage(self.pipe.transformer),
             "height": int(config.height),
             "width": int(config.width),
-            "chunk_frames": self.chunk_pixel_frames(int(config.chunk_frames)),
-            "latent_chunk_frames": int(config.chunk_frames),
+            "chunk_frames": self.chunk_pixel_frames(latent_chunk),
+            "latent_chunk_frames": latent_chunk,
             "fps": self.settings.fps,
             "protocol": PROTOCOL,
             "max_sessions": self.settings.max_sessions,
