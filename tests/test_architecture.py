@@ -112,6 +112,8 @@ def test_no_file_name_is_in_both_models_and_pipelines():
                              "GlmImageCachedTransformer2DModel", "convert_original_wan_state_dict"]),
         ("rolldiff.models.family", ["VideoTransformer", "PIPELINE_HOOKS"]),
         ("rolldiff.recipes", ["list_recipes", "describe_recipe", "get_recipe"]),
+        ("rolldiff.story", ["parse_story", "Story", "Scene"]),
+        ("rolldiff.pipelines.io", ["write_video", "subtitle_overlay", "draw_subtitle"]),
         ("rolldiff.defaults", ["load_pipeline", "default_model_path", "embedded_models"]),
     ],
 )  # fmt: skip
