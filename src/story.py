@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+STORY_ARGUMENTS = ("prompt", "prompt_schedule", "scene_cuts")  # what a story sets, so a call may not
 DEFAULT_SCENE_CHUNKS = 14  # upstream's `default_blocks_per_scene`, for a scene without a length
 _LENGTH = re.compile(r"\[\s*(\d+(?:\.\d+)?)\s*s\s*(#?)\s*\]")  # "[10s]", "[2.5s#]"
 _MARK = re.compile(r"\[[^\]]*\]")  # any bracket left: a length this syntax cannot read
@@ -65,7 +67,8 @@ class Story:
         wins (switches past it are refused by the pipeline, naming them).
 
         Raises:
-            ValueError: a `fps` that is not a positive number, or an argument of `call` the pipeline refuses.
+            ValueError: a `fps` that is not a positive number, a `call` giving a prompt, a schedule or cuts of its
+                own (`check_story_call`), or an argument of `call` the pipeline refuses.
         """
         from .checks import check_number
         from .pipelines.request.builder import chunk_pixel_frames, chunk_start_frame
@@ -73,6 +76,7 @@ class Story:
         from .pipelines.request.text_encoding import PromptWarning
 
         fps = check_number("fps", fps, 0, above=True)
+        check_story_call(call)
         if self.scenes[-1].cut:
             warnings.warn(
                 f"`story`: the last scene (scene {len(self.scenes)}) is marked '#', and a mark makes the switch AFTER "
@@ -105,6 +109,14 @@ class Story:
                 spans.append((start, end, text))
             start = end
         return spans
+
+
+def check_story_call(call: Mapping[str, Any]) -> None:
+    """A story holds the prompts, their switches and cuts: a call that gives any of them as well is refused (one
+    home for the rule; front ends check their inputs here before any model loads)."""
+    given = [f"`{name}`" for name in STORY_ARGUMENTS if call.get(name) is not None]
+    if given:
+        raise ValueError(f"`story` holds the prompts, their switches and cuts; drop {' and '.join(given)}.")
 
 
 def parse_story(text: Any) -> Story:

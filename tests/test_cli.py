@@ -145,9 +145,9 @@ def test_native_size_comes_from_the_pipeline_config_else_480x832(model_dir, tmp_
         (["--prompt", RED, "--quality", "best"], "--quality: expected a number from 1 to 10"),
         (
             ["--story", f"{RED}[1s]", "--prompt", RED],
-            "--story holds the prompts, their switches and cuts; drop --prompt.",
+            "--story (`story`) holds the prompts, their switches and cuts; drop --prompt (`prompt`).",
         ),
-        (["--story", f"{RED}[1s]", "--cut-at", f"2:{BLUE}"], "drop --cut-at"),
+        (["--story", f"{RED}[1s]", "--cut-at", f"2:{BLUE}"], "drop --cut-at (`scene_cuts`)."),
         (["--story", f"{RED}[2 sec]"], "--story (`story`) scene 1: '[2 sec]' is not its length"),
         (["--story", f"{RED}[1s] | {BLUE}"], "--story (`prompt_schedule`) frame 16 is out of range"),  # past --seconds
     ],

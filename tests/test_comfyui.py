@@ -243,7 +243,7 @@ def test_without_a_width_and_height_the_embedded_model_makes_its_own_size():
         (dict(recipe="longsana"), "`recipe`"),  # the SANA-like pipe's recipe
         (dict(seconds=0.0), "`seconds` must be a finite number > 0"),
         (dict(story="a red circle[1s] | "), "`story` scene 2 has no prompt"),
-        (dict(story="a red circle[1s]", scene_cuts="4"), "`story` holds the prompts, their switches and cuts; empty "),
+        (dict(story="a red circle[1s]", scene_cuts="4"), "`story` holds the prompts, their switches and cuts; drop "),
     ],
 )
 def test_a_bad_input_is_refused_by_name_before_any_chunk(pipe, model_calls, inputs, message):

@@ -105,6 +105,12 @@ def test_a_mark_on_the_last_scene_cuts_nothing_and_says_so(pipe):
     assert call["scene_cuts"] is None
 
 
+def test_a_call_with_its_own_prompt_schedule_or_cuts_is_refused_naming_them(pipe):
+    with pytest.raises(ValueError, match=r"`story` holds the prompts, their switches and cuts; drop `prompt` and "
+                       r"`scene_cuts`\.$"):  # fmt: skip
+        parse_story(f"{RED}[1s]").arguments(pipe, 8, prompt=BLUE, scene_cuts=[4])
+
+
 def test_a_bad_fps_is_named(pipe):
     with pytest.raises(ValueError, match="`fps`"):
         parse_story(f"{RED}[1s]").arguments(pipe, 0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..story import check_story_call
 from .arguments import (
     MAX_FPS,
     MAX_SECONDS,
@@ -24,7 +25,10 @@ from .arguments import (
     step_list,
     window_frames,
 )
-from .errors import UsageError
+from .errors import UsageError, relabel
+
+# The flags a story stands in for, by the library's names (a refusal is shown with them).
+STORY_FLAGS = {"story": "--story", "prompt": "--prompt", "prompt_schedule": "--prompt-at", "scene_cuts": "--cut-at"}
 
 EXAMPLES = """examples:
   rolldiff generate --prompt "a red circle moving left" --seconds 20 --out video.mp4
@@ -237,10 +241,11 @@ def _check_flags_alone(args: argparse.Namespace) -> None:
     check_lora_flags(args)
     check_memory_flags(args)
     if args.story is not None:
-        given = [flag for flag, on in (("--prompt", args.prompt is not None), ("--prompt-at", args.prompt_at),
-                                       ("--cut-at", args.cut_at)) if on]  # fmt: skip
-        if given:
-            raise UsageError(f"--story holds the prompts, their switches and cuts; drop {', '.join(given)}.")
+        try:
+            check_story_call({"prompt": args.prompt, "prompt_schedule": args.prompt_at or None,
+                              "scene_cuts": args.cut_at or None})  # fmt: skip
+        except ValueError as exc:
+            raise relabel(exc, STORY_FLAGS) from None
     if args.pipeline_parallel is not None:
         # each stage loads the model again and runs it as loaded, and a split run cannot load a saved state
         given = [flag for flag, on in (("--compile", args.compile), ("--cuda-graphs", args.cuda_graphs),

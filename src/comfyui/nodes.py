@@ -227,14 +227,14 @@ def open_stream(
 
 
 def _story(text: str, call: dict):
-    """The `story` input parsed, or None when empty; it holds the prompts, so the schedule inputs must be empty."""
-    from ..story import parse_story
+    """The `story` input parsed, or None when empty; it stands in for `prompt` (then unused), and the schedule inputs
+    must be empty (`check_story_call`, the library's rule)."""
+    from ..story import check_story_call, parse_story
 
     if not text.strip():
         return None
-    given = [name for name in ("prompt_schedule", "scene_cuts") if call[name] is not None]
-    if given:
-        raise ValueError(f"`story` holds the prompts, their switches and cuts; empty {' and '.join(given)}.")
+    call["prompt"] = None
+    check_story_call(call)
     return parse_story(text)
 
 
