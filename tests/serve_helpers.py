@@ -3,6 +3,7 @@ process (`InProcessServer`, sharing the test's pipeline), started on a free loop
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -70,7 +71,7 @@ class _Endpoint:
             try:
                 self.http("/healthz")
                 return
-            except OSError:
+            except (OSError, http.client.HTTPException):  # not up yet, or another program holds the port for now
                 time.sleep(0.2)
         raise TimeoutError(
             f"rolldiff serve did not answer in {seconds} s" + (f": {self.log.read_text()}" if self.log else "")
@@ -124,7 +125,19 @@ class Server(_Endpoint):
     started: list[Server] = []
 
     def __init__(self, *flags: str, port: int | None = None, env: dict | None = None) -> None:
-        self.port = port or free_port()
+        # A free port can be taken between `free_port()` and the server's bind (a Ray cluster of another test worker
+        # starting its gRPC servers): then the server refuses it, and a fresh port is tried (at most 3 in all).
+        for attempt in range(1 if port is not None else 3):
+            self._start(port or free_port(), flags, env)
+            try:
+                self.wait_ready()
+                return
+            except RuntimeError as exited:
+                if port is not None or "already in use" not in str(exited) or attempt == 2:
+                    raise
+
+    def _start(self, port: int, flags: tuple[str, ...], env: dict | None) -> None:
+        self.port = port
         self.log = Path(tempfile.gettempdir()) / f"rolldiff-serve-{self.port}.log"  # the run's folder (conftest)
         command = [sys.executable, "-m", "rolldiff", "serve", "--port", str(self.port), "--device", "cpu", *flags]
         self.process = subprocess.Popen(
@@ -134,7 +147,6 @@ class Server(_Endpoint):
             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         )
         Server.started.append(self)
-        self.wait_ready()
 
     def _exited(self) -> str | None:
         if self.process.poll() is None:
