@@ -244,6 +244,10 @@ def test_without_a_width_and_height_the_embedded_model_makes_its_own_size():
         (dict(seconds=0.0), "`seconds` must be a finite number > 0"),
         (dict(story="a red circle[1s] | "), "`story` scene 2 has no prompt"),
         (dict(story="a red circle[1s]", scene_cuts="4"), "`story` holds the prompts, their switches and cuts; drop "),
+        (  # a scene past the video's end (no length: 14 chunks, beyond `seconds`), named by the input that set it
+            dict(story="a red circle[0.5s] | a blue square | a red circle", recipe="infinity-rope"),
+            "`story` (`prompt_schedule`) frame 45 is out of range",
+        ),
     ],
 )
 def test_a_bad_input_is_refused_by_name_before_any_chunk(pipe, model_calls, inputs, message):

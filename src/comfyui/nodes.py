@@ -33,12 +33,14 @@ CATEGORY = "rolldiff"
 AUTO, NO_OFFLOAD = "auto", "none"
 # Library argument -> the node input that sets it, where the two differ.
 INPUT_NAMES = {"num_frames": "seconds", "path": "filename_prefix"}
+# ... and with a `story`, which sets the schedule and its cuts.
+STORY_INPUT_NAMES = {**INPUT_NAMES, "prompt_schedule": "story", "scene_cuts": "story"}
 
 
-def relabel(error: Exception) -> ValueError:
+def relabel(error: Exception, names: dict[str, str] = INPUT_NAMES) -> ValueError:
     """The library's message with an argument that a differently named input sets shown as that input."""
     message = str(error).replace("--model", "`model`")  # the loader's messages speak of the command line's flag
-    for argument, name in INPUT_NAMES.items():
+    for argument, name in names.items():
         message = message.replace(f"`{argument}`", f"`{name}` (`{argument}`)")
     return ValueError(message)
 
@@ -211,6 +213,7 @@ def open_stream(
     story = optional.pop("story", "")
     call = _call_arguments(prompt, recipe, **optional)
     native_height, native_width = native_size(pipeline)
+    parsed = None
     try:
         parsed = _story(story, call)
         if parsed is None or parsed.seconds is None:  # no story, or a scene without a length: `seconds` long
@@ -222,7 +225,7 @@ def open_stream(
             height=height or native_height, width=width or native_width, generator=generator, **call
         )
     except (ValueError, TypeError) as exc:
-        raise relabel(exc) from exc
+        raise relabel(exc, INPUT_NAMES if parsed is None else STORY_INPUT_NAMES) from exc
     return stream, None if parsed is None else subtitle_overlay(parsed.subtitle_spans(fps))
 
 
