@@ -38,6 +38,7 @@ def test_a_story_is_scenes_with_lengths_and_marks_then_subtitles():
         (f"{RED}[2s] | | {BLUE}", "`story` scene 2 has no prompt"),
         (f"{RED}[2 sec]", "`story` scene 1: '[2 sec]' is not its length (a scene has one, written '[10s]'"),
         (f"{RED}[2s][3s]", "`story` scene 1: '[3s]' is not its length"),
+        (f"{RED}[2s", "`story` scene 1: '[2s' is not its length"),  # never closed
         (f"{RED}[0s]", "`story` scene 1 lasts [0s]; a scene lasts more than 0 seconds"),
         (f"{RED}[1s] ; one | two", "`story` has 2 subtitles (after ';') for 1 scenes"),
     ],
