@@ -72,7 +72,7 @@ class Story:
                 own (`check_story_call`), or an argument of `call` the pipeline refuses.
         """
         from .checks import check_number
-        from .pipelines.request.builder import chunk_pixel_frames, chunk_start_frame
+        from .pipelines.request.builder import whole_chunk_grid
         from .pipelines.request.call import VideoCall
         from .pipelines.request.text_encoding import PromptWarning
 
@@ -86,14 +86,14 @@ class Story:
                 PromptWarning,
                 stacklevel=2,
             )
-        resolved = VideoCall.bind("story", (), call)
-        chunks = self.scene_chunks(fps, chunk_pixel_frames(pipe, resolved))
-        starts = [sum(chunks[:index]) for index in range(len(chunks))]
-        frames = [0] + [chunk_start_frame(pipe, resolved, start) for start in starts[1:]]  # a start image: frame 0
+        first, chunk = whole_chunk_grid(pipe, VideoCall.bind("story", (), call))
+        chunks = self.scene_chunks(fps, chunk * pipe.vae_scale_factor_temporal)
+        starts = [pipe.latent_to_pixel_start(first + chunk * sum(chunks[:index])) for index in range(len(chunks) + 1)]
+        frames = [0, *starts[1:-1]]  # the first scene from frame 0 (before a start image's lone frame too)
         schedule = [(frame, scene.text) for frame, scene in zip(frames, self.scenes, strict=True)]
         cuts = [frame for frame, scene in zip(frames[1:], self.scenes[:-1], strict=True) if scene.cut]
         if "num_frames" not in call:
-            total = chunk_start_frame(pipe, resolved, sum(chunks))  # the frame after the last scene's chunks
+            total = starts[-1]  # the frame after the last scene's chunks
             seconds = self.seconds if self.seconds is not None else total / fps
             call["num_frames"] = pipe.num_frames_for(seconds, fps, **call)
         return {**call, "prompt": None, "prompt_schedule": schedule, "scene_cuts": cuts or None}

@@ -31,9 +31,10 @@ import PIL.Image
 
 from ..caching.layout import POSITION_MODES
 from ..pipelines.io.video_input import read_image
+from ..pipelines.request.builder import cache_options, resolve_call
+from ..pipelines.request.call import VideoCall
 from ..pipelines.request.conditioning import DEFAULT_STRENGTH, check_strength
 from ..pipelines.request.text_encoding import PromptWarning
-from ..recipes import get_recipe
 
 # Each one starts right on both embedded models at the default seed (0): the tiny models' first frames are their
 # weak spot, and "a green triangle moving right" at seed 0 opens with empty frames (tests/test_demo.py checks these).
@@ -430,12 +431,11 @@ class ChunkSettings:
         Raises:
             ValueError: `pipe` has no recipe `recipe` (the pipeline's message, naming the recipes it has).
         """
-        name = recipe if recipe is not None else pipe.config.get("recipe")
-        recipe_settings = {} if name is None else get_recipe(name, type(pipe).__name__).settings
-        names = (*CACHE_FIELDS, "position_mode")
-        own = {name: recipe_settings.get(name, pipe.config[name]) for name in names if name in pipe.cache_options}
-        steps = recipe_settings.get("denoising_steps", pipe.config.denoising_steps)
-        return cls(denoising_steps=list(steps), recipe=name, **own)
+        call = resolve_call(pipe, VideoCall(recipe=recipe))  # as a run resolves it: the recipe, then the config
+        options = cache_options(pipe, call)
+        own = {name: getattr(options, name) for name in (*CACHE_FIELDS, "position_mode") if name in pipe.cache_options}
+        steps = pipe.config.denoising_steps if call.denoising_steps is None else call.denoising_steps
+        return cls(denoising_steps=list(steps), recipe=call.recipe, **own)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from starlette.websockets import WebSocketDisconnect, WebSocketState
 from ..choices import DEFAULT_MODEL_NAME
 from ..pipelines.memory import fp8_storage, offload_mode
 from ..pipelines.request import VideoCall, build_request, longest_num_frames
-from ..pipelines.request.builder import resolve_call
+from ..pipelines.request.builder import whole_chunk_grid
 from ..pipelines.request.text_encoding import PromptWarning
 from ..pipelines.stream import ChunkStream
 from ..recipes import list_recipes
@@ -124,8 +124,7 @@ class Hub:
     def describe(self) -> dict[str, Any]:
         config = self.pipe.config
         # a session's chunk under the server's recipe (else the folder's), as `start` without a recipe runs it
-        latent_chunk = resolve_call(self.pipe, VideoCall(recipe=self.settings.recipe)).chunk_frames
-        latent_chunk = int(config.chunk_frames if latent_chunk is None else latent_chunk)
+        _, latent_chunk = whole_chunk_grid(self.pipe, VideoCall(recipe=self.settings.recipe))
         return {
             "model": self.settings.model,
             "pipeline": type(self.pipe).__name__,

@@ -187,18 +187,17 @@ def longest_num_frames(pipe: RequestPipeline, call: VideoCall, at_most: int) -> 
     return _whole_chunks(pipe, call, at_most)[0]
 
 
-def chunk_start_frame(pipe: RequestPipeline, call: VideoCall, chunk: int) -> int:
-    """The first pixel frame of whole chunk `chunk` (0 = the first) of a `call`, as `build_request` resolves its
-    chunks (after one latent frame for a start image in the "frame" convention): where a switch there lands."""
+def whole_chunk_grid(pipe: RequestPipeline, call: VideoCall) -> tuple[int, int]:
+    """`(first latent frame of the whole chunks, latent frames per whole chunk)` of a `call`, as `build_request`
+    resolves them: whole chunk k starts at latent frame `first + k * chunk` (`first` is 1 after a start image's
+    lone latent frame in the "frame" convention, else 0); `pipe.latent_to_pixel_start` gives its pixel frame."""
     _, options, first_chunk = _resolved(pipe, call)
-    alone = first_chunk in ("frame", "extra_frame")
-    return pipe.latent_to_pixel_start(int(alone) + chunk * options.chunk_frames)
+    return int(_starts_alone(first_chunk)), options.chunk_frames
 
 
-def chunk_pixel_frames(pipe: RequestPipeline, call: VideoCall) -> int:
-    """Pixel frames one whole chunk of a `call` spans (its latent frames times the VAE's time factor)."""
-    _, options, _ = _resolved(pipe, call)
-    return options.chunk_frames * pipe.vae_scale_factor_temporal
+def _starts_alone(first_chunk: str) -> bool:
+    """Whether a first-chunk rule puts one latent frame before the whole chunks (a start image's, either way)."""
+    return first_chunk in ("frame", "extra_frame")
 
 
 def _whole_chunks(pipe: RequestPipeline, call: VideoCall, frames: int) -> tuple[int, int, ChunkLayout]:
@@ -207,8 +206,7 @@ def _whole_chunks(pipe: RequestPipeline, call: VideoCall, frames: int) -> tuple[
     _, options, first_chunk = _resolved(pipe, call)
     # the family's layout checks the chunk and window (its one home); frames are the same at any frame size
     layout = pipe.make_layout(1, options, pipe.frames_to_latent(frames))
-    alone = first_chunk in ("frame", "extra_frame")  # one latent frame, then whole chunks, either way
-    return (*pipe.valid_num_frames(frames, layout.chunk_frames, alone), layout)
+    return (*pipe.valid_num_frames(frames, layout.chunk_frames, _starts_alone(first_chunk)), layout)
 
 
 # ---------------------------------------------------------------------------------------- the request
@@ -538,7 +536,7 @@ def _first_chunk_frames(pipe: RequestPipeline, num_frames: int, latent_frames: i
         return chunk + latent_frames % chunk
     if rule == "whole" and latent_frames % chunk == 0 and whole_latents:
         return chunk
-    alone = rule in ("frame", "extra_frame")
+    alone = _starts_alone(rule)
     below, above = pipe.valid_num_frames(num_frames, chunk, first_frame_alone=alone)
     raise ValueError(
         f"`num_frames`={num_frames} cannot be made of {'one frame and then ' if alone else ''}whole chunks of "
