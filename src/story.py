@@ -28,8 +28,8 @@ from typing import Any
 STORY_ARGUMENTS = ("prompt", "prompt_schedule", "scene_cuts")  # what a story sets, so a call may not
 DEFAULT_SCENE_CHUNKS = 14  # upstream's `default_blocks_per_scene`, for a scene without a length
 _LENGTH = re.compile(r"\[\s*(\d+(?:\.\d+)?)\s*s\s*(#?)\s*\]")  # "[10s]", "[2.5s#]"
-_MARK = re.compile(r"\[[^\]]*\]")  # any bracket left: a length this syntax cannot read
-_BRACKET = re.compile(r"[\[\]][^\[\]]*")  # a bracket never closed (or never opened), with what follows it
+# A bracket left once the length is read: a second one, one this syntax cannot read, one never closed or opened.
+_UNREAD = re.compile(r"\[[^\[\]]*\]?|\]")
 
 
 @dataclass(frozen=True)
@@ -145,7 +145,7 @@ def _scene(part: str, number: int) -> Scene:
     length = _LENGTH.search(part)
     text = _LENGTH.sub(" ", part, count=1) if length else part
     text = " ".join(text.split())
-    unread = _MARK.search(text) or _BRACKET.search(text)
+    unread = _UNREAD.search(text)
     if unread:
         raise ValueError(
             f"`story` scene {number}: {unread.group(0)!r} is not its length (a scene has one, written '[10s]', or "

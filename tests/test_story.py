@@ -10,6 +10,7 @@ from test_recipes_pipeline import krea_golden_pipeline
 from tiny_components import tiny_pipeline
 
 from rolldiff.pipelines.io.subtitles import draw_subtitle, subtitle_overlay
+from rolldiff.pipelines.request.prompt_schedule import PromptSchedule, ScheduleFrameError
 from rolldiff.pipelines.request.text_encoding import PromptWarning
 from rolldiff.story import DEFAULT_SCENE_CHUNKS, Scene, Story, parse_story
 
@@ -110,6 +111,19 @@ def test_a_call_with_its_own_prompt_schedule_or_cuts_is_refused_naming_them(pipe
     with pytest.raises(ValueError, match=r"`story` holds the prompts, their switches and cuts; drop `prompt` and "
                        r"`scene_cuts`\.$"):  # fmt: skip
         parse_story(f"{RED}[1s]").arguments(pipe, 8, prompt=BLUE, scene_cuts=[4])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "frame"),
+    [([(0, RED), (400, BLUE)], 400), ([(0, RED), (4, BLUE), (4, GREEN)], 4), ([(0, RED), (15, BLUE)], 15)],
+    ids=["out-of-range", "not-increasing", "after-the-last-chunk"],
+)
+def test_a_refused_schedule_frame_says_which_frame(schedule, frame):
+    """A front end that builds one schedule from several inputs (`--prompt-at`, `--cut-at`, a story) names the input
+    by `ScheduleFrameError.frame`, not by reading the message."""
+    with pytest.raises(ScheduleFrameError) as refused:
+        PromptSchedule.build(None, schedule, num_frames=16, last_chunk_start=14)
+    assert refused.value.frame == frame and isinstance(refused.value, ValueError)
 
 
 def test_a_bad_fps_is_named(pipe):

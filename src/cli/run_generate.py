@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 import signal
 import sys
 import threading
@@ -27,51 +26,10 @@ from ..pipelines.request.prompt_schedule import PromptSchedule
 from ..pipelines.request.text_encoding import PromptWarning
 from ..story import Story, parse_story
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, relabel
+from .generate import FLAGS
 from .loading import load_from_flags
 
 DEFAULT_SECONDS = 5.0  # --seconds without a story
-
-# The library's argument names and the flags that set them: a library error is relabelled with the flag (the
-# rule itself is checked once, by the library).
-FLAGS = {
-    "prompt": "--prompt",
-    "prompt_schedule": "--prompt-at",
-    "scene_cuts": "--cut-at",
-    "denoising_steps": "--steps",
-    "first_chunk_steps": "--first-chunk-steps",
-    "denoising": "--denoising",
-    "height": "--height",
-    "width": "--width",
-    "num_frames": "--seconds",
-    "seconds": "--seconds",
-    "fps": "--fps",
-    "chunk_frames": "--chunk-frames",
-    "sink_frames": "--sink-frames",
-    "window_frames": "--window-frames",
-    "position_mode": "--position-mode",
-    "sink_mode": "--sink-mode",
-    "context_policy": "--context-policy",
-    "elastic_window": "--elastic-window",
-    "context_window_frames": "--context-window-frames",
-    "kv_quantization": "--kv-quantization",
-    "kv_offload": "--kv-offload",
-    "image": "--image",
-    "image_mode": "--image-mode",
-    "video": "--video",
-    "strength": "--strength",
-    "video_noise_mix": "--video-noise-mix",
-    "recipe": "--recipe",
-    "overlap_decode": "--overlap-decode",
-    "devices": "--pipeline-parallel",
-    "path": "--out",
-    "quality": "--quality",
-    "state_every_s": "--state-every",
-}
-
-
-# The first frame a schedule message names: "`prompt_schedule` frame 400 is out of range ...", "... strictly
-# increasing; 30 follows 30."
-_SCHEDULE_FRAME = re.compile(r"`prompt_schedule` frames?\D*?(\d+)")
 
 
 def _start_image(path: Path | None):
@@ -105,7 +63,7 @@ def _relabelled(exc: Exception, args: argparse.Namespace) -> UsageError:
     """The library's message with the flags' names; a schedule entry is named by the flag that gave it."""
     if args.story is not None:
         return relabel(exc, {**FLAGS, "prompt_schedule": "--story", "scene_cuts": "--story", "story": "--story"})
-    return relabel(exc, {**FLAGS, "prompt_schedule": _schedule_flag(args, str(exc))})
+    return relabel(exc, {**FLAGS, "prompt_schedule": _schedule_flag(args, getattr(exc, "frame", None))})
 
 
 def _story(args: argparse.Namespace) -> Story | None:
@@ -137,14 +95,12 @@ def _frames_and_call(pipe, args: argparse.Namespace, story: Story | None, call: 
     return call.pop("num_frames"), call
 
 
-def _schedule_flag(args: argparse.Namespace, message: str) -> str:
-    """`--prompt-at` or `--cut-at`, whichever gave the schedule frame `message` is about (both build one schedule):
-    the only one given, else the one holding the first frame the message names."""
-    switches, cuts = {frame for frame, _ in args.prompt_at}, {frame for frame, _ in args.cut_at}
+def _schedule_flag(args: argparse.Namespace, frame: int | None) -> str:
+    """`--prompt-at` or `--cut-at`, whichever gave the schedule `frame` a refusal is about (both build one schedule):
+    the only one given, else the one holding `frame` (`ScheduleFrameError.frame`), or both when both hold it."""
+    switches, cuts = {at for at, _ in args.prompt_at}, {at for at, _ in args.cut_at}
     if not cuts or not switches:
         return "--cut-at" if cuts else "--prompt-at"
-    named = _SCHEDULE_FRAME.search(message)
-    frame = int(named.group(1)) if named else None
     if frame in cuts and frame not in switches:
         return "--cut-at"
     return "--prompt-at and --cut-at" if frame in cuts else "--prompt-at"

@@ -26,6 +26,15 @@ def as_prompt_list(name: str, prompt) -> list[str]:
     return prompts
 
 
+class ScheduleFrameError(ValueError):
+    """A `prompt_schedule` frame refused; `frame` is the one at fault, so a front end that builds the schedule from
+    several inputs can name the input that gave it."""
+
+    def __init__(self, message: str, frame: int) -> None:
+        super().__init__(message)
+        self.frame = frame
+
+
 def _check_frame(frame, num_frames: int, last_chunk_start: int | None, previous: int) -> int:
     """One switch frame: an int in [0, num_frames), after the previous one, no later than the last chunk's start."""
     if not is_int(frame):
@@ -35,17 +44,20 @@ def _check_frame(frame, num_frames: int, last_chunk_start: int | None, previous:
         )
     frame = int(frame)
     if not 0 <= frame < num_frames:
-        raise ValueError(
-            f"`prompt_schedule` frame {frame!r} is out of range: frames must be ints in [0, {num_frames})."
+        raise ScheduleFrameError(
+            f"`prompt_schedule` frame {frame!r} is out of range: frames must be ints in [0, {num_frames}).", frame
         )
     if last_chunk_start is not None and frame > last_chunk_start:
-        raise ValueError(
+        raise ScheduleFrameError(
             f"`prompt_schedule` frame {frame} comes after the last chunk starts (frame "
             f"{last_chunk_start}), so the switch would never apply; a switch takes effect at the first "
-            "chunk starting at or after its frame. Use an earlier frame or a longer video."
+            "chunk starting at or after its frame. Use an earlier frame or a longer video.",
+            frame,
         )
     if frame <= previous:
-        raise ValueError(f"`prompt_schedule` frames must be strictly increasing; {frame} follows {previous}.")
+        raise ScheduleFrameError(
+            f"`prompt_schedule` frames must be strictly increasing; {frame} follows {previous}.", frame
+        )
     return frame
 
 
