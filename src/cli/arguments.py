@@ -296,3 +296,41 @@ def add_recipe_argument(parser, help: str) -> None:
     usage line)."""
     names = list_recipes()
     parser.add_argument("--recipe", choices=names, metavar="NAME", help=f"{help}: {', '.join(names)}")
+
+
+# The library's argument names and the flags that set them: a library error is relabelled with the flag (the
+# rule itself is checked once, by the library).
+FLAGS = {
+    "prompt": "--prompt",
+    "prompt_schedule": "--prompt-at",
+    "scene_cuts": "--cut-at",
+    "denoising_steps": "--steps",
+    "first_chunk_steps": "--first-chunk-steps",
+    "denoising": "--denoising",
+    "height": "--height",
+    "width": "--width",
+    "num_frames": "--seconds",
+    "seconds": "--seconds",
+    "fps": "--fps",
+    "chunk_frames": "--chunk-frames",
+    "sink_frames": "--sink-frames",
+    "window_frames": "--window-frames",
+    "position_mode": "--position-mode",
+    "sink_mode": "--sink-mode",
+    "context_policy": "--context-policy",
+    "elastic_window": "--elastic-window",
+    "context_window_frames": "--context-window-frames",
+    "kv_quantization": "--kv-quantization",
+    "kv_offload": "--kv-offload",
+    "image": "--image",
+    "image_mode": "--image-mode",
+    "video": "--video",
+    "strength": "--strength",
+    "video_noise_mix": "--video-noise-mix",
+    "recipe": "--recipe",
+    "overlap_decode": "--overlap-decode",
+    "devices": "--pipeline-parallel",
+    "path": "--out",
+    "quality": "--quality",
+    "state_every_s": "--state-every",
+}

@@ -25,8 +25,8 @@ from ..pipelines.request.builder import check_image_mode
 from ..pipelines.request.prompt_schedule import PromptSchedule
 from ..pipelines.request.text_encoding import PromptWarning
 from ..story import Story, parse_story
+from .arguments import FLAGS
 from .errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, relabel
-from .generate import FLAGS
 from .loading import load_from_flags
 
 DEFAULT_SECONDS = 5.0  # --seconds without a story
